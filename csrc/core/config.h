@@ -1,0 +1,27 @@
+// Tunables read from the environment (like NCCL_*), once per communicator.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace pycomm {
+
+enum class Algo { AUTO, RING, DIRECT };
+enum class LogLevel { WARN = 0, INFO = 1, TRACE = 2 };
+
+struct Config {
+  size_t chunk_bytes = 256 << 10;   // PYCOMM_CHUNK_BYTES: payload of one slot
+  uint32_t slots = 4;               // PYCOMM_SLOTS: slots per channel (>= 2 for the ring)
+  size_t direct_bytes = 64 << 10;   // PYCOMM_DIRECT_BYTES: largest message the direct algorithm takes
+  Algo algo = Algo::AUTO;           // PYCOMM_ALGO=auto|ring|direct
+  LogLevel log = LogLevel::WARN;    // PYCOMM_DEBUG=WARN|INFO|TRACE
+  uint32_t spin = 2000;             // PYCOMM_SPIN: polls before a waiter sleeps
+
+  // Reads the PYCOMM_* variables; a malformed value throws InvalidArgument naming it.
+  static Config from_env();
+};
+
+const char* algo_name(Algo a);
+
+}  // namespace pycomm

@@ -1,0 +1,46 @@
+// Element types, reduction ops and collective kinds, with the names used in messages.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace pycomm {
+
+enum class DType : uint32_t { F32, F64, F16, BF16, I8, U8, I32, I64, BOOL };
+enum class RedOp : uint32_t { SUM, AVG, PROD, MIN, MAX, BAND, BOR, BXOR, NONE };
+enum class OpKind : uint32_t {
+  ALL_REDUCE,
+  BROADCAST,
+  REDUCE,
+  ALL_GATHER,
+  REDUCE_SCATTER,
+  ALL_TO_ALL,
+  GATHER,
+  SCATTER,
+  BARRIER,
+  SEND,
+};
+
+size_t dtype_size(DType t);
+bool is_floating(DType t);
+const char* dtype_name(DType t);
+const char* redop_name(RedOp op);
+const char* opkind_name(OpKind k);
+
+// What one rank called for one sequence number. Every message carries it, so a
+// receiver can tell exactly how the sender's call differs from its own.
+struct OpDesc {
+  uint64_t seq = 0;
+  OpKind kind = OpKind::BARRIER;
+  DType dtype = DType::U8;
+  uint64_t count = 0;  // elements per rank (all_to_all: 0, sizes are checked per pair)
+  RedOp op = RedOp::NONE;
+  int32_t root = -1;   // root for rooted collectives, tag for send/recv
+};
+
+// "all_reduce float32[1000] SUM" — the part of a call that must agree across ranks.
+std::string describe(const OpDesc& d);
+bool same_call(const OpDesc& a, const OpDesc& b);
+
+}  // namespace pycomm

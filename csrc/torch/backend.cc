@@ -1,0 +1,147 @@
+// Lifecycle, the worker hand-off and send/recv of ProcessGroupPycomm; the collectives
+// are in backend_collectives.cc.
+#include "backend.h"
+
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include "tensor_args.h"
+#include "work.h"
+
+namespace pycomm_torch {
+namespace {
+
+class StoreRendezvous : public pycomm::Rendezvous {
+ public:
+  explicit StoreRendezvous(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::string& value) override {
+    store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+  std::string get(const std::string& key) override {
+    auto v = store_->get(key);
+    return std::string(v.begin(), v.end());
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+}  // namespace
+
+ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                       int size, std::chrono::milliseconds timeout)
+    : c10d::Backend(rank, size) {
+  StoreRendezvous rdv(store);
+  translated([&] {
+    auto cfg = pycomm::Config::from_env();
+    comm_ = std::make_unique<pycomm::Communicator>(rdv, rank, size, cfg, timeout);
+  });
+  p2p_ = std::make_unique<pycomm::P2PEngine>(comm_->shared(), comm_->logger(), timeout);
+  worker_ = std::make_unique<pycomm::Worker>();
+}
+
+ProcessGroupPycomm::~ProcessGroupPycomm() { shutdown(); }
+
+void ProcessGroupPycomm::setTimeout(std::chrono::milliseconds timeout) {
+  if (comm_) comm_->set_timeout(timeout);
+  if (p2p_) p2p_->set_timeout(timeout);
+}
+
+// Finishes what is queued (each op is bounded by its timeout), then releases the
+// threads and the segment.
+void ProcessGroupPycomm::shutdown() {
+  if (worker_) worker_->stop();
+  worker_.reset();
+  p2p_.reset();
+  if (comm_) comm_->depart();
+  comm_.reset();
+}
+
+void ProcessGroupPycomm::abort() {
+  if (comm_) {
+    comm_->shared().set_abort("pycomm: rank " + std::to_string(getRank()) +
+                              " aborted the process group");
+  }
+  shutdown();
+}
+
+pycomm::Communicator& ProcessGroupPycomm::comm() {
+  TORCH_CHECK(comm_ != nullptr, "pycomm: rank ", getRank(),
+              ": the process group was shut down (destroy_process_group) and cannot run ops");
+  return *comm_;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, const char* title,
+                                                           std::vector<at::Tensor> outputs,
+                                                           std::function<void()> body) {
+  comm();  // fail now, in the caller, if shut down
+  auto work = c10::make_intrusive<PycommWork>(getRank(), type, title, std::move(outputs));
+  worker_->submit([work, body = std::move(body)] {
+    std::exception_ptr error;
+    try {
+      // Ops run below autograd, as c10d's own backends do: copies into user tensors
+      // must not be recorded.
+      c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+      body();
+    } catch (...) {
+      error = translate_current_exception();
+    }
+    work->complete(error);
+  });
+  return work;
+}
+
+void ProcessGroupPycomm::check_peer(int peer, const char* op) const {
+  TORCH_CHECK_VALUE(peer >= 0 && peer < getSize() && peer != getRank(), "pycomm: ", op,
+                    " on rank ", getRank(), ": peer ", peer,
+                    " is not another rank of this group of ", getSize());
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, at::Tensor t,
+                                                                  int peer, int tag) {
+  const char* name = is_send ? "send" : "recv";
+  pycomm::DType dtype = checked_dtype(t, name, getRank());
+  check_peer(peer, name);
+  comm();
+  auto work = c10::make_intrusive<PycommWork>(
+      getRank(), is_send ? c10d::OpType::SEND : c10d::OpType::RECV,
+      is_send ? "pycomm:send" : "pycomm:recv", std::vector<at::Tensor>{t});
+  // The engine reads/writes raw memory: stage non-contiguous tensors through a copy.
+  auto staged = std::make_shared<Staged>(t);
+  pycomm::P2PRequest req;
+  req.is_send = is_send;
+  req.peer = peer;
+  req.tag = tag;
+  req.dtype = dtype;
+  req.count = staged->numel();
+  req.data = staged->ptr();
+  req.done = [work, staged, is_send](std::exception_ptr error) {
+    if (!error && !is_send) {
+      try {
+        c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+        staged->commit();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    work->complete(error ? translate_exception(error) : nullptr);
+  };
+  p2p_->submit(std::move(req));
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::send(std::vector<at::Tensor>& tensors, int dst,
+                                                        int tag) {
+  return point_to_point(true, single(tensors, "send", getRank()), dst, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::recv(std::vector<at::Tensor>& tensors, int src,
+                                                        int tag) {
+  return point_to_point(false, single(tensors, "recv", getRank()), src, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::recvAnysource(std::vector<at::Tensor>&, int) {
+  TORCH_CHECK(false, "pycomm: recv from any source (dist.recv without src) is not supported; "
+                     "name the source rank");
+}
+
+}  // namespace pycomm_torch

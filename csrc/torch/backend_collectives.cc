@@ -1,0 +1,388 @@
+// The collectives of ProcessGroupPycomm: checks in the caller's thread, work on the
+// collective worker. List forms are staged through one flat buffer so that each call is
+// exactly one core collective.
+#include <ATen/ATen.h>
+
+#include "backend.h"
+#include "tensor_args.h"
+
+namespace pycomm_torch {
+namespace {
+
+// Flattens `tensors` (same dtype) into one new contiguous buffer.
+at::Tensor flat_copy(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> views;
+  views.reserve(tensors.size());
+  for (const auto& t : tensors) views.push_back(t.reshape({-1}));
+  return at::cat(views);
+}
+
+// Copies consecutive slices of `flat` back into `tensors`.
+void unflatten_into(const at::Tensor& flat, std::vector<at::Tensor>& tensors) {
+  int64_t off = 0;
+  for (auto& t : tensors) {
+    t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+    off += t.numel();
+  }
+}
+
+void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int64_t n,
+                const char* op, const char* what, int rank) {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == n, "pycomm: ", op, " on rank ", rank,
+                    ": ", what, " has ", list.size(), " tensors, expected one per rank (", n, ")");
+  for (const auto& t : list) {
+    checked_dtype(t, op, rank);
+    check_same_dtype(like, t, op, rank);
+    TORCH_CHECK_VALUE(t.numel() == like.numel(), "pycomm: ", op, " on rank ", rank, ": ", what,
+                      " holds a tensor of shape ", shape_str(t), " but the input has shape ",
+                      shape_str(like));
+  }
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Tensor>& tensors,
+                                                             const c10d::AllreduceOptions& opts) {
+  at::Tensor t = single(tensors, "all_reduce", getRank());
+  pycomm::DType dt = checked_dtype(t, "all_reduce", getRank());
+  ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "all_reduce", getRank());
+  return enqueue(c10d::OpType::ALLREDUCE, "pycomm:all_reduce", {t}, [this, t, dt, rs] {
+    Staged buf(t);
+    if (rs.premul) buf.get().mul_(rs.factor);
+    comm().all_reduce(buf.ptr(), buf.numel(), dt, rs.op);
+    buf.commit();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "pycomm: all_reduce_coalesced got no tensors");
+  pycomm::DType dt = checked_dtype(tensors[0], "all_reduce_coalesced", getRank());
+  for (const auto& t : tensors) {
+    checked_dtype(t, "all_reduce_coalesced", getRank());
+    check_same_dtype(tensors[0], t, "all_reduce_coalesced", getRank());
+  }
+  ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "all_reduce_coalesced", getRank());
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced", tensors,
+                 [this, tensors, dt, rs]() mutable {
+                   at::Tensor flat = flat_copy(tensors);
+                   if (rs.premul) flat.mul_(rs.factor);
+                   comm().all_reduce(flat.data_ptr(), flat.numel(), dt, rs.op);
+                   unflatten_into(flat, tensors);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Tensor>& tensors,
+                                                             const c10d::BroadcastOptions& opts) {
+  at::Tensor t = single(tensors, "broadcast", getRank());
+  pycomm::DType dt = checked_dtype(t, "broadcast", getRank());
+  int root = static_cast<int>(opts.rootRank);
+  return enqueue(c10d::OpType::BROADCAST, "pycomm:broadcast", {t}, [this, t, dt, root] {
+    Staged buf(t);
+    comm().broadcast(buf.ptr(), buf.numel(), dt, root);
+    buf.commit();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(std::vector<at::Tensor>& tensors,
+                                                          const c10d::ReduceOptions& opts) {
+  at::Tensor t = single(tensors, "reduce", getRank());
+  pycomm::DType dt = checked_dtype(t, "reduce", getRank());
+  ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "reduce", getRank());
+  int root = static_cast<int>(opts.rootRank);
+  return enqueue(c10d::OpType::REDUCE, "pycomm:reduce", {t}, [this, t, dt, rs, root] {
+    Staged buf(t);
+    // PREMUL_SUM scales a copy: non-root tensors must come back unchanged.
+    at::Tensor in = rs.premul ? buf.get().mul(rs.factor) : buf.get();
+    comm().reduce(in.data_ptr(), buf.ptr(), buf.numel(), dt, rs.op, root);
+    if (getRank() == root) buf.commit();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions&) {
+  at::Tensor in = single(inputs, "all_gather", getRank());
+  pycomm::DType dt = checked_dtype(in, "all_gather", getRank());
+  TORCH_CHECK_VALUE(outputs.size() == 1, "pycomm: all_gather takes one output list per rank");
+  std::vector<at::Tensor> outs = outputs[0];
+  check_list(outs, in, getSize(), "all_gather", "the output list", getRank());
+  return enqueue(c10d::OpType::ALLGATHER, "pycomm:all_gather", outs, [this, in, outs, dt]() mutable {
+    at::Tensor src = in.contiguous();
+    at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
+    comm().all_gather(src.data_ptr(), flat.data_ptr(), src.numel(), dt);
+    unflatten_into(flat, outs);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(at::Tensor& output,
+                                                                   at::Tensor& input,
+                                                                   const c10d::AllgatherOptions&) {
+  pycomm::DType dt = checked_dtype(input, "all_gather_into_tensor", getRank());
+  checked_dtype(output, "all_gather_into_tensor", getRank());
+  check_same_dtype(input, output, "all_gather_into_tensor", getRank());
+  check_numel_ratio(output, input, getSize(), "all_gather_into_tensor", "output", "input", getRank());
+  at::Tensor out = output, in = input;
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, "pycomm:all_gather_into_tensor", {out},
+                 [this, out, in, dt] {
+                   Staged buf(out);
+                   at::Tensor src = in.contiguous();
+                   comm().all_gather(src.data_ptr(), buf.ptr(), src.numel(), dt);
+                   buf.commit();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions&) {
+  const char* name = "all_gather_into_tensor_coalesced";
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "pycomm: ", name, ": ", outputs.size(),
+                    " outputs for ", inputs.size(), " inputs");
+  std::vector<pycomm::DType> dts;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    dts.push_back(checked_dtype(inputs[i], name, getRank()));
+    check_same_dtype(inputs[i], outputs[i], name, getRank());
+    check_numel_ratio(outputs[i], inputs[i], getSize(), name, "output", "input", getRank());
+  }
+  return enqueue(c10d::OpType::COALESCED, "pycomm:all_gather_into_tensor_coalesced", outputs,
+                 [this, outputs, inputs, dts] {
+                   for (size_t i = 0; i < inputs.size(); ++i) {
+                     Staged buf(outputs[i]);
+                     at::Tensor src = inputs[i].contiguous();
+                     comm().all_gather(src.data_ptr(), buf.ptr(), src.numel(), dts[i]);
+                     buf.commit();
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions&) {
+  const char* name = "all_gather_coalesced";
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "pycomm: ", name, ": ", outputs.size(),
+                    " output lists for ", inputs.size(), " inputs");
+  std::vector<pycomm::DType> dts;
+  std::vector<at::Tensor> all_outs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    dts.push_back(checked_dtype(inputs[i], name, getRank()));
+    check_list(outputs[i], inputs[i], getSize(), name, "an output list", getRank());
+    all_outs.insert(all_outs.end(), outputs[i].begin(), outputs[i].end());
+  }
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "pycomm:all_gather_coalesced", all_outs,
+                 [this, outputs, inputs, dts]() mutable {
+                   for (size_t i = 0; i < inputs.size(); ++i) {
+                     at::Tensor src = inputs[i].contiguous();
+                     at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
+                     comm().all_gather(src.data_ptr(), flat.data_ptr(), src.numel(), dts[i]);
+                     unflatten_into(flat, outputs[i]);
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::GatherOptions& opts) {
+  at::Tensor in = single(inputs, "gather", getRank());
+  pycomm::DType dt = checked_dtype(in, "gather", getRank());
+  int root = static_cast<int>(opts.rootRank);
+  std::vector<at::Tensor> outs;
+  if (getRank() == root) {
+    TORCH_CHECK_VALUE(outputs.size() == 1, "pycomm: gather: the root takes one output list");
+    outs = outputs[0];
+    check_list(outs, in, getSize(), "gather", "the output list", getRank());
+  } else {
+    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "pycomm: gather on rank ", getRank(),
+                      ": only the root (rank ", root, ") takes an output list");
+  }
+  return enqueue(c10d::OpType::GATHER, "pycomm:gather", outs, [this, in, outs, dt, root]() mutable {
+    at::Tensor src = in.contiguous();
+    at::Tensor flat;
+    if (getRank() == root) flat = at::empty({src.numel() * getSize()}, src.options());
+    comm().gather(src.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr, src.numel(), dt, root);
+    if (getRank() == root) unflatten_into(flat, outs);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(std::vector<at::Tensor>& outputs,
+                                                           std::vector<std::vector<at::Tensor>>& inputs,
+                                                           const c10d::ScatterOptions& opts) {
+  at::Tensor out = single(outputs, "scatter", getRank());
+  pycomm::DType dt = checked_dtype(out, "scatter", getRank());
+  int root = static_cast<int>(opts.rootRank);
+  std::vector<at::Tensor> ins;
+  if (getRank() == root) {
+    TORCH_CHECK_VALUE(inputs.size() == 1, "pycomm: scatter: the root takes one input list");
+    ins = inputs[0];
+    check_list(ins, out, getSize(), "scatter", "the input list", getRank());
+  } else {
+    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "pycomm: scatter on rank ", getRank(),
+                      ": only the root (rank ", root, ") takes an input list");
+  }
+  return enqueue(c10d::OpType::SCATTER, "pycomm:scatter", {out}, [this, out, ins, dt, root] {
+    Staged buf(out);
+    at::Tensor flat;
+    if (getRank() == root) flat = flat_copy(ins);
+    comm().scatter(flat.defined() ? flat.data_ptr() : nullptr, buf.ptr(), buf.numel(), dt, root);
+    buf.commit();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  at::Tensor out = single(outputs, "reduce_scatter", getRank());
+  pycomm::DType dt = checked_dtype(out, "reduce_scatter", getRank());
+  TORCH_CHECK_VALUE(inputs.size() == 1, "pycomm: reduce_scatter takes one input list per rank");
+  std::vector<at::Tensor> ins = inputs[0];
+  check_list(ins, out, getSize(), "reduce_scatter", "the input list", getRank());
+  ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "reduce_scatter", getRank());
+  return enqueue(c10d::OpType::REDUCE_SCATTER, "pycomm:reduce_scatter", {out},
+                 [this, out, ins, dt, rs] {
+                   Staged buf(out);
+                   at::Tensor flat = flat_copy(ins);
+                   if (rs.premul) flat.mul_(rs.factor);
+                   comm().reduce_scatter(flat.data_ptr(), buf.ptr(), buf.numel(), dt, rs.op);
+                   buf.commit();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  const char* name = "reduce_scatter_tensor";
+  pycomm::DType dt = checked_dtype(input, name, getRank());
+  checked_dtype(output, name, getRank());
+  check_same_dtype(input, output, name, getRank());
+  check_numel_ratio(input, output, getSize(), name, "input", "output", getRank());
+  ReduceSpec rs = reduce_spec(opts.reduceOp, dt, name, getRank());
+  at::Tensor out = output, in = input;
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor", {out},
+                 [this, out, in, dt, rs] {
+                   Staged buf(out);
+                   at::Tensor src = rs.premul ? in.mul(rs.factor).contiguous() : in.contiguous();
+                   comm().reduce_scatter(src.data_ptr(), buf.ptr(), buf.numel(), dt, rs.op);
+                   buf.commit();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const char* name = "reduce_scatter_tensor_coalesced";
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "pycomm: ", name, ": ", outputs.size(),
+                    " outputs for ", inputs.size(), " inputs");
+  std::vector<pycomm::DType> dts;
+  std::vector<ReduceSpec> specs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    dts.push_back(checked_dtype(inputs[i], name, getRank()));
+    check_same_dtype(inputs[i], outputs[i], name, getRank());
+    check_numel_ratio(inputs[i], outputs[i], getSize(), name, "input", "output", getRank());
+    specs.push_back(reduce_spec(opts.reduceOp, dts.back(), name, getRank()));
+  }
+  return enqueue(c10d::OpType::COALESCED, "pycomm:reduce_scatter_tensor_coalesced", outputs,
+                 [this, outputs, inputs, dts, specs] {
+                   for (size_t i = 0; i < inputs.size(); ++i) {
+                     Staged buf(outputs[i]);
+                     const ReduceSpec& rs = specs[i];
+                     at::Tensor src = rs.premul ? inputs[i].mul(rs.factor).contiguous()
+                                                : inputs[i].contiguous();
+                     comm().reduce_scatter(src.data_ptr(), buf.ptr(), buf.numel(), dts[i], rs.op);
+                     buf.commit();
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(at::Tensor& output,
+                                                                 at::Tensor& input,
+                                                                 std::vector<int64_t>& output_splits,
+                                                                 std::vector<int64_t>& input_splits,
+                                                                 const c10d::AllToAllOptions&) {
+  const char* name = "all_to_all_single";
+  pycomm::DType dt = checked_dtype(input, name, getRank());
+  checked_dtype(output, name, getRank());
+  check_same_dtype(input, output, name, getRank());
+  const int n = getSize();
+  // Split sizes count rows (dim 0); empty means equal splits.
+  auto counts = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* which) {
+    int64_t rows = t.dim() > 0 ? t.size(0) : 1;
+    int64_t row_elems = rows > 0 ? t.numel() / rows : 0;
+    std::vector<size_t> c(n);
+    if (splits.empty()) {
+      TORCH_CHECK_VALUE(rows % n == 0, "pycomm: ", name, " on rank ", getRank(), ": ", which,
+                        " of shape ", shape_str(t), " has ", rows,
+                        " rows, not divisible by the world size ", n, "; pass split sizes");
+      for (auto& x : c) x = static_cast<size_t>(rows / n * row_elems);
+      return c;
+    }
+    TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == n, "pycomm: ", name, ": ", which,
+                      " split sizes have ", splits.size(), " entries, expected ", n);
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) {
+      TORCH_CHECK_VALUE(splits[i] >= 0, "pycomm: ", name, ": negative split size");
+      c[i] = static_cast<size_t>(splits[i] * row_elems);
+      total += splits[i];
+    }
+    TORCH_CHECK_VALUE(total == rows, "pycomm: ", name, " on rank ", getRank(), ": ", which,
+                      " split sizes add up to ", total, " rows but the tensor has ", rows);
+    return c;
+  };
+  pycomm::AllToAllArgs args;
+  args.dtype = dt;
+  args.send_counts = counts(input, input_splits, "input");
+  args.recv_counts = counts(output, output_splits, "output");
+  for (auto* pair : {&args.send_counts, &args.recv_counts}) {
+    auto& offsets = pair == &args.send_counts ? args.send_offsets : args.recv_offsets;
+    size_t off = 0;
+    for (size_t c : *pair) offsets.push_back(off), off += c;
+  }
+  at::Tensor out = output, in = input;
+  return enqueue(c10d::OpType::ALLTOALL_BASE, "pycomm:all_to_all_single", {out},
+                 [this, out, in, args]() mutable {
+                   Staged buf(out);
+                   at::Tensor src = in.contiguous();
+                   args.in = src.data_ptr();
+                   args.out = buf.ptr();
+                   comm().all_to_all(args);
+                   buf.commit();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(std::vector<at::Tensor>& outputs,
+                                                            std::vector<at::Tensor>& inputs,
+                                                            const c10d::AllToAllOptions&) {
+  const char* name = "all_to_all";
+  const int n = getSize();
+  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == n && static_cast<int>(outputs.size()) == n,
+                    "pycomm: ", name, " on rank ", getRank(), ": needs ", n,
+                    " input and output tensors, got ", inputs.size(), " and ", outputs.size());
+  pycomm::DType dt = checked_dtype(inputs[0], name, getRank());
+  pycomm::AllToAllArgs args;
+  args.dtype = dt;
+  size_t soff = 0, roff = 0;
+  for (int i = 0; i < n; ++i) {
+    checked_dtype(inputs[i], name, getRank());
+    checked_dtype(outputs[i], name, getRank());
+    check_same_dtype(inputs[0], inputs[i], name, getRank());
+    check_same_dtype(inputs[0], outputs[i], name, getRank());
+    args.send_counts.push_back(inputs[i].numel());
+    args.send_offsets.push_back(soff);
+    soff += inputs[i].numel();
+    args.recv_counts.push_back(outputs[i].numel());
+    args.recv_offsets.push_back(roff);
+    roff += outputs[i].numel();
+  }
+  return enqueue(c10d::OpType::ALLTOALL, "pycomm:all_to_all", outputs,
+                 [this, outputs, inputs, args, roff]() mutable {
+                   at::Tensor src = flat_copy(inputs);
+                   at::Tensor dst = at::empty({static_cast<int64_t>(roff)}, src.options());
+                   args.in = src.data_ptr();
+                   args.out = dst.data_ptr();
+                   comm().all_to_all(args);
+                   unflatten_into(dst, outputs);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions&) {
+  return enqueue(c10d::OpType::BARRIER, "pycomm:barrier", {}, [this] { comm().barrier(); });
+}
+
+}  // namespace pycomm_torch

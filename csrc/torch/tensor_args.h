@@ -1,0 +1,63 @@
+// Turning torch tensors and c10d options into core arguments, with eager checks whose
+// errors name the op, the rank and what was wrong.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <string>
+#include <vector>
+
+#include "../core/types.h"
+
+namespace pycomm_torch {
+
+struct ReduceSpec {
+  pycomm::RedOp op = pycomm::RedOp::SUM;
+  bool premul = false;  // PREMUL_SUM: scale the input by `factor`, then SUM
+  double factor = 1.0;
+};
+
+// The one tensor of a single-device op; anything else is a ValueError.
+at::Tensor single(const std::vector<at::Tensor>& tensors, const char* op, int rank);
+// CPU, dense, a supported dtype: its core dtype. Otherwise a ValueError naming it.
+pycomm::DType checked_dtype(const at::Tensor& t, const char* op, int rank);
+ReduceSpec reduce_spec(const c10d::ReduceOp& op, pycomm::DType dtype, const char* what, int rank);
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op, int rank);
+// numel(big) == factor * numel(small), or a ValueError with both shapes.
+void check_numel_ratio(const at::Tensor& big, const at::Tensor& small, int64_t factor,
+                       const char* op, const char* big_name, const char* small_name, int rank);
+std::string shape_str(const at::Tensor& t);
+
+// A contiguous stand-in for a tensor an op writes: the tensor itself when it is already
+// contiguous, else a contiguous copy that commit() writes back.
+class Staged {
+ public:
+  explicit Staged(const at::Tensor& t) : target_(t), buf_(t.is_contiguous() ? t : t.contiguous()) {}
+  at::Tensor& get() { return buf_; }
+  void* ptr() { return buf_.data_ptr(); }
+  size_t numel() const { return static_cast<size_t>(buf_.numel()); }
+  void commit() {
+    if (!buf_.is_same(target_)) target_.copy_(buf_);
+  }
+
+ private:
+  at::Tensor target_;
+  at::Tensor buf_;
+};
+
+// Re-throws the current exception as what torch's Python layer expects:
+// core InvalidArgument -> ValueError, CommError -> DistBackendError.
+std::exception_ptr translate_current_exception();
+std::exception_ptr translate_exception(std::exception_ptr error);
+// Calls fn, translating core exceptions the same way (for the caller's thread).
+template <class F>
+auto translated(F fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (...) {
+    std::rethrow_exception(translate_current_exception());
+  }
+}
+
+}  // namespace pycomm_torch

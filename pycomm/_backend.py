@@ -1,0 +1,49 @@
+"""Registration of the ``pycomm`` backend with torch.distributed."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch.distributed as dist
+
+from pycomm import _C
+
+BACKEND_NAME = "pycomm"
+
+
+def _timeout_seconds(timeout: datetime.timedelta | float | None) -> float:
+    """The group's timeout: the one given to init_process_group / new_group.
+
+    torch passes its default (30 min) when the user gave none; PYCOMM_TIMEOUT_S then
+    replaces that default, so a job can shorten every group's timeout from outside.
+    """
+    env = os.environ.get("PYCOMM_TIMEOUT_S")
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif timeout is None:
+        seconds = dist.default_pg_timeout.total_seconds()
+    else:
+        seconds = float(timeout)
+    if env and seconds == dist.default_pg_timeout.total_seconds():
+        try:
+            seconds = float(env)
+        except ValueError as e:
+            raise ValueError(f"pycomm: PYCOMM_TIMEOUT_S={env!r} is not a number of seconds") from e
+    if seconds <= 0:
+        raise ValueError(f"pycomm: the timeout must be positive, got {seconds} s")
+    return seconds
+
+
+def _create_backend(
+    store: dist.Store, group_rank: int, group_size: int, timeout: datetime.timedelta
+) -> _C.ProcessGroupPycomm:
+    """Called by torch for every process group created with backend "pycomm"."""
+    return _C.ProcessGroupPycomm(store, group_rank, group_size, _timeout_seconds(timeout))
+
+
+def register() -> None:
+    """Registers "pycomm" for CPU tensors (idempotent)."""
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu"])

@@ -1,0 +1,51 @@
+"""Builds pycomm._C: the torch-free core (csrc/core) and the c10d glue (csrc/torch).
+
+CUDA sources (csrc/cuda/*.cu) join the build only when the installed torch has CUDA and
+nvcc is found; otherwise the build is CPU-only and says so.
+Build with `pip install --no-build-isolation .` so the torch you run is the torch we
+compile against (the C++ ABI of c10d must match exactly).
+"""
+
+import glob
+import os
+import shutil
+
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def sources(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def cuda_wanted() -> bool:
+    if os.environ.get("PYCOMM_NO_CUDA") == "1":
+        return False
+    import torch
+
+    cu = sources("csrc/cuda/*.cu")
+    has_nvcc = shutil.which("nvcc") is not None or cpp_extension.CUDA_HOME is not None
+    return bool(cu) and torch.version.cuda is not None and has_nvcc
+
+
+def extension():
+    cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"]
+    srcs = sources("csrc/core/*.cc") + sources("csrc/torch/*.cc")
+    if cuda_wanted():
+        print("pycomm: building with CUDA")
+        return cpp_extension.CUDAExtension(
+            "pycomm._C",
+            srcs + sources("csrc/cuda/*.cu"),
+            extra_compile_args={"cxx": cxx_flags + ["-DPYCOMM_CUDA"], "nvcc": ["-O3"]},
+        )
+    print("pycomm: building the CPU-only extension (no CUDA torch or nvcc, or no CUDA sources)")
+    return cpp_extension.CppExtension("pycomm._C", srcs, extra_compile_args={"cxx": cxx_flags},
+                                      extra_link_args=["-lrt"])
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
