@@ -5,7 +5,10 @@
 
 #include <chrono>
 
+#include <sys/stat.h>
+
 #include "../core/config.h"
+#include "../core/shm_segment.h"
 #include "backend.h"
 
 namespace py = pybind11;
@@ -31,4 +34,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "Joins the group's shared-memory segment (collective: every rank must call it).")
       .def_property_readonly("segment_bytes", &pycomm_torch::ProcessGroupPycomm::segment_bytes);
   m.def("cuda_built", [] { return false; }, "Whether the CUDA path was compiled in.");
+  m.def(
+      "_probe_segment",
+      [](size_t bytes) {
+        // Creates a segment exactly as a communicator would, reports how /dev/shm sees
+        // it, and removes it: lets tests check names and permissions.
+        auto seg = pycomm::ShmSegment::create(bytes, "a probe");
+        struct stat st;
+        std::string path = "/dev/shm" + seg.name();
+        int rc = stat(path.c_str(), &st);
+        return py::make_tuple(seg.name(), rc == 0 ? (st.st_mode & 0777) : -1,
+                              rc == 0 ? static_cast<int64_t>(st.st_size) : -1);
+      },
+      py::arg("bytes"));
 }

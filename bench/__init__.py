@@ -1,0 +1,1 @@
+"""Benchmarks: pycomm against its peers, side by side in one run (see BENCHMARKS.md)."""

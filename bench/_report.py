@@ -1,0 +1,155 @@
+"""Turn per-rank timings into nccl-tests style rows, a printed table, JSON and a plot."""
+
+import json
+import statistics
+from pathlib import Path
+
+from bench._timing import REDUCING, busbw_factor
+
+GB = 1e9
+
+
+def summarize(
+    op: str,
+    backend: str,
+    nbytes: int,
+    count: int,
+    dtype: str,
+    redop: str,
+    per_rank: list[dict],
+    world: int,
+) -> dict:
+    """One row: median over iterations of the slowest rank's time, and its bandwidths.
+
+    ``per_rank[r]`` is what :func:`bench._timing.time_case` returned on rank r.
+    """
+    slowest = [max(it) for it in zip(*(r["times"] for r in per_rank), strict=True)]
+    t = statistics.median(slowest)
+    algbw = nbytes / t / GB
+    wrong = [r["wrong"] for r in per_rank]
+    return {
+        "op": op,
+        "backend": backend,
+        "bytes": nbytes,
+        "count": count,
+        "type": dtype,
+        "redop": redop if op in REDUCING else "none",
+        "time_us": t * 1e6,
+        "algbw": algbw,
+        "busbw": algbw * busbw_factor(op, world),
+        "wrong": -1 if min(wrong) < 0 else sum(wrong),
+        "times_us": [s * 1e6 for s in slowest],
+    }
+
+
+def memcpy_limit(nbytes: int, per_rank: list[list[float]]) -> float:
+    """GB/s of one rank's copy when all copy at once: median of the slowest rank's time."""
+    slowest = [max(it) for it in zip(*per_rank, strict=True)]
+    return nbytes / statistics.median(slowest) / GB
+
+
+def _cells(row: dict | None) -> str:
+    """time(us) algbw busbw #wrong for one backend, or a dash row when it is missing."""
+    if row is None:
+        return f"{'-':>10} {'-':>7} {'-':>7} {'-':>6}"
+    wrong = "N/A" if row["wrong"] < 0 else str(row["wrong"])
+    return f"{row['time_us']:10.1f} {row['algbw']:7.3f} {row['busbw']:7.3f} {wrong:>6}"
+
+
+def _ratio(rows: list[dict | None]) -> str:
+    """time and busbw of the first backend over the second (e.g. pycomm/gloo)."""
+    if len(rows) < 2 or rows[0] is None or rows[1] is None:
+        return ""
+    a, b = rows[0], rows[1]
+    bus = a["busbw"] / b["busbw"] if b["busbw"] else float("nan")
+    return f"| {a['time_us'] / b['time_us']:6.2f} {bus:6.2f}"
+
+
+def format_op(op: str, rows: list[dict], backends: list[str]) -> list[str]:
+    """The table for one op: a header, one line per size, an average line per backend."""
+    by_key = {(r["bytes"], r["backend"]): r for r in rows}
+    sizes = sorted({r["bytes"] for r in rows})
+    ratio = f" | {backends[0]}/{backends[1]}" if len(backends) > 1 else ""
+    lines = [
+        f"# op: {op}",
+        "#" + " " * 40 + "".join(f"| {b:^33} " for b in backends) + ratio,
+        f"# {'size':>10} {'count':>11} {'type':>8} {'redop':>6} "
+        + "| {:>10} {:>7} {:>7} {:>6} ".format("time(us)", "algbw", "busbw", "#wrong")
+        * len(backends)
+        + (f"| {'time':>6} {'busbw':>6}" if ratio else ""),
+    ]
+    for size in sizes:
+        cols = [by_key.get((size, b)) for b in backends]
+        first = next(c for c in cols if c is not None)
+        line = (
+            f"  {size:>10} {first['count']:>11} {first['type']:>8} {first['redop']:>6} "
+            + "".join(f"| {_cells(c)} " for c in cols)
+            + _ratio(cols)
+        )
+        lines.append(line.rstrip())
+    for b in backends:
+        lines.append(f"# Avg bus bandwidth    : {average_busbw(rows, b):8.4f}  ({b}, GB/s)")
+    return [line.rstrip() for line in lines]
+
+
+def average_busbw(rows: list[dict], backend: str) -> float:
+    """Mean busbw over sizes, as nccl-tests' closing line."""
+    vals = [r["busbw"] for r in rows if r["backend"] == backend]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def write_json(path: Path, meta: dict, rows: list[dict], memcpy: dict) -> None:
+    """Machine-readable results beside the table (one object: meta, rows, averages)."""
+    ops = sorted({r["op"] for r in rows})
+    avg = {
+        op: {b: average_busbw([r for r in rows if r["op"] == op], b) for b in meta["backends"]}
+        for op in ops
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {k: str(v) if isinstance(v, Path) else v for k, v in meta.items()}
+    doc = {"meta": meta, "results": rows, "avg_busbw": avg, "memcpy": memcpy}
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def write_plot(
+    path: Path, rows: list[dict], backends: list[str], limit_gbs: float | None, world: int
+) -> bool:
+    """busbw against size (log-log), one line per backend, one panel per op.
+
+    Returns False (and writes nothing) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    ncols = min(3, len(ops))
+    nrows = -(-len(ops) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 4 * nrows), squeeze=False)
+    for ax in axes.flat[len(ops) :]:
+        ax.set_visible(False)
+    for ax, op in zip(axes.flat, ops, strict=False):
+        for b in backends:
+            pts = sorted(
+                (r["bytes"], r["busbw"]) for r in rows if r["op"] == op and r["backend"] == b
+            )
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=b)
+        if limit_gbs:
+            ax.axhline(limit_gbs, color="grey", linestyle="--", label="memcpy (all ranks)")
+        # log y too: busbw spans three decades from 1 KB to 64 MB
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="size (bytes)",
+            ylabel="busbw (GB/s)",
+            title=f"{op}, {world} ranks",
+        )
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True

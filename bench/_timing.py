@@ -1,0 +1,157 @@
+"""Rank-side timing of one collective, at one size, on one process group.
+
+Inputs are k/8 for random integers |k| <= 8: exact in every float dtype, so
+sums over up to 31 ranks are exact in any order and a correct backend matches
+the float64 reference bit for bit (``#wrong`` counts the elements that do not).
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+REDUCING = ("all_reduce", "reduce_scatter")
+REDOPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+ROOT = 0  # broadcast root
+
+
+def busbw_factor(op: str, world: int) -> float:
+    """nccl-tests' bus-bandwidth factor: what each rank's link must carry, per byte of S."""
+    if op == "all_reduce":
+        return 2 * (world - 1) / world
+    if op == "broadcast":
+        return 1.0
+    return (world - 1) / world
+
+
+def total_count(op: str, nbytes: int, elsize: int, world: int) -> int:
+    """Elements of S for a sweep size: rounded down so every rank's share is whole."""
+    count = nbytes // elsize
+    return count if op in ("all_reduce", "broadcast") else count - count % world
+
+
+def rank_input(rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's pristine input of ``count`` elements (see the module docstring)."""
+    gen = torch.Generator().manual_seed(1_000_003 * count + rank)
+    k = torch.randint(-8, 9, (count,), generator=gen)
+    return k.to(dtype) / 8 if dtype.is_floating_point else k.to(dtype)
+
+
+@dataclass
+class Buffers:
+    """One case's tensors: ``src`` is never touched, ``work`` is the op's input."""
+
+    src: torch.Tensor
+    work: torch.Tensor
+    out: torch.Tensor | None
+
+    def reset(self) -> None:
+        """Restore the in-place ops' buffer, so every iteration reduces pristine data."""
+        if self.out is None:
+            self.work.copy_(self.src)
+
+    def result(self) -> torch.Tensor:
+        return self.work if self.out is None else self.out
+
+
+def make_buffers(op: str, count: int, dtype: torch.dtype, rank: int, world: int) -> Buffers:
+    """Allocate a case; ``count`` is S in elements (see BENCHMARKS.md)."""
+    in_count = count // world if op == "all_gather" else count
+    src = rank_input(rank, in_count, dtype)
+    if op in ("all_reduce", "broadcast"):  # in place, as DDP and torch's API use them
+        return Buffers(src, src.clone(), None)
+    out_count = count // world if op == "reduce_scatter" else count
+    return Buffers(src, src, torch.empty(out_count, dtype=dtype))
+
+
+def launcher(op: str, bufs: Buffers, group, redop: str) -> Callable[[], None]:
+    """A no-argument call that runs the collective once, synchronously."""
+    red = REDOPS[redop]
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(bufs.work, op=red, group=group),
+        "all_gather": lambda: dist.all_gather_single(bufs.out, bufs.work, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(
+            bufs.out, bufs.work, op=red, group=group
+        ),
+        "broadcast": lambda: dist.broadcast(bufs.work, group_src=ROOT, group=group),
+        "all_to_all": lambda: dist.all_to_all_single(bufs.out, bufs.work, group=group),
+    }
+    return calls[op]
+
+
+def expected(
+    op: str, count: int, dtype: torch.dtype, rank: int, world: int, redop: str
+) -> torch.Tensor:
+    """This rank's correct result in float64, rebuilt from every rank's input."""
+    in_count = count // world if op == "all_gather" else count
+    inputs = [rank_input(r, in_count, dtype).double() for r in range(world)]
+    chunk = count // world
+    mine = slice(rank * chunk, (rank + 1) * chunk)
+    if op == "broadcast":
+        return inputs[ROOT]
+    if op == "all_gather":
+        return torch.cat(inputs)
+    if op == "all_to_all":
+        return torch.cat([x[mine] for x in inputs])
+    stacked = torch.stack(inputs)
+    reduced = {
+        "sum": stacked.sum(0),
+        "avg": stacked.mean(0),
+        "max": stacked.amax(0),
+        "min": stacked.amin(0),
+    }[redop]
+    return reduced[mine] if op == "reduce_scatter" else reduced
+
+
+def count_wrong(result: torch.Tensor, ref: torch.Tensor, redop: str) -> int:
+    """Elements off the reference: exact, except avg's one rounding of the division."""
+    tol = torch.finfo(result.dtype).eps if redop == "avg" and result.is_floating_point() else 0
+    err = (result.double() - ref).abs()
+    return int((err > tol * ref.abs().clamp(min=1)).sum())
+
+
+def time_case(op: str, count: int, dtype: torch.dtype, group, args) -> dict:
+    """Time ``args.iters`` runs after ``args.warmup_iters``; this rank's seconds and #wrong.
+
+    A barrier on the group under test precedes every iteration, so each one
+    starts from aligned ranks; rank 0 later takes the slowest rank per iteration.
+    ``#wrong`` (with ``args.check``) is counted on the last timed iteration's result.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    bufs = make_buffers(op, count, dtype, rank, world)
+    run = launcher(op, bufs, group, args.redop)
+    times = []
+    for i in range(args.warmup_iters + args.iters):
+        bufs.reset()
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        run()
+        if i >= args.warmup_iters:
+            times.append(time.perf_counter() - start)
+    wrong = -1
+    if args.check:
+        ref = expected(op, count, dtype, rank, world, args.redop)
+        wrong = count_wrong(bufs.result(), ref, args.redop)
+    return {"times": times, "wrong": wrong}
+
+
+def time_memcpy(nbytes: int, iters: int, group) -> list[float]:
+    """Seconds per copy of ``nbytes`` with every rank copying at once: the limit line."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(iters + 1):  # the first copy faults the pages in
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dst.copy_(src)
+        if i:
+            times.append(time.perf_counter() - start)
+    return times

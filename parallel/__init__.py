@@ -1,0 +1,5 @@
+"""Parallel-training strategies built on torch.distributed (any backend; fastest on pycomm).
+
+Each strategy is a sub-package that takes its process group explicitly: data parallel,
+ZeRO, tensor parallel, pipeline parallel and recomputation arrive one issue at a time.
+"""

@@ -1,0 +1,161 @@
+"""Shared fixtures: the backend under test, and a leak check after every test.
+
+``PYCOMM_TEST_BACKEND=gloo`` (or ``--backend=gloo``) runs the collective tests
+against gloo, which validates the tests themselves without the pycomm extension.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+SHM_DIR = Path("/dev/shm")
+
+
+def _bare_package_if_unbuilt() -> None:
+    """Without the C extension pycomm/__init__.py cannot run; expose the package's
+    pure-Python modules (pycomm.testing) anyway, so gloo runs of the tests work.
+    pycomm.testing makes the ranks of non-pycomm backends do the same."""
+    try:
+        import pycomm  # noqa: F401
+    except ImportError as exc:
+        package = types.ModuleType("pycomm")
+        package.__path__ = [str(Path(__file__).resolve().parents[1] / "pycomm")]
+        package.__pycomm_bare__ = f"pycomm cannot be imported: {exc}"  # type: ignore[attr-defined]
+        sys.modules["pycomm"] = package
+
+
+_bare_package_if_unbuilt()
+
+
+def pycomm_unavailable() -> str | None:
+    """None if the pycomm backend is registered, else why it is not."""
+    import pycomm
+
+    bare = getattr(pycomm, "__pycomm_bare__", None)
+    if bare:
+        return bare
+    if getattr(dist.Backend, "PYCOMM", None) != "pycomm":
+        return "importing pycomm did not register a 'pycomm' torch.distributed backend"
+    return None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--backend",
+        default=os.environ.get("PYCOMM_TEST_BACKEND", "pycomm"),
+        choices=["pycomm", "gloo"],
+        help="torch.distributed backend for the collective tests (env PYCOMM_TEST_BACKEND)",
+    )
+
+
+@pytest.fixture(scope="session")
+def require_pycomm() -> None:
+    """Skip, saying why, when the pycomm backend is not available."""
+    if reason := pycomm_unavailable():
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def backend(request: pytest.FixtureRequest) -> str:
+    """The backend under test; skips when it is pycomm and pycomm is not available."""
+    name: str = request.config.getoption("--backend")
+    if name == "pycomm" and (reason := pycomm_unavailable()):
+        pytest.skip(f"{reason} (PYCOMM_TEST_BACKEND=gloo runs these tests on gloo)")
+    return name
+
+
+def _pycomm_shm() -> set[str]:
+    """Names in /dev/shm that belong to pycomm."""
+    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith("pycomm")}
+
+
+def _helper_pids() -> set[int]:
+    """multiprocessing's own long-lived helpers (forkserver, resource tracker)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+    }
+    return {pid for pid in pids if pid}
+
+
+def _live_children(parents: set[int]) -> dict[int, str]:
+    """pid -> command line of every non-zombie process whose parent is in ``parents``."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError):
+            continue  # the process exited while we looked
+        state, ppid = fields[0], int(fields[1])
+        if ppid in parents and state != "Z":
+            found[int(stat.parent.name)] = cmdline.decode(errors="replace").strip()
+    return found
+
+
+def _pool_pids() -> set[int]:
+    """Ranks of open RankPools (module-scoped fixtures keep them across tests)."""
+    try:
+        from pycomm.testing import live_rank_pids
+    except ImportError:
+        return set()
+    return live_rank_pids()
+
+
+def _leftover_processes() -> dict[int, str]:
+    """Children of this test process, or of its forkserver, still alive (pools excepted)."""
+    mp.active_children()  # reaps finished multiprocessing children as a side effect
+    helpers = _helper_pids()
+    children = _live_children({os.getpid()} | helpers)
+    return {pid: cmd for pid, cmd in children.items() if pid not in helpers | _pool_pids()}
+
+
+def _check_leaks(shm_before: set[str], check_shm: bool) -> None:
+    """Assert no new pycomm /dev/shm names and no stray children; kill the strays."""
+    leaked_shm = sorted(_pycomm_shm() - shm_before) if check_shm else []
+    leftover = _leftover_processes()
+    for pid in leftover:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    mp.active_children()
+    problems = []
+    if leaked_shm:
+        problems.append("/dev/shm entries left behind: " + ", ".join(leaked_shm))
+    if leftover:
+        problems.append("child processes left alive (now killed): "
+                        + "; ".join(f"{pid}: {cmd}" for pid, cmd in leftover.items()))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail a test that leaves pycomm shared memory or a live child process behind.
+
+    Only /dev/shm names that appeared during the test count, so a concurrent run on
+    the same machine does not fail unrelated tests. While a RankPool is open its
+    segments legitimately exist, so the /dev/shm check is then left to
+    ``no_module_leaks``. Stray processes are killed after being reported so that one
+    leak does not fail every later test.
+    """
+    shm_before = _pycomm_shm()
+    yield
+    _check_leaks(shm_before, check_shm=not _pool_pids())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_module_leaks():
+    """The same check once a module's own fixtures (its RankPools) are torn down."""
+    shm_before = _pycomm_shm()
+    yield
+    _check_leaks(shm_before, check_shm=True)

@@ -1,0 +1,74 @@
+"""Property tests of the ring's chunking: for any element count, slot size and slot
+count, ring all-reduce, reduce-scatter, all-gather and the broadcast chain give the
+reference result. Each example builds a fresh group whose PYCOMM_* settings come from
+hypothesis, so chunk boundaries land everywhere (the gloo trick of a test-only
+maxSegmentSize, done through the environment)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pycomm.testing import RankPool
+
+pytestmark = pytest.mark.usefixtures("require_pycomm")
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(WORLD, backend="pycomm", pg_timeout_s=30) as p:
+        yield p
+
+
+def _ring_ops(count: int, chunk_bytes: int, slots: int) -> list[str]:
+    """Runs the ring algorithms in a group with the given settings; returns failures."""
+    os.environ.update(
+        PYCOMM_CHUNK_BYTES=str(chunk_bytes), PYCOMM_SLOTS=str(slots), PYCOMM_ALGO="ring"
+    )
+    group = dist.new_group(backend="pycomm")
+    for key in ("PYCOMM_CHUNK_BYTES", "PYCOMM_SLOTS", "PYCOMM_ALGO"):
+        del os.environ[key]
+    rank, n = dist.get_rank(), dist.get_world_size()
+    base = torch.arange(count * n, dtype=torch.float64)
+    problems = []
+
+    x = base[:count] * (rank + 1)
+    dist.all_reduce(x, group=group)
+    if not torch.equal(x, base[:count] * sum(range(1, n + 1))):
+        problems.append("all_reduce")
+
+    out = torch.empty(count, dtype=torch.float64)
+    dist.reduce_scatter_tensor(out, base * (rank + 1), group=group)
+    if not torch.equal(out, base[rank * count : (rank + 1) * count] * sum(range(1, n + 1))):
+        problems.append("reduce_scatter")
+
+    gathered = torch.empty(count * n, dtype=torch.float64)
+    dist.all_gather_into_tensor(gathered, base[:count] + rank, group=group)
+    expected = torch.cat([base[:count] + r for r in range(n)])
+    if not torch.equal(gathered, expected):
+        problems.append("all_gather")
+
+    b = base[:count] if rank == 1 else torch.zeros(count, dtype=torch.float64)
+    dist.broadcast(b, 1, group=group)
+    if not torch.equal(b, base[:count]):
+        problems.append("broadcast")
+    dist.destroy_process_group(group)
+    return problems
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    count=st.integers(min_value=0, max_value=20_000),
+    chunk_bytes=st.sampled_from([64, 128, 192, 1024, 4096, 65536]),
+    slots=st.integers(min_value=2, max_value=5),
+)
+def test_ring_chunking_any_boundaries(pool, count, chunk_bytes, slots):
+    results = pool.run(_ring_ops, count, chunk_bytes, slots)
+    assert results == [[]] * WORLD, f"count={count} chunk={chunk_bytes} slots={slots}: {results}"
