@@ -7,9 +7,9 @@
     dist.init_process_group("pycomm")    # instead of "gloo"
 """
 
-from pycomm._backend import BACKEND_NAME, register
+from pycomm._backend import BACKEND_NAME, extension_error, register
 
 __version__ = "0.1.0"
-__all__ = ["BACKEND_NAME", "__version__", "register"]
+__all__ = ["BACKEND_NAME", "__version__", "extension_error", "register"]
 
 register()

@@ -1,15 +1,40 @@
-"""Registration of the ``pycomm`` backend with torch.distributed."""
+"""Registration of the ``pycomm`` backend with torch.distributed.
+
+Registering needs no compiled code: the extension is loaded when the first group is
+created, so ``import pycomm`` (and ``pycomm.testing``) work even where it is not built,
+and creating a group then says how to build it.
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
+from types import ModuleType
+from typing import Any
 
 import torch.distributed as dist
 
-from pycomm import _C
-
 BACKEND_NAME = "pycomm"
+
+
+def extension_error() -> str | None:
+    """Why ``pycomm._C`` cannot be loaded, or None when it can."""
+    try:
+        _extension()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def _extension() -> ModuleType:
+    try:
+        from pycomm import _C  # type: ignore[attr-defined]  # compiled, no stub
+    except ImportError as exc:
+        raise RuntimeError(
+            f"pycomm: the C++ extension pycomm._C cannot be loaded ({exc}); build it against "
+            "the installed torch with: pip install --no-build-isolation -e ."
+        ) from exc
+    return _C
 
 
 def _timeout_seconds(timeout: datetime.timedelta | float | None) -> float:
@@ -37,9 +62,11 @@ def _timeout_seconds(timeout: datetime.timedelta | float | None) -> float:
 
 def _create_backend(
     store: dist.Store, group_rank: int, group_size: int, timeout: datetime.timedelta
-) -> _C.ProcessGroupPycomm:
+) -> Any:
     """Called by torch for every process group created with backend "pycomm"."""
-    return _C.ProcessGroupPycomm(store, group_rank, group_size, _timeout_seconds(timeout))
+    return _extension().ProcessGroupPycomm(
+        store, group_rank, group_size, _timeout_seconds(timeout)
+    )
 
 
 def register() -> None:

@@ -164,20 +164,6 @@ def _redirect_output(log_path: str) -> None:
         reconfigure(line_buffering=True)
 
 
-def _use_bare_package(reason: str) -> None:
-    """Make ``pycomm.<submodule>`` importable without running pycomm/__init__.py.
-
-    The parent does this when the C extension is not built (tests/conftest.py); its
-    ranks for other backends follow suit so that test modules still import there.
-    """
-    import types
-
-    package = types.ModuleType("pycomm")
-    package.__path__ = [os.path.dirname(os.path.abspath(__file__))]
-    package.__pycomm_bare__ = reason  # type: ignore[attr-defined]
-    sys.modules.setdefault("pycomm", package)
-
-
 def _init_group(rank: int, world_size: int, port: int, backend: str, pg_timeout_s: float):
     """Join the parent's TCPStore and create the default process group."""
     if backend == "pycomm":
@@ -202,12 +188,10 @@ def _run_task(data: bytes) -> tuple:
 
 
 def _child_main(conn: Connection, rank: int, world_size: int, port: int, backend: str,
-                pg_timeout_s: float, env: dict[str, str], log_path: str, bare: str) -> None:
+                pg_timeout_s: float, env: dict[str, str], log_path: str) -> None:
     """A rank's life: set env, join the group, run tasks until told to stop."""
     _redirect_output(log_path)
     os.environ.update(env)
-    if bare and backend != "pycomm":
-        _use_bare_package(bare)
     try:
         _init_group(rank, world_size, port, backend, pg_timeout_s)
     except BaseException as exc:
@@ -360,13 +344,12 @@ class RankPool:
         ctx = _context(self.env)
         self._log_dir = tempfile.mkdtemp(prefix="pycomm-ranks-")
         self._log_offsets = [0] * self.world_size
-        bare = getattr(sys.modules.get("pycomm"), "__pycomm_bare__", "")
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             kwargs = dict(conn=child_conn, rank=rank, world_size=self.world_size,
                           port=self._store.port, backend=self.backend,
                           pg_timeout_s=self.pg_timeout_s, env=self.env,
-                          log_path=self._log_path(rank), bare=bare)
+                          log_path=self._log_path(rank))
             proc = ctx.Process(target=exec, args=(_BOOTSTRAP, {"path": __file__, "kwargs": kwargs}),
                                name=f"pycomm-rank{rank}", daemon=True)
             proc.start()

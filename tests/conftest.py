@@ -10,8 +10,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -20,32 +18,13 @@ import torch.distributed as dist
 SHM_DIR = Path("/dev/shm")
 
 
-def _bare_package_if_unbuilt() -> None:
-    """Without the C extension pycomm/__init__.py cannot run; expose the package's
-    pure-Python modules (pycomm.testing) anyway, so gloo runs of the tests work.
-    pycomm.testing makes the ranks of non-pycomm backends do the same."""
-    try:
-        import pycomm  # noqa: F401
-    except ImportError as exc:
-        package = types.ModuleType("pycomm")
-        package.__path__ = [str(Path(__file__).resolve().parents[1] / "pycomm")]
-        package.__pycomm_bare__ = f"pycomm cannot be imported: {exc}"  # type: ignore[attr-defined]
-        sys.modules["pycomm"] = package
-
-
-_bare_package_if_unbuilt()
-
-
 def pycomm_unavailable() -> str | None:
-    """None if the pycomm backend is registered, else why it is not."""
+    """None if the pycomm backend is registered and its extension loads, else why not."""
     import pycomm
 
-    bare = getattr(pycomm, "__pycomm_bare__", None)
-    if bare:
-        return bare
     if getattr(dist.Backend, "PYCOMM", None) != "pycomm":
         return "importing pycomm did not register a 'pycomm' torch.distributed backend"
-    return None
+    return pycomm.extension_error()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

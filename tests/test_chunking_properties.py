@@ -63,7 +63,9 @@ def _ring_ops(count: int, chunk_bytes: int, slots: int) -> list[str]:
     return problems
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     count=st.integers(min_value=0, max_value=20_000),
     chunk_bytes=st.sampled_from([64, 128, 192, 1024, 4096, 65536]),
