@@ -27,6 +27,20 @@ class StoreRendezvous : public pycomm::Rendezvous {
 
 }  // namespace
 
+void Leftovers::park(c10::intrusive_ptr<c10d::Work> work, std::function<void()> body,
+                     std::shared_ptr<void> extra) {
+  std::lock_guard<std::mutex> lock(mu_);
+  entries_.push_back(Entry{std::move(work), std::move(body), std::move(extra)});
+}
+
+void Leftovers::drop_all() {
+  std::vector<Entry> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dropped.swap(entries_);
+  }
+}  // destroyed here, outside the lock, on the caller's thread
+
 ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                        int size, std::chrono::milliseconds timeout)
     : c10d::Backend(rank, size) {
@@ -54,6 +68,7 @@ void ProcessGroupPycomm::shutdown() {
   p2p_.reset();
   if (comm_) comm_->depart();
   comm_.reset();
+  leftovers_.drop_all();
 }
 
 void ProcessGroupPycomm::abort() {
@@ -74,8 +89,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, co
                                                            std::vector<at::Tensor> outputs,
                                                            std::function<void()> body) {
   comm();  // fail now, in the caller, if shut down
+  leftovers_.drop_all();
   auto work = c10::make_intrusive<PycommWork>(getRank(), type, title, std::move(outputs));
-  worker_->submit([work, body = std::move(body)] {
+  worker_->submit([this, work, body = std::move(body)]() mutable {
     std::exception_ptr error;
     try {
       // Ops run below autograd, as c10d's own backends do: copies into user tensors
@@ -86,6 +102,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, co
       error = translate_current_exception();
     }
     work->complete(error);
+    leftovers_.park(std::move(work), std::move(body));
   });
   return work;
 }
@@ -102,6 +119,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, 
   pycomm::DType dtype = checked_dtype(t, name, getRank());
   check_peer(peer, name);
   comm();
+  leftovers_.drop_all();
   auto work = c10::make_intrusive<PycommWork>(
       getRank(), is_send ? c10d::OpType::SEND : c10d::OpType::RECV,
       is_send ? "pycomm:send" : "pycomm:recv", std::vector<at::Tensor>{t});
@@ -114,7 +132,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, 
   req.dtype = dtype;
   req.count = staged->numel();
   req.data = staged->ptr();
-  req.done = [work, staged, is_send](std::exception_ptr error) {
+  req.done = [this, work, staged, is_send](std::exception_ptr error) mutable {
     if (!error && !is_send) {
       try {
         c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
@@ -124,6 +142,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, 
       }
     }
     work->complete(error ? translate_exception(error) : nullptr);
+    leftovers_.park(std::move(work), {}, std::move(staged));
   };
   p2p_->submit(std::move(req));
   return work;

@@ -9,12 +9,36 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <vector>
 
 #include "../core/communicator.h"
 #include "../core/p2p_engine.h"
 #include "../core/worker.h"
 
 namespace pycomm_torch {
+
+// What a finished op still references: its Work (with the output tensors) and the
+// closure that ran it (with the input tensors). Dropping the last reference to a tensor
+// Python also sees needs the GIL, and a C++ thread that takes the GIL while Python is
+// finalizing is ended inside that destructor (std::terminate). So the worker and the
+// send/recv engine never drop these: they park them here, and the caller's thread drops
+// them on its next call, or at shutdown.
+class Leftovers {
+ public:
+  void park(c10::intrusive_ptr<c10d::Work> work, std::function<void()> body = {},
+            std::shared_ptr<void> extra = {});
+  void drop_all();
+
+ private:
+  struct Entry {
+    c10::intrusive_ptr<c10d::Work> work;
+    std::function<void()> body;
+    std::shared_ptr<void> extra;
+  };
+  std::mutex mu_;
+  std::vector<Entry> entries_;
+};
 
 class ProcessGroupPycomm : public c10d::Backend {
  public:
@@ -86,6 +110,7 @@ class ProcessGroupPycomm : public c10d::Backend {
   pycomm::Communicator& comm();
   void check_peer(int peer, const char* op) const;
 
+  Leftovers leftovers_;  // declared first: destroyed after the threads that park in it
   std::unique_ptr<pycomm::Communicator> comm_;
   std::unique_ptr<pycomm::P2PEngine> p2p_;
   std::unique_ptr<pycomm::Worker> worker_;
