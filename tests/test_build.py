@@ -1,0 +1,45 @@
+"""What the build must deliver: vectorised reduction kernels, checked in the disassembly
+of the very extension the tests load."""
+
+from __future__ import annotations
+
+import platform
+import re
+import shutil
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("require_pycomm")
+
+
+def _disassembly(symbol: str, clone: str) -> str:
+    """The instructions of one target clone of a kernel in pycomm._C."""
+    from pycomm import _C
+
+    out = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", "-C", _C.__file__],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    pattern = rf"<pycomm::\(anonymous namespace\)::{symbol}\([^>]*\) \[clone \.{clone}\]>:\n(.*?)\n\n"
+    match = re.search(pattern, out, re.S)
+    assert match, f"no [clone .{clone}] of {symbol} in {_C.__file__}"
+    return match.group(1)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 ISA clones only")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+@pytest.mark.parametrize(
+    ("symbol", "clone", "instruction"),
+    [
+        ("pair_f32", "arch_x86_64_v3", r"vaddps\s+.*%ymm"),   # AVX2: 8 floats per add
+        ("pair_f32", "arch_x86_64_v4", r"vaddps\s+.*%zmm"),   # AVX-512: 16 per add
+        ("pair_bf16", "arch_x86_64_v3", r"vaddps\s+.*%ymm"),  # bf16 widened, added as f32
+        ("pair_bf16", "arch_x86_64_v4", r"vaddps\s+.*%zmm"),
+        ("many_bf16", "arch_x86_64_v4", r"vaddps\s+.*%zmm"),
+    ],
+)
+def test_sum_kernels_are_vectorised(symbol, clone, instruction):
+    assert re.search(instruction, _disassembly(symbol, clone)), (
+        f"{symbol} [{clone}] has no packed add matching {instruction!r}"
+    )
