@@ -21,7 +21,8 @@ def _disassembly(symbol: str, clone: str) -> str:
         ["objdump", "-d", "--no-show-raw-insn", "-C", _C.__file__],
         check=True, capture_output=True, text=True,
     ).stdout
-    pattern = rf"<pycomm::\(anonymous namespace\)::{symbol}\([^>]*\) \[clone \.{clone}\]>:\n(.*?)\n\n"
+    head = rf"<pycomm::\(anonymous namespace\)::{symbol}\([^>]*\) \[clone \.{clone}\]>:"
+    pattern = head + r"\n(.*?)\n\n"
     match = re.search(pattern, out, re.S)
     assert match, f"no [clone .{clone}] of {symbol} in {_C.__file__}"
     return match.group(1)
