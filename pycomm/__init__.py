@@ -8,8 +8,18 @@
 """
 
 from pycomm._backend import BACKEND_NAME, extension_error, register
+from pycomm.arena import arena_stats, empty, in_arena, zeros
 
 __version__ = "0.1.0"
-__all__ = ["BACKEND_NAME", "__version__", "extension_error", "register"]
+__all__ = [
+    "BACKEND_NAME",
+    "__version__",
+    "arena_stats",
+    "empty",
+    "extension_error",
+    "in_arena",
+    "register",
+    "zeros",
+]
 
 register()

@@ -8,6 +8,7 @@
 
 #include "errors.h"
 #include "reduce.h"
+#include "zero_copy.h"
 
 namespace pycomm {
 namespace {
@@ -52,6 +53,7 @@ Communicator::Communicator(Rendezvous& rdv, int rank, int world, const Config& c
   me->state.store(static_cast<uint32_t>(RankState::ALIVE), std::memory_order_release);
   waiter_ = std::make_unique<Waiter>(*shared_, COLL, spin_for(cfg_, world_));
   transport_ = std::make_unique<Transport>(*shared_, COLL, *waiter_);
+  peers_ = std::make_unique<PeerMemory>(*shared_);
   const SegmentHeader* h = shared_->header();
   log_.log(LogLevel::INFO,
            "init: rank " + std::to_string(rank_) + " of " + std::to_string(world_) + " on host " +
@@ -137,9 +139,20 @@ void Communicator::finish(const OpCall& op) {
     if (r != rank_) shared_->ring(r, COLL);
 }
 
+std::vector<char*> Communicator::negotiate(const OpCall& op, const void* mine, size_t bytes) {
+  auto bufs = negotiate_zero_copy(*transport_, *peers_, op, mine, bytes);
+  if (log_.enabled(LogLevel::INFO)) {
+    log_.log(LogLevel::INFO, "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) +
+                                 (bufs.empty() ? ": ring (not every rank's buffer is in the arena)"
+                                               : ": zero-copy (every rank's buffer is in the arena)"));
+  }
+  return bufs;
+}
+
+// `algo` null: the body logs its own choice (it is made together with the other ranks).
 template <class Body>
 void Communicator::run(OpCall& op, const char* algo, const std::string& why, Body body) {
-  if (log_.enabled(LogLevel::INFO)) {
+  if (algo != nullptr && log_.enabled(LogLevel::INFO)) {
     log_.log(LogLevel::INFO, "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) +
                                  ": " + algo + (why.empty() ? "" : " (" + why + ")"));
   }
@@ -196,7 +209,12 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
   size_t bytes = count * dtype_size(dtype);
   if (world_ == 1 || count == 0) return run(c, "local", "", [] {});
   if (use_direct(bytes)) return run(c, "direct", direct_reason(bytes), [&] { all_reduce_direct(*transport_, c, a); });
-  run(c, "ring", direct_reason(bytes), [&] { all_reduce_ring(*transport_, c, a); });
+  if (!try_zero_copy()) return run(c, "ring", direct_reason(bytes), [&] { all_reduce_ring(*transport_, c, a); });
+  run(c, nullptr, "", [&] {
+    auto bufs = negotiate(c, data, bytes);
+    if (bufs.empty()) all_reduce_ring(*transport_, c, a);
+    else all_reduce_zero_copy(*transport_, c, a, bufs);
+  });
 }
 
 void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType dtype, RedOp op) {
@@ -210,7 +228,12 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType
     return run(c, "local", "", [&] { std::memmove(out, in, count * dtype_size(dtype)); });
   }
   if (use_direct(bytes)) return run(c, "direct", direct_reason(bytes), [&] { reduce_scatter_direct(*transport_, c, a); });
-  run(c, "ring", direct_reason(bytes), [&] { reduce_scatter_ring(*transport_, c, a); });
+  if (!try_zero_copy()) return run(c, "ring", direct_reason(bytes), [&] { reduce_scatter_ring(*transport_, c, a); });
+  run(c, nullptr, "", [&] {
+    auto bufs = negotiate(c, in, bytes);
+    if (bufs.empty()) reduce_scatter_ring(*transport_, c, a);
+    else reduce_scatter_zero_copy(*transport_, c, a, bufs);
+  });
 }
 
 void Communicator::all_gather(const void* in, void* out, size_t count, DType dtype) {
@@ -223,7 +246,12 @@ void Communicator::all_gather(const void* in, void* out, size_t count, DType dty
   size_t bytes = count * dtype_size(dtype);
   if (world_ == 1 || count == 0) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
   if (use_direct(bytes)) return run(c, "direct", direct_reason(bytes), [&] { all_gather_direct(*transport_, c, a); });
-  run(c, "ring", direct_reason(bytes), [&] { all_gather_ring(*transport_, c, a); });
+  if (!try_zero_copy()) return run(c, "ring", direct_reason(bytes), [&] { all_gather_ring(*transport_, c, a); });
+  run(c, nullptr, "", [&] {
+    auto bufs = negotiate(c, in, bytes);
+    if (bufs.empty()) all_gather_ring(*transport_, c, a);
+    else all_gather_zero_copy(*transport_, c, a, bufs);
+  });
 }
 
 void Communicator::broadcast(void* data, size_t count, DType dtype, int root) {

@@ -17,6 +17,7 @@
 #include "shm_segment.h"
 #include "transport.h"
 #include "waiter.h"
+#include "peer_memory.h"
 
 namespace pycomm {
 
@@ -62,6 +63,9 @@ class Communicator {
   template <class Body>
   void run(OpCall& op, const char* algo, const std::string& why, Body body);
   bool use_direct(size_t bytes) const;
+  bool try_zero_copy() const { return cfg_.zero_copy && cfg_.algo == Algo::AUTO; }
+  // Finds out with the other ranks whether every buffer is in the arena; logs the choice.
+  std::vector<char*> negotiate(const OpCall& op, const void* mine, size_t bytes);
   std::string direct_reason(size_t bytes) const;
   Args reduction_args(DType dtype, RedOp op) const;
   void check_root(int root, const char* what) const;
@@ -74,6 +78,7 @@ class Communicator {
   std::unique_ptr<Shared> shared_;
   std::unique_ptr<Waiter> waiter_;
   std::unique_ptr<Transport> transport_;
+  std::unique_ptr<PeerMemory> peers_;
   uint64_t seq_ = 0;
 };
 

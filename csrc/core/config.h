@@ -17,6 +17,7 @@ struct Config {
   Algo algo = Algo::AUTO;           // PYCOMM_ALGO=auto|ring|direct
   LogLevel log = LogLevel::WARN;    // PYCOMM_DEBUG=WARN|INFO|TRACE
   uint32_t spin = 2000;             // PYCOMM_SPIN: polls before a waiter sleeps
+  bool zero_copy = true;            // PYCOMM_ZERO_COPY=0 turns off in-place reads of arena tensors
 
   // Reads the PYCOMM_* variables; a malformed value throws InvalidArgument naming it.
   static Config from_env();

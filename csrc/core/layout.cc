@@ -1,5 +1,7 @@
 #include "layout.h"
 
+#include <algorithm>
+
 namespace pycomm {
 namespace {
 
@@ -38,7 +40,9 @@ Layout::Layout(int world, uint32_t slots, size_t slot_bytes, size_t direct_bytes
     : world_(world), slots_(slots) {
   slot_stride_ = sizeof(SlotHeader) + round_up(slot_bytes, kLine);
   channel_stride_ = sizeof(ChannelCtl) + slots * slot_stride_;
-  direct_stride_ = sizeof(DirectHeader) + round_up(direct_bytes, kLine);
+  // At least 256 bytes: zero-copy negotiation posts its offers here even when the
+  // direct algorithm itself is turned off.
+  direct_stride_ = sizeof(DirectHeader) + round_up(std::max<size_t>(direct_bytes, 256), kLine);
   controls_off_ = round_up(sizeof(SegmentHeader), 4096);
   channels_off_ = round_up(controls_off_ + world * sizeof(RankControl), 4096);
   size_t nchannels = 2 * static_cast<size_t>(world) * (world - 1);

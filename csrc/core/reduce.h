@@ -22,7 +22,7 @@ void reduce_pair(DType t, RedOp op, void* dst, const void* a, const void* b, siz
 
 // dst[i] = scale * (srcs[0][i] op ... op srcs[k-1][i]), in source order, so every rank
 // that runs it on the same sources gets bit-identical results. 16-bit floats
-// accumulate in float32 and round once. dst must not alias a source.
+// accumulate in float32 and round once. dst may alias srcs[0], no other source.
 void reduce_many(DType t, RedOp op, void* dst, const void* const* srcs, int k, size_t n,
                  double scale = 1.0);
 

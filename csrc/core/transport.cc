@@ -132,4 +132,30 @@ const void* Transport::wait_direct(int peer, const OpCall& op) {
   return h + 1;
 }
 
+// ---- steps -------------------------------------------------------------------------------
+
+void Transport::post_stage(const OpCall& op, int k) {
+  shared_.control(rank())->stage.store(op.desc.seq * 8 + k, std::memory_order_release);
+  for (int r = 0; r < world(); ++r)
+    if (r != rank()) shared_.ring(r, lane_);
+}
+
+void Transport::wait_stage(const OpCall& op, int k) {
+  const uint64_t want = op.desc.seq * 8 + k;
+  auto behind = [&](int r) {
+    return shared_.control(r)->stage.load(std::memory_order_acquire) < want;
+  };
+  waiter_.wait(
+      op,
+      [&] {
+        for (int r = 0; r < world(); ++r)
+          if (r != rank() && behind(r)) return false;
+        return true;
+      },
+      [&](std::vector<int>& who) {
+        for (int r = 0; r < world(); ++r)
+          if (r != rank() && behind(r)) who.push_back(r);
+      });
+}
+
 }  // namespace pycomm

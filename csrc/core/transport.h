@@ -46,6 +46,12 @@ class Transport {
   // Waits until `peer` has posted for this op and checks it called the same thing.
   const void* wait_direct(int peer, const OpCall& op);
 
+  // ---- steps within one op (collective lane only) ---------------------------------------
+  // Announces that this rank finished step `k` (1..7) of op; wait_stage() returns once
+  // every other rank has too.
+  void post_stage(const OpCall& op, int k);
+  void wait_stage(const OpCall& op, int k);
+
  private:
   [[noreturn]] void chunk_mismatch(int peer, const OpCall& op, const SlotHeader& h,
                                    uint64_t offset, uint64_t bytes, uint64_t msg_bytes);

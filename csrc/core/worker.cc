@@ -14,6 +14,21 @@ void Worker::submit(std::function<void()> task) {
   cv_.notify_one();
 }
 
+bool Worker::run_inline(const std::function<void()>& task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (busy_ || stopping_ || !tasks_.empty()) return false;
+    busy_ = true;
+  }
+  task();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_ = false;
+  }
+  cv_.notify_all();
+  return true;
+}
+
 void Worker::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -28,12 +43,18 @@ void Worker::loop() {
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+      cv_.wait(lock, [this] { return (stopping_ && !busy_) || (!tasks_.empty() && !busy_); });
       if (tasks_.empty()) return;
       task = std::move(tasks_.front());
       tasks_.pop_front();
+      busy_ = true;
     }
     task();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
+    }
+    cv_.notify_all();
   }
 }
 

@@ -87,11 +87,12 @@ pycomm::Communicator& ProcessGroupPycomm::comm() {
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, const char* title,
                                                            std::vector<at::Tensor> outputs,
+                                                           bool async_op,
                                                            std::function<void()> body) {
   comm();  // fail now, in the caller, if shut down
   leftovers_.drop_all();
   auto work = c10::make_intrusive<PycommWork>(getRank(), type, title, std::move(outputs));
-  worker_->submit([this, work, body = std::move(body)]() mutable {
+  std::function<void()> task = [this, work, body = std::move(body)]() mutable {
     std::exception_ptr error;
     try {
       // Ops run below autograd, as c10d's own backends do: copies into user tensors
@@ -103,7 +104,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, co
     }
     work->complete(error);
     leftovers_.park(std::move(work), std::move(body));
-  });
+  };
+  if (async_op || !worker_->run_inline(task)) worker_->submit(std::move(task));
   return work;
 }
 

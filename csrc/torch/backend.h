@@ -102,9 +102,10 @@ class ProcessGroupPycomm : public c10d::Backend {
   size_t segment_bytes() const { return comm_ ? comm_->segment_bytes() : 0; }
 
  private:
-  // Runs `body` on the collective worker, in call order, and completes the Work.
+  // Runs `body` in call order and completes the Work: on the collective worker, or
+  // right here when the op is synchronous and nothing is queued before it.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,
-                                         std::vector<at::Tensor> outputs,
+                                         std::vector<at::Tensor> outputs, bool async_op,
                                          std::function<void()> body);
   c10::intrusive_ptr<c10d::Work> point_to_point(bool is_send, at::Tensor t, int peer, int tag);
   pycomm::Communicator& comm();

@@ -46,7 +46,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
   at::Tensor t = single(tensors, "all_reduce", getRank());
   pycomm::DType dt = checked_dtype(t, "all_reduce", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "all_reduce", getRank());
-  return enqueue(c10d::OpType::ALLREDUCE, "pycomm:all_reduce", {t}, [this, t, dt, rs] {
+  return enqueue(c10d::OpType::ALLREDUCE, "pycomm:all_reduce", {t}, opts.asyncOp, [this, t, dt, rs] {
     Staged buf(t);
     if (rs.premul) buf.get().mul_(rs.factor);
     comm().all_reduce(buf.ptr(), buf.numel(), dt, rs.op);
@@ -63,7 +63,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
     check_same_dtype(tensors[0], t, "all_reduce_coalesced", getRank());
   }
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "all_reduce_coalesced", getRank());
-  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced", tensors,
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced", tensors, opts.asyncOp,
                  [this, tensors, dt, rs]() mutable {
                    at::Tensor flat = flat_copy(tensors);
                    if (rs.premul) flat.mul_(rs.factor);
@@ -77,7 +77,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Ten
   at::Tensor t = single(tensors, "broadcast", getRank());
   pycomm::DType dt = checked_dtype(t, "broadcast", getRank());
   int root = static_cast<int>(opts.rootRank);
-  return enqueue(c10d::OpType::BROADCAST, "pycomm:broadcast", {t}, [this, t, dt, root] {
+  return enqueue(c10d::OpType::BROADCAST, "pycomm:broadcast", {t}, opts.asyncOp, [this, t, dt, root] {
     Staged buf(t);
     comm().broadcast(buf.ptr(), buf.numel(), dt, root);
     buf.commit();
@@ -90,7 +90,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(std::vector<at::Tensor
   pycomm::DType dt = checked_dtype(t, "reduce", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "reduce", getRank());
   int root = static_cast<int>(opts.rootRank);
-  return enqueue(c10d::OpType::REDUCE, "pycomm:reduce", {t}, [this, t, dt, rs, root] {
+  return enqueue(c10d::OpType::REDUCE, "pycomm:reduce", {t}, opts.asyncOp, [this, t, dt, rs, root] {
     Staged buf(t);
     // PREMUL_SUM scales a copy: non-root tensors must come back unchanged.
     at::Tensor in = rs.premul ? buf.get().mul(rs.factor) : buf.get();
@@ -101,13 +101,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions&) {
+    const c10d::AllgatherOptions& opts) {
   at::Tensor in = single(inputs, "all_gather", getRank());
   pycomm::DType dt = checked_dtype(in, "all_gather", getRank());
   TORCH_CHECK_VALUE(outputs.size() == 1, "pycomm: all_gather takes one output list per rank");
   std::vector<at::Tensor> outs = outputs[0];
   check_list(outs, in, getSize(), "all_gather", "the output list", getRank());
-  return enqueue(c10d::OpType::ALLGATHER, "pycomm:all_gather", outs, [this, in, outs, dt]() mutable {
+  return enqueue(c10d::OpType::ALLGATHER, "pycomm:all_gather", outs, opts.asyncOp, [this, in, outs, dt]() mutable {
     at::Tensor src = in.contiguous();
     at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
     comm().all_gather(src.data_ptr(), flat.data_ptr(), src.numel(), dt);
@@ -117,13 +117,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(at::Tensor& output,
                                                                    at::Tensor& input,
-                                                                   const c10d::AllgatherOptions&) {
+                                                                   const c10d::AllgatherOptions& opts) {
   pycomm::DType dt = checked_dtype(input, "all_gather_into_tensor", getRank());
   checked_dtype(output, "all_gather_into_tensor", getRank());
   check_same_dtype(input, output, "all_gather_into_tensor", getRank());
   check_numel_ratio(output, input, getSize(), "all_gather_into_tensor", "output", "input", getRank());
   at::Tensor out = output, in = input;
-  return enqueue(c10d::OpType::_ALLGATHER_BASE, "pycomm:all_gather_into_tensor", {out},
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, "pycomm:all_gather_into_tensor", {out}, opts.asyncOp,
                  [this, out, in, dt] {
                    Staged buf(out);
                    at::Tensor src = in.contiguous();
@@ -134,7 +134,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(at::Tensor& o
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions&) {
+    const c10d::AllgatherOptions& opts) {
   const char* name = "all_gather_into_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "pycomm: ", name, ": ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
@@ -144,7 +144,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
     check_same_dtype(inputs[i], outputs[i], name, getRank());
     check_numel_ratio(outputs[i], inputs[i], getSize(), name, "output", "input", getRank());
   }
-  return enqueue(c10d::OpType::COALESCED, "pycomm:all_gather_into_tensor_coalesced", outputs,
+  return enqueue(c10d::OpType::COALESCED, "pycomm:all_gather_into_tensor_coalesced", outputs, opts.asyncOp,
                  [this, outputs, inputs, dts] {
                    for (size_t i = 0; i < inputs.size(); ++i) {
                      Staged buf(outputs[i]);
@@ -157,7 +157,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions&) {
+    const c10d::AllgatherOptions& opts) {
   const char* name = "all_gather_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "pycomm: ", name, ": ", outputs.size(),
                     " output lists for ", inputs.size(), " inputs");
@@ -168,7 +168,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
     check_list(outputs[i], inputs[i], getSize(), name, "an output list", getRank());
     all_outs.insert(all_outs.end(), outputs[i].begin(), outputs[i].end());
   }
-  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "pycomm:all_gather_coalesced", all_outs,
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "pycomm:all_gather_coalesced", all_outs, opts.asyncOp,
                  [this, outputs, inputs, dts]() mutable {
                    for (size_t i = 0; i < inputs.size(); ++i) {
                      at::Tensor src = inputs[i].contiguous();
@@ -194,7 +194,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(std::vector<std::vecto
     TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "pycomm: gather on rank ", getRank(),
                       ": only the root (rank ", root, ") takes an output list");
   }
-  return enqueue(c10d::OpType::GATHER, "pycomm:gather", outs, [this, in, outs, dt, root]() mutable {
+  return enqueue(c10d::OpType::GATHER, "pycomm:gather", outs, opts.asyncOp, [this, in, outs, dt, root]() mutable {
     at::Tensor src = in.contiguous();
     at::Tensor flat;
     if (getRank() == root) flat = at::empty({src.numel() * getSize()}, src.options());
@@ -218,7 +218,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(std::vector<at::Tenso
     TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "pycomm: scatter on rank ", getRank(),
                       ": only the root (rank ", root, ") takes an input list");
   }
-  return enqueue(c10d::OpType::SCATTER, "pycomm:scatter", {out}, [this, out, ins, dt, root] {
+  return enqueue(c10d::OpType::SCATTER, "pycomm:scatter", {out}, opts.asyncOp, [this, out, ins, dt, root] {
     Staged buf(out);
     at::Tensor flat;
     if (getRank() == root) flat = flat_copy(ins);
@@ -236,7 +236,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
   std::vector<at::Tensor> ins = inputs[0];
   check_list(ins, out, getSize(), "reduce_scatter", "the input list", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "reduce_scatter", getRank());
-  return enqueue(c10d::OpType::REDUCE_SCATTER, "pycomm:reduce_scatter", {out},
+  return enqueue(c10d::OpType::REDUCE_SCATTER, "pycomm:reduce_scatter", {out}, opts.asyncOp,
                  [this, out, ins, dt, rs] {
                    Staged buf(out);
                    at::Tensor flat = flat_copy(ins);
@@ -255,7 +255,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
   check_numel_ratio(input, output, getSize(), name, "input", "output", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, name, getRank());
   at::Tensor out = output, in = input;
-  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor", {out},
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor", {out}, opts.asyncOp,
                  [this, out, in, dt, rs] {
                    Staged buf(out);
                    at::Tensor src = rs.premul ? in.mul(rs.factor).contiguous() : in.contiguous();
@@ -278,7 +278,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
     check_numel_ratio(inputs[i], outputs[i], getSize(), name, "input", "output", getRank());
     specs.push_back(reduce_spec(opts.reduceOp, dts.back(), name, getRank()));
   }
-  return enqueue(c10d::OpType::COALESCED, "pycomm:reduce_scatter_tensor_coalesced", outputs,
+  return enqueue(c10d::OpType::COALESCED, "pycomm:reduce_scatter_tensor_coalesced", outputs, opts.asyncOp,
                  [this, outputs, inputs, dts, specs] {
                    for (size_t i = 0; i < inputs.size(); ++i) {
                      Staged buf(outputs[i]);
@@ -295,7 +295,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(at::Tensor& out
                                                                  at::Tensor& input,
                                                                  std::vector<int64_t>& output_splits,
                                                                  std::vector<int64_t>& input_splits,
-                                                                 const c10d::AllToAllOptions&) {
+                                                                 const c10d::AllToAllOptions& opts) {
   const char* name = "all_to_all_single";
   pycomm::DType dt = checked_dtype(input, name, getRank());
   checked_dtype(output, name, getRank());
@@ -335,7 +335,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(at::Tensor& out
     for (size_t c : *pair) offsets.push_back(off), off += c;
   }
   at::Tensor out = output, in = input;
-  return enqueue(c10d::OpType::ALLTOALL_BASE, "pycomm:all_to_all_single", {out},
+  return enqueue(c10d::OpType::ALLTOALL_BASE, "pycomm:all_to_all_single", {out}, opts.asyncOp,
                  [this, out, in, args]() mutable {
                    Staged buf(out);
                    at::Tensor src = in.contiguous();
@@ -348,7 +348,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(at::Tensor& out
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(std::vector<at::Tensor>& outputs,
                                                             std::vector<at::Tensor>& inputs,
-                                                            const c10d::AllToAllOptions&) {
+                                                            const c10d::AllToAllOptions& opts) {
   const char* name = "all_to_all";
   const int n = getSize();
   TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == n && static_cast<int>(outputs.size()) == n,
@@ -370,7 +370,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(std::vector<at::Tens
     args.recv_offsets.push_back(roff);
     roff += outputs[i].numel();
   }
-  return enqueue(c10d::OpType::ALLTOALL, "pycomm:all_to_all", outputs,
+  return enqueue(c10d::OpType::ALLTOALL, "pycomm:all_to_all", outputs, opts.asyncOp,
                  [this, outputs, inputs, args, roff]() mutable {
                    at::Tensor src = flat_copy(inputs);
                    at::Tensor dst = at::empty({static_cast<int64_t>(roff)}, src.options());
@@ -381,8 +381,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(std::vector<at::Tens
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions&) {
-  return enqueue(c10d::OpType::BARRIER, "pycomm:barrier", {}, [this] { comm().barrier(); });
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions& opts) {
+  return enqueue(c10d::OpType::BARRIER, "pycomm:barrier", {}, opts.asyncOp, [this] { comm().barrier(); });
 }
 
 }  // namespace pycomm_torch

@@ -7,13 +7,46 @@
 
 #include <sys/stat.h>
 
+#include "../core/arena.h"
 #include "../core/config.h"
 #include "../core/shm_segment.h"
 #include "backend.h"
+#include "tensor_args.h"
 
 namespace py = pybind11;
 
 namespace {
+
+at::Tensor arena_empty(const std::vector<int64_t>& sizes, c10::ScalarType dtype) {
+  int64_t numel = 1;
+  for (int64_t s : sizes) {
+    TORCH_CHECK_VALUE(s >= 0, "pycomm.empty: negative dimension ", s);
+    numel *= s;
+  }
+  size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  void* p = pycomm_torch::translated([&] { return pycomm::Arena::instance().allocate(bytes); });
+  return at::from_blob(
+      p, sizes, [](void* ptr) { pycomm::Arena::instance().release(ptr); },
+      at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+
+py::dict arena_stats() {
+  pycomm::ArenaStats st = pycomm::Arena::instance().stats();
+  py::dict d;
+  d["reserved"] = st.reserved;
+  d["live"] = st.live;
+  d["peak"] = st.peak;
+  d["slabs"] = st.slabs;
+  d["allocations"] = st.allocations;
+  d["largest_free"] = st.largest_free;
+  return d;
+}
+
+bool in_arena(const at::Tensor& t) {
+  pycomm::ArenaLocation loc;
+  size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  return t.device().is_cpu() && pycomm::Arena::instance().locate(t.data_ptr(), bytes, &loc);
+}
 
 c10::intrusive_ptr<pycomm_torch::ProcessGroupPycomm> create(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s) {
@@ -33,6 +66,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
            "Joins the group's shared-memory segment (collective: every rank must call it).")
       .def_property_readonly("segment_bytes", &pycomm_torch::ProcessGroupPycomm::segment_bytes);
+  m.def("arena_empty", &arena_empty, py::arg("sizes"), py::arg("dtype"),
+        "An uninitialised CPU tensor in the shared-memory arena.");
+  m.def("arena_stats", &arena_stats, "Bytes reserved, live and peak in this process's arena.");
+  m.def("in_arena", &in_arena, py::arg("tensor"), "Whether the tensor's data lies in the arena.");
   m.def("cuda_built", [] { return false; }, "Whether the CUDA path was compiled in.");
   m.def(
       "_probe_segment",

@@ -1,0 +1,67 @@
+// The process's shared-memory arena (ZeRO-R's M_D): tensors from pycomm.empty() live in
+// large preallocated slabs that other local ranks can map, so collectives on them read
+// peers' data in place instead of copying it through the transport.
+//
+// Slabs are anonymous memfd files: nothing appears in /dev/shm, so nothing can be left
+// behind; a peer maps a slab through /proc/<pid>/fd/<fd> (see PeerMemory).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace pycomm {
+
+// Where a byte range of the arena lives, as a peer needs to know it.
+struct ArenaLocation {
+  int32_t fd = -1;         // the slab's memfd in the owner process
+  uint64_t slab_id = 0;    // unique per process, never reused
+  uint64_t slab_bytes = 0;
+  uint64_t offset = 0;     // of the range within the slab
+};
+
+struct ArenaStats {
+  size_t reserved = 0;  // bytes of all slabs
+  size_t live = 0;      // bytes handed out and not yet freed
+  size_t peak = 0;      // highest `live` so far
+  size_t slabs = 0;
+  size_t allocations = 0;  // live allocations
+  size_t largest_free = 0;  // largest block available without a new slab
+};
+
+class Arena {
+ public:
+  static Arena& instance();
+
+  // 64-byte aligned memory of at least `bytes`; a new slab is reserved when no free
+  // block fits (throws CommError, naming the size, if the memory cannot be reserved).
+  void* allocate(size_t bytes);
+  void release(void* ptr);
+  // True (and *out filled) if [ptr, ptr + bytes) lies inside one slab of this arena.
+  bool locate(const void* ptr, size_t bytes, ArenaLocation* out) const;
+  ArenaStats stats() const;
+
+ private:
+  struct Slab {
+    int fd;
+    uint64_t id;
+    char* base;
+    size_t bytes;
+    std::map<size_t, size_t> free;  // offset -> length, coalesced
+  };
+  Slab* new_slab(size_t min_bytes);
+  static void* take(Slab& s, size_t bytes);
+  static void give_back(Slab& s, size_t offset, size_t bytes);
+
+  mutable std::mutex mu_;
+  std::vector<std::unique_ptr<Slab>> slabs_;
+  std::map<const char*, std::pair<Slab*, size_t>> live_;  // ptr -> (slab, bytes)
+  size_t live_bytes_ = 0;
+  size_t peak_bytes_ = 0;
+  uint64_t next_id_ = 1;
+};
+
+}  // namespace pycomm
