@@ -27,6 +27,13 @@ def pycomm_unavailable() -> str | None:
     return pycomm.extension_error()
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """tests/benchmarks holds micro-benchmarks: collected only with --benchmark-only."""
+    if collection_path.name == "benchmarks" and not config.getoption("benchmark_only", False):
+        return True
+    return None
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--backend",

@@ -4,11 +4,14 @@
 #include <torch/extension.h>
 
 #include <chrono>
+#include <map>
+#include <string>
 
 #include <sys/stat.h>
 
 #include "../core/arena.h"
 #include "../core/config.h"
+#include "../core/reduce.h"
 #include "../core/shm_segment.h"
 #include "backend.h"
 #include "tensor_args.h"
@@ -42,6 +45,22 @@ py::dict arena_stats() {
   return d;
 }
 
+// dst = a op b with the core's kernels, for micro-benchmarks and kernel tests.
+void reduce_into(at::Tensor dst, const at::Tensor& a, const at::Tensor& b, const std::string& op) {
+  static const std::map<std::string, pycomm::RedOp> ops = {
+      {"sum", pycomm::RedOp::SUM}, {"prod", pycomm::RedOp::PROD}, {"min", pycomm::RedOp::MIN},
+      {"max", pycomm::RedOp::MAX}};
+  auto it = ops.find(op);
+  TORCH_CHECK_VALUE(it != ops.end(), "unknown op ", op);
+  TORCH_CHECK_VALUE(dst.is_contiguous() && a.is_contiguous() && b.is_contiguous() &&
+                        dst.numel() == a.numel() && a.numel() == b.numel() &&
+                        dst.scalar_type() == a.scalar_type() && a.scalar_type() == b.scalar_type(),
+                    "reduce_into: three contiguous tensors of one dtype and size");
+  pycomm::DType dt = pycomm_torch::checked_dtype(dst, "reduce_into", 0);
+  pycomm::reduce_pair(dt, pycomm::kernel_op(dt, it->second), dst.data_ptr(), a.data_ptr(),
+                      b.data_ptr(), static_cast<size_t>(dst.numel()));
+}
+
 bool in_arena(const at::Tensor& t) {
   pycomm::ArenaLocation loc;
   size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
@@ -69,6 +88,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("arena_empty", &arena_empty, py::arg("sizes"), py::arg("dtype"),
         "An uninitialised CPU tensor in the shared-memory arena.");
   m.def("arena_stats", &arena_stats, "Bytes reserved, live and peak in this process's arena.");
+  m.def("_reduce_into", &reduce_into, py::arg("dst"), py::arg("a"), py::arg("b"),
+        py::arg("op") = "sum", py::call_guard<py::gil_scoped_release>(),
+        "dst = a op b with pycomm's reduction kernels (benchmarks and tests).");
   m.def("in_arena", &in_arena, py::arg("tensor"), "Whether the tensor's data lies in the arena.");
   m.def("cuda_built", [] { return false; }, "Whether the CUDA path was compiled in.");
   m.def(
