@@ -29,13 +29,14 @@ std::string hostname() {
 }
 
 // Oversubscribed ranks (more ranks than cores) must not burn the core the peer they wait
-// for needs, so they spin far less before sleeping.
-uint32_t spin_for(const Config& cfg, int world) {
+// for needs, so they go to the yielding phase almost at once.
+uint32_t spin_us_for(const Config& cfg, int world) {
   unsigned cores = std::thread::hardware_concurrency();
-  if (std::getenv("PYCOMM_SPIN") == nullptr && cores != 0 && static_cast<unsigned>(world) > cores) {
-    return cfg.spin / 20;
+  if (std::getenv("PYCOMM_SPIN_US") == nullptr && cores != 0 &&
+      static_cast<unsigned>(world) > cores) {
+    return 2;
   }
-  return cfg.spin;
+  return cfg.spin_us;
 }
 
 }  // namespace
@@ -51,7 +52,7 @@ Communicator::Communicator(Rendezvous& rdv, int rank, int world, const Config& c
   RankControl* me = shared_->control(rank_);
   me->pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   me->state.store(static_cast<uint32_t>(RankState::ALIVE), std::memory_order_release);
-  waiter_ = std::make_unique<Waiter>(*shared_, COLL, spin_for(cfg_, world_));
+  waiter_ = std::make_unique<Waiter>(*shared_, COLL, spin_us_for(cfg_, world_), cfg_.yield_us);
   transport_ = std::make_unique<Transport>(*shared_, COLL, *waiter_);
   peers_ = std::make_unique<PeerMemory>(*shared_);
   const SegmentHeader* h = shared_->header();

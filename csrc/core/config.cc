@@ -36,7 +36,8 @@ Config Config::from_env() {
   c.chunk_bytes = (env_uint("PYCOMM_CHUNK_BYTES", c.chunk_bytes, 64, 1ull << 40) + 63) & ~size_t(63);
   c.slots = static_cast<uint32_t>(env_uint("PYCOMM_SLOTS", c.slots, 2, 64));
   c.direct_bytes = (env_uint("PYCOMM_DIRECT_BYTES", c.direct_bytes, 0, 1ull << 30) + 63) & ~size_t(63);
-  c.spin = static_cast<uint32_t>(env_uint("PYCOMM_SPIN", c.spin, 0, 1u << 30));
+  c.spin_us = static_cast<uint32_t>(env_uint("PYCOMM_SPIN_US", c.spin_us, 0, 1u << 30));
+  c.yield_us = static_cast<uint32_t>(env_uint("PYCOMM_YIELD_US", c.yield_us, 0, 1u << 30));
   c.zero_copy = env_uint("PYCOMM_ZERO_COPY", 1, 0, 1) == 1;
   std::string algo = env_str("PYCOMM_ALGO", "AUTO");
   if (algo == "AUTO") c.algo = Algo::AUTO;

@@ -26,7 +26,7 @@ P2PEngine::P2PEngine(const Shared& shared, const Logger& log, std::chrono::milli
     : shared_(shared),
       log_(log),
       timeout_ms_(timeout.count()),
-      waiter_(shared, P2P, 0),
+      waiter_(shared, P2P, 0, 0),
       transport_(shared, P2P, waiter_),
       sends_(shared.world()),
       recvs_(shared.world()),

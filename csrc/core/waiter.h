@@ -1,13 +1,19 @@
-// Waiting for another rank: spin briefly (cheap when the peer is about to answer), then
-// sleep on this rank's doorbell so oversubscribed ranks (4 ranks on 2 cores) leave the
-// CPU to the peer they wait for. While asleep it wakes every few milliseconds to check
+// Waiting for another rank: poll briefly (cheap when the peer is about to answer), then
+// poll while yielding the core (so an oversubscribed peer, 4 ranks on 2 cores, gets to
+// run), then sleep on this rank's doorbell. Waking a sleeping thread costs tens to
+// hundreds of microseconds (more in a VM), so short waits must never sleep. While asleep it wakes every few milliseconds to check
 // the job: the abort record, the deadline, dead peers and ranks that called something
 // else for the same sequence number. Every failure is recorded for the whole job.
 #pragma once
 
+#include <sched.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include <algorithm>
+#include <chrono>
 
 #include "futex.h"
 #include "shared_state.h"
@@ -24,17 +30,16 @@ inline void cpu_relax() {
 
 class Waiter {
  public:
-  Waiter(const Shared& shared, Lane lane, uint32_t spin)
-      : shared_(shared), lane_(lane), spin_(spin) {}
+  Waiter(const Shared& shared, Lane lane, uint32_t spin_us, uint32_t yield_us)
+      : shared_(shared), lane_(lane), spin_(std::chrono::microseconds(spin_us)),
+        yield_(std::chrono::microseconds(std::max(spin_us, yield_us))) {}
 
   // Returns once ready() holds. `awaited(std::vector<int>&)` lists the ranks the wait
   // depends on (for liveness checks and messages). Throws CommError on failure.
   template <class Ready, class Awaited>
   void wait(const OpCall& op, Ready ready, Awaited awaited) {
-    for (uint32_t i = 0; i < spin_; ++i) {
-      if (ready()) return;
-      cpu_relax();
-    }
+    if (ready()) return;
+    if (poll(ready)) return;
     Bell& bell = shared_.bell(shared_.rank(), lane_);
     std::vector<int> who;
     for (;;) {
@@ -50,6 +55,23 @@ class Waiter {
       bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
       if (done || ready()) return;
     }
+  }
+
+  // The two polling phases; true once ready() holds.
+  template <class Ready>
+  bool poll(Ready ready) {
+    const auto start = Clock::now();
+    while (Clock::now() - start < spin_) {
+      for (int i = 0; i < 32; ++i) {
+        if (ready()) return true;
+        cpu_relax();
+      }
+    }
+    while (Clock::now() - start < yield_) {
+      if (ready()) return true;
+      sched_yield();
+    }
+    return false;
   }
 
   // Records `msg` as the job's failure and throws it.
@@ -68,7 +90,8 @@ class Waiter {
 
   const Shared& shared_;
   Lane lane_;
-  uint32_t spin_;
+  Clock::duration spin_;
+  Clock::duration yield_;
   Clock::time_point next_scan_{};
 };
 

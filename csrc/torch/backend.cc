@@ -4,6 +4,9 @@
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <map>
+#include <string>
+
 #include "tensor_args.h"
 #include "work.h"
 
@@ -148,6 +151,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, 
   };
   p2p_->submit(std::move(req));
   return work;
+}
+
+void ProcessGroupPycomm::all_reduce_now(at::Tensor& t, const std::string& op) {
+  c10d::AllreduceOptions opts;
+  static const std::map<std::string, c10d::ReduceOp::RedOpType> ops = {
+      {"sum", c10d::ReduceOp::SUM}, {"avg", c10d::ReduceOp::AVG},
+      {"prod", c10d::ReduceOp::PRODUCT}, {"min", c10d::ReduceOp::MIN},
+      {"max", c10d::ReduceOp::MAX}};
+  auto it = ops.find(op);
+  TORCH_CHECK_VALUE(it != ops.end(), "pycomm: unknown reduction op '", op, "'");
+  opts.reduceOp = c10d::ReduceOp(it->second);
+  opts.asyncOp = false;
+  std::vector<at::Tensor> tensors{t};
+  allreduce(tensors, opts)->wait();
+}
+
+void ProcessGroupPycomm::barrier_now() {
+  c10d::BarrierOptions opts;
+  opts.asyncOp = false;
+  barrier(opts)->wait();
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::send(std::vector<at::Tensor>& tensors, int dst,

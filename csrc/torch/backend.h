@@ -98,6 +98,12 @@ class ProcessGroupPycomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
+  // pycomm's native path: a blocking all_reduce of a contiguous CPU tensor on the
+  // calling thread, without torch's dispatcher or a Work object (what mpi4py is to MPI).
+  // Ordered with queued ops: it waits for them first.
+  void all_reduce_now(at::Tensor& t, const std::string& op);
+  void barrier_now();
+
   // Bytes of shared memory this group's segment takes (for logs and tests).
   size_t segment_bytes() const { return comm_ ? comm_->segment_bytes() : 0; }
 

@@ -84,6 +84,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(&create), py::arg("store"), py::arg("rank"), py::arg("size"),
            py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
            "Joins the group's shared-memory segment (collective: every rank must call it).")
+      .def("all_reduce_now", &pycomm_torch::ProcessGroupPycomm::all_reduce_now, py::arg("tensor"),
+           py::arg("op") = "sum", py::call_guard<py::gil_scoped_release>(),
+           "Blocking all_reduce on the calling thread, bypassing torch's dispatcher.")
+      .def("barrier_now", &pycomm_torch::ProcessGroupPycomm::barrier_now,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("segment_bytes", &pycomm_torch::ProcessGroupPycomm::segment_bytes);
   m.def("arena_empty", &arena_empty, py::arg("sizes"), py::arg("dtype"),
         "An uninitialised CPU tensor in the shared-memory arena.");
