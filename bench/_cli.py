@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from bench import _mpi
 from bench._timing import OPS, REDOPS
 
 DTYPES = {
@@ -43,6 +44,20 @@ def _labels(backends: list[str]) -> list[str]:
     return out
 
 
+def _backends(args: argparse.Namespace, notes: list[str]) -> list[str]:
+    """--backends resolved: the default depends on Open MPI being installed."""
+    if args.backends is None:
+        why = _mpi.missing()
+        args.backends = "pycomm,gloo" if why else "pycomm,gloo,mpi"
+        if why:
+            notes.append(f"mpi left out of the default backends: {why}")
+    out = [b for b in args.backends.split(",") if b]
+    if args.registered and "pycomm-registered" not in out:
+        at = out.index("pycomm") + 1 if "pycomm" in out else 0
+        out.insert(at, "pycomm-registered")
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags as nccl-tests: -b -e -f -n -w -c -d, plus the backends and ops to compare."""
     p = argparse.ArgumentParser(
@@ -51,11 +66,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--backends",
-        default="pycomm,gloo",
-        help="comma list; ratios are first/second (default: pycomm,gloo)",
+        default=None,
+        help="comma list of pycomm, pycomm-registered, gloo, mpi (or any torch backend); "
+        "one column each, interleaved per size in one job, with a ratio column "
+        "first/other for every other backend. pycomm-registered is pycomm timed on "
+        "buffers from pycomm.empty (zero-copy tensors in its shared-memory arena). "
+        "mpi is Open MPI through mpi4py: unless already under mpirun, the benchmark "
+        "re-executes itself under 'mpirun --allow-run-as-root --oversubscribe -np NPROC' "
+        "so that every backend shares the same ranks. "
+        "Default: pycomm,gloo,mpi when mpi4py and mpirun are installed, else pycomm,gloo",
+    )
+    p.add_argument(
+        "--registered",
+        action="store_true",
+        help="add pycomm-registered right after pycomm in --backends (both side by side, "
+        "ratio pycomm/pycomm-registered); fails when pycomm.empty does not exist",
+    )
+    p.add_argument(
+        "--mpirun-args",
+        default="--bind-to none",
+        help="extra mpirun flags for the re-execution (default '--bind-to none': ranks "
+        "float as spawned ranks do, so pycomm and gloo run as they would without mpi)",
     )
     p.add_argument("--ops", default="all_reduce", help=f"comma list of {','.join(OPS)}")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (not torchrun)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        help="local ranks to start (mpirun's -np with mpi); ignored under torchrun/mpirun",
+    )
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"), help="1K")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="64M")
     p.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier (4)")
@@ -79,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    args.backends = _labels([b for b in args.backends.split(",") if b])
+    args.notes = []
+    args.backends = _labels(_backends(args, args.notes))
     args.ops = [o for o in args.ops.split(",") if o]
     bad = [o for o in args.ops if o not in OPS]
     if bad:

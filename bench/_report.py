@@ -56,27 +56,33 @@ def _cells(row: dict | None) -> str:
     return f"{row['time_us']:10.1f} {row['algbw']:7.3f} {row['busbw']:7.3f} {wrong:>6}"
 
 
-def _ratio(rows: list[dict | None]) -> str:
-    """time and busbw of the first backend over the second (e.g. pycomm/gloo)."""
-    if len(rows) < 2 or rows[0] is None or rows[1] is None:
-        return ""
-    a, b = rows[0], rows[1]
+def _ratio(a: dict | None, b: dict | None, width: int) -> str:
+    """time and busbw of ``a`` over ``b`` (e.g. pycomm/gloo), blank when one is missing."""
+    if a is None or b is None:
+        return f"| {'':>{width}} "
     bus = a["busbw"] / b["busbw"] if b["busbw"] else float("nan")
-    return f"| {a['time_us'] / b['time_us']:6.2f} {bus:6.2f}"
+    pair = f"{a['time_us'] / b['time_us']:6.2f} {bus:6.2f}"
+    return f"| {pair:>{width}} "
 
 
 def format_op(op: str, rows: list[dict], backends: list[str]) -> list[str]:
-    """The table for one op: a header, one line per size, an average line per backend."""
+    """The table for one op: a header, one line per size, an average line per backend.
+
+    After the backends' columns comes one ratio pair (time, busbw) of the first
+    backend over each other one: pycomm/gloo, pycomm/mpi, ...
+    """
     by_key = {(r["bytes"], r["backend"]): r for r in rows}
     sizes = sorted({r["bytes"] for r in rows})
-    ratio = f" | {backends[0]}/{backends[1]}" if len(backends) > 1 else ""
+    ratios = [f"{backends[0]}/{b}" for b in backends[1:]]
+    widths = [max(13, len(r)) for r in ratios]
     lines = [
         f"# op: {op}",
-        "#" + " " * 40 + "".join(f"| {b:^33} " for b in backends) + ratio,
+        "#" + " " * 40 + "".join(f"| {b:^33} " for b in backends)
+        + "".join(f"| {r:^{w}} " for r, w in zip(ratios, widths, strict=True)),
         f"# {'size':>10} {'count':>11} {'type':>8} {'redop':>6} "
         + "| {:>10} {:>7} {:>7} {:>6} ".format("time(us)", "algbw", "busbw", "#wrong")
         * len(backends)
-        + (f"| {'time':>6} {'busbw':>6}" if ratio else ""),
+        + "".join(f"| {'time  busbw':>{w}} " for w in widths),
     ]
     for size in sizes:
         cols = [by_key.get((size, b)) for b in backends]
@@ -84,7 +90,7 @@ def format_op(op: str, rows: list[dict], backends: list[str]) -> list[str]:
         line = (
             f"  {size:>10} {first['count']:>11} {first['type']:>8} {first['redop']:>6} "
             + "".join(f"| {_cells(c)} " for c in cols)
-            + _ratio(cols)
+            + "".join(_ratio(cols[0], c, w) for c, w in zip(cols[1:], widths, strict=True))
         )
         lines.append(line.rstrip())
     for b in backends:
@@ -111,10 +117,14 @@ def write_json(path: Path, meta: dict, rows: list[dict], memcpy: dict) -> None:
     path.write_text(json.dumps(doc, indent=1))
 
 
+LATENCY_MAX = 64 << 10  # the latency panel's largest size: where time, not bandwidth, rules
+
+
 def write_plot(
     path: Path, rows: list[dict], backends: list[str], limit_gbs: float | None, world: int
 ) -> bool:
-    """busbw against size (log-log), one line per backend, one panel per op.
+    """Per op, two panels: busbw against size (log-x, with the memcpy limit line) and
+    time against size up to 64 KB (log-log), one line per backend.
 
     Returns False (and writes nothing) when matplotlib is not installed.
     """
@@ -126,30 +136,31 @@ def write_plot(
     except ImportError:
         return False
     ops = list(dict.fromkeys(r["op"] for r in rows))
-    ncols = min(3, len(ops))
-    nrows = -(-len(ops) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 4 * nrows), squeeze=False)
-    for ax in axes.flat[len(ops) :]:
-        ax.set_visible(False)
-    for ax, op in zip(axes.flat, ops, strict=False):
-        for b in backends:
-            pts = sorted(
-                (r["bytes"], r["busbw"]) for r in rows if r["op"] == op and r["backend"] == b
+    fig, axes = plt.subplots(len(ops), 2, figsize=(12, 4 * len(ops)), squeeze=False)
+    for (bw_ax, lat_ax), op in zip(axes, ops, strict=True):
+        for i, b in enumerate(backends):
+            mine = sorted(
+                ((r["bytes"], r) for r in rows if r["op"] == op and r["backend"] == b),
+                key=lambda nr: nr[0],
             )
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=b)
+            # a backend keeps its colour in every panel, even where another one is missing
+            style = {"marker": "o", "label": b, "color": f"C{i}"}
+            if mine:
+                bw_ax.plot([n for n, _ in mine], [r["busbw"] for _, r in mine], **style)
+            small = [(n, r["time_us"]) for n, r in mine if n <= LATENCY_MAX]
+            if small:
+                lat_ax.plot(*zip(*small, strict=True), **style)
         if limit_gbs:
-            ax.axhline(limit_gbs, color="grey", linestyle="--", label="memcpy (all ranks)")
-        # log y too: busbw spans three decades from 1 KB to 64 MB
-        ax.set(
-            xscale="log",
-            yscale="log",
-            xlabel="size (bytes)",
-            ylabel="busbw (GB/s)",
-            title=f"{op}, {world} ranks",
-        )
-        ax.legend()
+            bw_ax.axhline(limit_gbs, color="grey", linestyle="--", label="memcpy (all ranks)")
+        bw_ax.set(xscale="log", xlabel="size (bytes)", ylabel="busbw (GB/s)")
+        bw_ax.set_title(f"{op}, {world} ranks: bus bandwidth")
+        lat_ax.set(xscale="log", yscale="log", xlabel="size (bytes)", ylabel="time (µs)")
+        lat_ax.set_title(f"{op}, {world} ranks: latency up to 64 KB")
+        for ax in (bw_ax, lat_ax):
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.lines:
+                ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return True

@@ -21,6 +21,7 @@ REDOPS = {
     "min": dist.ReduceOp.MIN,
 }
 ROOT = 0  # broadcast root
+Alloc = Callable[..., torch.Tensor]  # (count, dtype=...) -> tensor: torch.empty, pycomm.empty
 
 
 def busbw_factor(op: str, world: int) -> float:
@@ -62,29 +63,53 @@ class Buffers:
         return self.work if self.out is None else self.out
 
 
-def make_buffers(op: str, count: int, dtype: torch.dtype, rank: int, world: int) -> Buffers:
-    """Allocate a case; ``count`` is S in elements (see BENCHMARKS.md)."""
+def make_buffers(
+    op: str, count: int, dtype: torch.dtype, rank: int, world: int, alloc: Alloc = torch.empty
+) -> Buffers:
+    """Allocate a case with ``alloc`` (torch.empty, or pycomm.empty for arena buffers).
+
+    ``count`` is S in elements (see BENCHMARKS.md). ``work`` is always a fresh
+    allocation, so a backend that is faster on its own memory gets it for every op.
+    """
     in_count = count // world if op == "all_gather" else count
     src = rank_input(rank, in_count, dtype)
+    work = alloc(in_count, dtype=dtype)
+    work.copy_(src)
     if op in ("all_reduce", "broadcast"):  # in place, as DDP and torch's API use them
-        return Buffers(src, src.clone(), None)
+        return Buffers(src, work, None)
     out_count = count // world if op == "reduce_scatter" else count
-    return Buffers(src, src, torch.empty(out_count, dtype=dtype))
+    return Buffers(src, work, alloc(out_count, dtype=dtype))
 
 
-def launcher(op: str, bufs: Buffers, group, redop: str) -> Callable[[], None]:
-    """A no-argument call that runs the collective once, synchronously."""
-    red = REDOPS[redop]
-    calls = {
-        "all_reduce": lambda: dist.all_reduce(bufs.work, op=red, group=group),
-        "all_gather": lambda: dist.all_gather_single(bufs.out, bufs.work, group=group),
-        "reduce_scatter": lambda: dist.reduce_scatter_single(
-            bufs.out, bufs.work, op=red, group=group
-        ),
-        "broadcast": lambda: dist.broadcast(bufs.work, group_src=ROOT, group=group),
-        "all_to_all": lambda: dist.all_to_all_single(bufs.out, bufs.work, group=group),
-    }
-    return calls[op]
+class TorchComm:
+    """A torch.distributed group as the timing loop sees it (mpi has its own: bench._mpi)."""
+
+    def __init__(self, group, alloc: Alloc = torch.empty):
+        self.group = group
+        self.alloc = alloc
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def unsupported(self, op: str, dtype: torch.dtype, redop: str) -> str:
+        """Why this case cannot run here ('' = it can); torch backends raise their own."""
+        return ""
+
+    def launcher(self, op: str, bufs: Buffers, redop: str) -> Callable[[], None]:
+        """A no-argument call that runs the collective once, synchronously."""
+        red, group = REDOPS[redop], self.group
+        calls = {
+            "all_reduce": lambda: dist.all_reduce(bufs.work, op=red, group=group),
+            "all_gather": lambda: dist.all_gather_single(bufs.out, bufs.work, group=group),
+            "reduce_scatter": lambda: dist.reduce_scatter_single(
+                bufs.out, bufs.work, op=red, group=group
+            ),
+            "broadcast": lambda: dist.broadcast(bufs.work, group_src=ROOT, group=group),
+            "all_to_all": lambda: dist.all_to_all_single(bufs.out, bufs.work, group=group),
+        }
+        return calls[op]
 
 
 def expected(
@@ -118,27 +143,27 @@ def count_wrong(result: torch.Tensor, ref: torch.Tensor, redop: str) -> int:
     return int((err > tol * ref.abs().clamp(min=1)).sum())
 
 
-def time_case(op: str, count: int, dtype: torch.dtype, group, args) -> dict:
+def time_case(op: str, count: int, dtype: torch.dtype, comm, args) -> dict:
     """Time ``args.iters`` runs after ``args.warmup_iters``; this rank's seconds and #wrong.
 
-    A barrier on the group under test precedes every iteration, so each one
-    starts from aligned ranks; rank 0 later takes the slowest rank per iteration.
-    ``#wrong`` (with ``args.check``) is counted on the last timed iteration's result.
+    ``comm`` is a :class:`TorchComm` or a ``bench._mpi.MpiComm``. A barrier of the
+    backend under test precedes every iteration, so each one starts from aligned
+    ranks; rank 0 later takes the slowest rank per iteration. ``#wrong`` (with
+    ``args.check``) is counted on the last timed iteration's result.
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    bufs = make_buffers(op, count, dtype, rank, world)
-    run = launcher(op, bufs, group, args.redop)
+    bufs = make_buffers(op, count, dtype, comm.rank, comm.world, comm.alloc)
+    run = comm.launcher(op, bufs, args.redop)
     times = []
     for i in range(args.warmup_iters + args.iters):
         bufs.reset()
-        dist.barrier(group=group)
+        comm.barrier()
         start = time.perf_counter()
         run()
         if i >= args.warmup_iters:
             times.append(time.perf_counter() - start)
     wrong = -1
     if args.check:
-        ref = expected(op, count, dtype, rank, world, args.redop)
+        ref = expected(op, count, dtype, comm.rank, comm.world, args.redop)
         wrong = count_wrong(bufs.result(), ref, args.redop)
     return {"times": times, "wrong": wrong}
 

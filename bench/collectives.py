@@ -1,10 +1,11 @@
-"""Collective benchmark, nccl-tests style: pycomm and gloo side by side in one run.
+"""Collective benchmark, nccl-tests style: pycomm, gloo and Open MPI side by side in one run.
 
-``python -m bench.collectives`` spawns ``--nproc`` local ranks itself; under
-``torchrun`` (RANK and WORLD_SIZE set) it runs in place. All ranks join one
-gloo default group (used only to collect timings) plus one group per backend
-under test, and for each op and size the backends run one after the other
-(interleaved, order alternating per size) so that machine noise hits both.
+``python -m bench.collectives`` starts ``--nproc`` local ranks itself (under mpirun
+when mpi is a backend, see :mod:`bench._launch`); under ``torchrun`` or ``mpirun``
+it runs in place. All ranks join one gloo default group (used only to collect
+timings) plus one communicator per backend under test, and for each op and size
+the backends run one after the other (interleaved, order alternating per size)
+so that machine noise hits all of them.
 
 Example::
 
@@ -18,27 +19,56 @@ import sys
 import torch
 import torch.distributed as dist
 
-from bench import _report
+from bench import _mpi, _report
 from bench._cli import DTYPES, parse_args
-from bench._timing import time_case, time_memcpy, total_count
+from bench._launch import launch
+from bench._timing import TorchComm, time_case, time_memcpy, total_count
+
+
+def _registered_alloc():
+    """pycomm.empty, or a SystemExit saying it is not there yet."""
+    import pycomm
+
+    empty = getattr(pycomm, "empty", None)
+    if empty is None:
+        raise SystemExit(
+            "pycomm-registered (--registered) times pycomm on buffers from "
+            "pycomm.empty(shape, dtype=...), the zero-copy tensors of pycomm's shared-memory "
+            "arena; this pycomm has no pycomm.empty yet. Use --backends without it."
+        )
+    return empty
 
 
 def _available(backend: str) -> str:
     """Why ``backend`` cannot be used here, or '' when it can."""
-    if backend == "pycomm":
+    if backend == "mpi":
+        if _mpi.world_from_env() is None:
+            return "not started by mpirun (launch without torchrun to re-execute under it)"
+        return _mpi.missing()
+    if backend.startswith("pycomm"):
         try:
             import pycomm  # noqa: F401  (registers the backend)
         except Exception as exc:  # not built, or built against another torch
             return f"import pycomm failed: {exc!r}"
+        backend = "pycomm"
     if backend not in dist.Backend.backend_list:
         return f"backend {backend!r} is not registered"
     return ""
 
 
-def make_groups(backends: list[str]) -> tuple[dict, dict]:
-    """One group per backend usable on every rank, and {backend: why} for the others.
+def _comm(backend: str):
+    """The communicator the timing loop drives for one backend (a column)."""
+    if backend == "mpi":
+        return _mpi.MpiComm()
+    if backend == "pycomm-registered":
+        return TorchComm(dist.new_group(backend="pycomm"), alloc=_registered_alloc())
+    return TorchComm(dist.new_group(backend=backend))
 
-    Every rank creates the groups in the same order, as ``new_group`` requires.
+
+def make_groups(backends: list[str]) -> tuple[dict, dict]:
+    """One communicator per backend usable on every rank, and {backend: why} for the others.
+
+    Every rank creates them in the same order, as ``new_group`` and MPI's Dup require.
     """
     reasons: list = [None] * dist.get_world_size()
     dist.all_gather_object(reasons, [_available(b.split("#")[0]) for b in backends])
@@ -48,7 +78,7 @@ def make_groups(backends: list[str]) -> tuple[dict, dict]:
         if why:
             skipped[b] = why
         else:
-            groups[b] = dist.new_group(backend=b.split("#")[0])
+            groups[b] = _comm(b.split("#")[0])
     return groups, skipped
 
 
@@ -63,26 +93,32 @@ def _progress(total: int, quiet: bool):
     return tqdm(total=total, desc="bench", leave=False, file=sys.stderr)
 
 
-def measure(args: argparse.Namespace, groups: dict) -> list[tuple]:
-    """Run every (op, size, backend) case; this rank's (key, result) pairs."""
+def measure(args: argparse.Namespace, groups: dict) -> tuple[list[tuple], dict]:
+    """Run every (op, size, backend) case: this rank's (key, result) pairs, and the
+    cases a backend cannot run as {(backend, op): why}."""
     dtype, world = DTYPES[args.datatype], dist.get_world_size()
     bar = _progress(len(args.ops) * len(args.sizes) * len(groups), args.quiet)
-    out = []
+    out, cannot = [], {}
     for op in args.ops:
         for i, nbytes in enumerate(args.sizes):
             count = total_count(op, nbytes, dtype.itemsize, world)
             order = list(groups) if i % 2 == 0 else list(groups)[::-1]
             for b in order:
-                res = time_case(op, count, dtype, groups[b], args)
-                out.append(((op, b, count * dtype.itemsize, count), res))
+                if why := groups[b].unsupported(op, dtype, args.redop):
+                    cannot[(b, op)] = why
+                else:
+                    res = time_case(op, count, dtype, groups[b], args)
+                    out.append(((op, b, count * dtype.itemsize, count), res))
                 if bar is not None:
                     bar.update()
     if bar is not None:
         bar.close()
-    return out
+    return out, cannot
 
 
-def report(args: argparse.Namespace, backends: list[str], gathered: list, skipped: dict) -> None:
+def report(
+    args: argparse.Namespace, backends: list[str], gathered: list, skipped: dict, cannot: dict
+) -> None:
     """Rank 0: summarise every rank's timings, print the tables, write JSON and the plot.
 
     ``gathered[r]`` is rank r's (case results, memcpy times) as sent by :func:`worker`.
@@ -93,8 +129,13 @@ def report(args: argparse.Namespace, backends: list[str], gathered: list, skippe
         for k, (key, _) in enumerate(gathered[0][0])
     ]
     limit = _report.memcpy_limit(args.sizes[-1], [g[1] for g in gathered])
+    notes = [*args.notes, _mpi.oversubscribed(world) if "mpi" in backends else ""]
+    for note in filter(None, notes):
+        print(f"# note: {note}")
     for b, why in skipped.items():
         print(f"# skipped {b}: {why}")
+    for (b, op), why in cannot.items():
+        print(f"# skipped {b} for {op}: {why}")
     print(
         f"# pycomm-bench: {world} ranks, {args.datatype}, -n {args.iters} -w {args.warmup_iters} "
         f"-c {args.check}; backends {','.join(backends)} interleaved per size in one job "
@@ -131,44 +172,24 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     groups, skipped = make_groups(args.backends)
-    results = measure(args, groups)
+    results, cannot = measure(args, groups)
     memcpy = time_memcpy(args.sizes[-1], args.iters, dist.group.WORLD)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object((results, memcpy), gathered, dst=0)
     if rank == 0 and groups:
-        report(args, list(groups), gathered, skipped)
+        report(args, list(groups), gathered, skipped, cannot)
     elif rank == 0:
         print(f"# no backend to run: {skipped}", file=sys.stderr)
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for the spawned ranks)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> None:
-    """Entry point (``pycomm-bench``): run in place under torchrun, else spawn ranks."""
+    """Entry point (``pycomm-bench``): run in place under torchrun or mpirun, else start ranks."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
-        return
-    import torch.multiprocessing as mp
-
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    try:  # the spawned ranks inherit the rendezvous address from this environment
-        mp.spawn(worker, args=(args.nproc, args), nprocs=args.nproc, join=True)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    if "pycomm-registered" in (b.split("#")[0] for b in args.backends):
+        _registered_alloc()  # fail here, once, rather than on every rank
+    launch(argv, args, worker)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""The collective benchmark's arithmetic, checker and report, plus one tiny gloo run."""
+"""The collective benchmark's arithmetic, checker and report, plus tiny real runs."""
 
 import json
 
 import pytest
 import torch
 
-from bench import _report, _timing
+from bench import _mpi, _report, _timing
 from bench._cli import parse_args, parse_size, sizes
 from bench.collectives import main
 
@@ -101,3 +101,82 @@ def test_tiny_gloo_run_writes_a_clean_table(tmp_path):
     doc = json.loads(out.read_text())
     assert len(doc["results"]) == len(_timing.OPS) * 2 * 2
     assert all(r["wrong"] == 0 for r in doc["results"])
+
+
+def test_registered_goes_right_after_pycomm():
+    args = parse_args(["--backends", "pycomm,gloo,mpi", "--registered"])
+    assert args.backends == ["pycomm", "pycomm-registered", "gloo", "mpi"]
+
+
+def test_default_backends_follow_open_mpi(monkeypatch):
+    monkeypatch.setattr(_mpi, "missing", lambda: "")
+    assert parse_args([]).backends == ["pycomm", "gloo", "mpi"]
+    monkeypatch.setattr(_mpi, "missing", lambda: "mpi4py is not installed (...)")
+    args = parse_args([])
+    assert args.backends == ["pycomm", "gloo"]
+    assert "mpi4py is not installed" in args.notes[0]
+
+
+def test_ratio_columns_are_first_over_each_peer():
+    rows = [
+        {**dict.fromkeys(("count", "type", "redop"), 1), "bytes": 8, "backend": b,
+         "time_us": t, "algbw": 1.0, "busbw": 8 / t, "wrong": 0}
+        for b, t in (("pycomm", 1.0), ("gloo", 4.0), ("mpi", 2.0))
+    ]
+    table = _report.format_op("all_reduce", rows, ["pycomm", "gloo", "mpi"])
+    assert "pycomm/gloo" in table[1] and "pycomm/mpi" in table[1]
+    assert table[3].split("|")[-2:] == ["   0.25   4.00 ", "   0.50   2.00"]
+
+
+def _smoke_backends() -> list[str]:
+    """Every backend this machine has: pycomm (and its arena buffers), gloo, Open MPI."""
+    import pycomm
+
+    out = ["gloo"]
+    if pycomm.extension_error() is None:
+        out = ["pycomm", *(["pycomm-registered"] if hasattr(pycomm, "empty") else []), *out]
+    return out + ([] if _mpi.missing() else ["mpi"])
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One run of every op on every backend present, at 8 B, 512 B and 32 KB."""
+    out = tmp_path_factory.mktemp("smoke") / "c.json"
+    backends = _smoke_backends()
+    argv = ["--backends", ",".join(backends), "--ops", ",".join(_timing.OPS),
+            "-b", "8", "-e", "64K", "-f", "64", "-n", "2", "-w", "1", "--out", str(out), "--quiet"]
+    main(argv)  # under mpirun when mpi is among them
+    return backends, out
+
+
+def test_smoke_every_op_and_backend_is_right(smoke):
+    backends, out = smoke
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["backends"] == backends, doc["meta"]["skipped"]
+    cases = {(r["op"], r["backend"], r["bytes"]) for r in doc["results"]}
+    assert len(cases) == len(_timing.OPS) * len(backends) * 3
+    assert [r for r in doc["results"] if r["wrong"] != 0] == []
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.skipif(bool(_mpi.missing()), reason=_mpi.missing() or "Open MPI is installed")
+def test_smoke_includes_open_mpi(smoke):
+    doc = json.loads(smoke[1].read_text())
+    assert {r["op"] for r in doc["results"] if r["backend"] == "mpi"} == set(_timing.OPS)
+
+
+@pytest.mark.skipif(bool(_mpi.missing()), reason=_mpi.missing() or "Open MPI is installed")
+def test_open_mpi_moves_bfloat16_but_does_not_reduce_it(tmp_path, capfd):
+    out = tmp_path / "bf16.json"
+    main(["--backends", "mpi", "--ops", "all_reduce,all_gather", "-d", "bfloat16",
+          "-b", "8", "-e", "512", "-f", "64", "-n", "2", "-w", "1", "--out", str(out), "--quiet"])
+    rows = json.loads(out.read_text())["results"]
+    assert {r["op"] for r in rows} == {"all_gather"}
+    assert all(r["wrong"] == 0 for r in rows)
+    assert "skipped mpi for all_reduce: Open MPI has no torch.bfloat16 reduction" in (
+        capfd.readouterr().out
+    )

@@ -45,7 +45,7 @@ struct alignas(kLine) RankControl {
   std::atomic<uint32_t> state{0};          // RankState
   std::atomic<uint64_t> entered_seq{0};    // last collective this rank started
   std::atomic<uint64_t> completed_seq{0};  // last collective this rank finished
-  std::atomic<uint64_t> stage{0};          // seq * 8 + step, for multi-step syncs
+  std::atomic<uint64_t> stage{0};          // seq * 2^20 + step, for multi-step syncs
   PackedDesc recent[4];                    // descriptors of its last calls, by seq % 4
   Bell bells[2];                           // one per lane
 };

@@ -134,14 +134,14 @@ const void* Transport::wait_direct(int peer, const OpCall& op) {
 
 // ---- steps -------------------------------------------------------------------------------
 
-void Transport::post_stage(const OpCall& op, int k) {
-  shared_.control(rank())->stage.store(op.desc.seq * 8 + k, std::memory_order_release);
+void Transport::post_stage(const OpCall& op, uint64_t k) {
+  shared_.control(rank())->stage.store(op.desc.seq * kStagesPerOp + k, std::memory_order_release);
   for (int r = 0; r < world(); ++r)
     if (r != rank()) shared_.ring(r, lane_);
 }
 
-void Transport::wait_stage(const OpCall& op, int k) {
-  const uint64_t want = op.desc.seq * 8 + k;
+void Transport::wait_stage(const OpCall& op, uint64_t k) {
+  const uint64_t want = op.desc.seq * kStagesPerOp + k;
   auto behind = [&](int r) {
     return shared_.control(r)->stage.load(std::memory_order_acquire) < want;
   };

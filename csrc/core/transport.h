@@ -47,10 +47,11 @@ class Transport {
   const void* wait_direct(int peer, const OpCall& op);
 
   // ---- steps within one op (collective lane only) ---------------------------------------
-  // Announces that this rank finished step `k` (1..7) of op; wait_stage() returns once
-  // every other rank has too.
-  void post_stage(const OpCall& op, int k);
-  void wait_stage(const OpCall& op, int k);
+  // Announces that this rank finished step `k` (1 .. 2^20 - 1) of op; wait_stage()
+  // returns once every other rank has too.
+  static constexpr uint64_t kStagesPerOp = 1ull << 20;
+  void post_stage(const OpCall& op, uint64_t k);
+  void wait_stage(const OpCall& op, uint64_t k);
 
  private:
   [[noreturn]] void chunk_mismatch(int peer, const OpCall& op, const SlotHeader& h,

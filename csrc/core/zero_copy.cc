@@ -1,5 +1,6 @@
 #include "zero_copy.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "reduce.h"
@@ -43,27 +44,33 @@ std::vector<char*> negotiate_zero_copy(Transport& t, PeerMemory& peers, const Op
   return bufs;
 }
 
-// Step 1: reduce our part from every rank's buffer into our own, in place (nobody else
-// reads our part of our buffer in this step). Step 2: copy every other finished part
-// from its owner. The stage waits keep a rank from reading a part before it is final,
-// and from returning while a peer may still read its buffer.
+// Each round takes one chunk of every rank's part. Step 1: reduce our chunk from every
+// rank's buffer into our own, in place (nobody else reads our part of our buffer then).
+// Step 2, after the round's stage wait: copy every other rank's finished chunk. Rounds
+// keep the chunk a peer just reduced in cache when we read it, and need one wait each:
+// the next round's step 1 writes memory nobody reads in this round's step 2.
+// A last wait keeps us from returning while a peer may still read our buffer.
 void all_reduce_zero_copy(Transport& t, const OpCall& op, const Args& a,
                           const std::vector<char*>& bufs) {
   const int n = t.world(), r = t.rank();
   const size_t es = dtype_size(a.dtype);
-  Partition parts(a.count, n, a.count);
-  size_t off = parts.begin(r) * es;
-  auto srcs = own_first(bufs, r, off);
-  reduce_many(a.dtype, a.op, bufs[r] + off, srcs.data(), n, parts.size(r), a.scale);
-  t.post_stage(op, 1);
-  t.wait_stage(op, 1);
-  for (int q = 0; q < n; ++q) {
-    if (q == r) continue;
-    size_t qoff = parts.begin(q) * es;
-    std::memcpy(bufs[r] + qoff, bufs[q] + qoff, parts.size(q) * es);
+  Partition parts(a.count, n, std::max<size_t>(1, t.chunk_bytes() / es));
+  uint64_t stage = 0;
+  for (size_t round = 0; round < parts.rounds(); ++round) {
+    Piece mine = parts.piece(r, round);
+    auto srcs = own_first(bufs, r, mine.offset * es);
+    reduce_many(a.dtype, a.op, bufs[r] + mine.offset * es, srcs.data(), n, mine.count, a.scale);
+    t.post_stage(op, ++stage);
+    t.wait_stage(op, stage);
+    for (int q = 0; q < n; ++q) {
+      if (q == r) continue;
+      Piece theirs = parts.piece(q, round);
+      size_t off = theirs.offset * es;
+      std::memcpy(bufs[r] + off, bufs[q] + off, theirs.count * es);
+    }
   }
-  t.post_stage(op, 2);
-  t.wait_stage(op, 2);
+  t.post_stage(op, ++stage);
+  t.wait_stage(op, stage);
 }
 
 void reduce_scatter_zero_copy(Transport& t, const OpCall& op, const Args& a,

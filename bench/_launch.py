@@ -1,0 +1,65 @@
+"""How the benchmark's ranks come to be: mpirun, torchrun, or spawned here.
+
+- Started by mpirun (OMPI_COMM_WORLD_RANK set): this process is a rank.
+- Started by torchrun (RANK and WORLD_SIZE set): this process is a rank; mpi is skipped.
+- Otherwise, when mpi is requested and Open MPI is installed, the same command is
+  re-executed under mpirun (one job holds every backend); else ``--nproc`` ranks are
+  spawned with torch.multiprocessing.
+"""
+
+import argparse
+import os
+import socket
+from collections.abc import Callable
+
+from bench import _mpi
+
+Worker = Callable[[int, int, argparse.Namespace], None]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for the ranks' rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wants_mpi(backends: list[str]) -> bool:
+    return any(b.split("#")[0] == "mpi" for b in backends)
+
+
+def launch(argv: list[str], args: argparse.Namespace, worker: Worker) -> None:
+    """Run ``worker(rank, world, args)`` on every rank, starting the ranks if need be."""
+    if (mpi_world := _mpi.world_from_env()) is not None:
+        _mpi.ensure_rendezvous()
+        worker(*mpi_world, args)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    elif wants_mpi(args.backends) and not _mpi.missing():
+        # The children parse the same argv, so they resolve the same backends.
+        rc = _mpi.reexec(argv, args.nproc, args.mpirun_args)
+        if rc:
+            raise SystemExit(rc)
+    else:
+        _spawn(worker, args)
+
+
+def _spawn(worker: Worker, args: argparse.Namespace) -> None:
+    """``--nproc`` local ranks through torch.multiprocessing, sharing a fresh rendezvous."""
+    import torch.multiprocessing as mp
+
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:  # the spawned ranks inherit the rendezvous address from this environment
+        mp.spawn(_rank, args=(worker, args.nproc, args), nprocs=args.nproc, join=True)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _rank(rank: int, worker: Worker, world: int, args: argparse.Namespace) -> None:
+    """mp.spawn's entry: its index first, then our arguments."""
+    worker(rank, world, args)
