@@ -112,6 +112,28 @@ class TorchComm:
         return calls[op]
 
 
+class NativeComm(TorchComm):
+    """pycomm called directly (``all_reduce_now``), not through torch.distributed's
+    dispatcher: what mpi4py is to MPI, so small-message latency compares library with
+    library. all_reduce only; the other ops are reported as unsupported."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        import torch as _torch
+
+        self.backend = group._get_backend(_torch.device("cpu"))
+
+    def barrier(self) -> None:
+        self.backend.barrier_now()
+
+    def unsupported(self, op: str, dtype: torch.dtype, redop: str) -> str:
+        return "" if op == "all_reduce" else "the native path has all_reduce only"
+
+    def launcher(self, op: str, bufs: Buffers, redop: str) -> Callable[[], None]:
+        backend, tensor = self.backend, bufs.work
+        return lambda: backend.all_reduce_now(tensor, redop)
+
+
 def expected(
     op: str, count: int, dtype: torch.dtype, rank: int, world: int, redop: str
 ) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from bench import _mpi, _report
 from bench._cli import DTYPES, parse_args
 from bench._launch import launch
-from bench._timing import TorchComm, time_case, time_memcpy, total_count
+from bench._timing import NativeComm, TorchComm, time_case, time_memcpy, total_count
 
 
 def _registered_alloc():
@@ -62,6 +62,8 @@ def _comm(backend: str):
         return _mpi.MpiComm()
     if backend == "pycomm-registered":
         return TorchComm(dist.new_group(backend="pycomm"), alloc=_registered_alloc())
+    if backend == "pycomm-native":
+        return NativeComm(dist.new_group(backend="pycomm"))
     return TorchComm(dist.new_group(backend=backend))
 
 

@@ -21,11 +21,15 @@ bool Worker::run_inline(const std::function<void()>& task) {
     busy_ = true;
   }
   task();
+  bool queued;
   {
     std::lock_guard<std::mutex> lock(mu_);
     busy_ = false;
+    queued = !tasks_.empty() || stopping_;
   }
-  cv_.notify_all();
+  // Wake the worker only if something waits for it: an unneeded notify is a futex
+  // syscall plus a wake-up of the worker on every synchronous op.
+  if (queued) cv_.notify_all();
   return true;
 }
 
@@ -50,11 +54,8 @@ void Worker::loop() {
       busy_ = true;
     }
     task();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      busy_ = false;
-    }
-    cv_.notify_all();
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_ = false;
   }
 }
 
