@@ -30,6 +30,17 @@ std::string hostname() {
 
 // Oversubscribed ranks (more ranks than cores) must not burn the core the peer they wait
 // for needs, so they go to the yielding phase almost at once.
+// The direct algorithm takes one step where the ring takes 2(n-1), but reads every
+// rank's whole message. Measured here (bench/README.md): with a core per rank the ring
+// wins from 64 KiB up, so direct stops at 16 KiB; oversubscribed, every ring step waits
+// for a descheduled peer and direct wins up to 64 KiB.
+size_t direct_bytes_for(const Config& cfg, int world) {
+  if (std::getenv("PYCOMM_DIRECT_BYTES") != nullptr) return cfg.direct_bytes;
+  unsigned cores = std::thread::hardware_concurrency();
+  bool oversubscribed = cores != 0 && static_cast<unsigned>(world) > cores;
+  return oversubscribed ? 64 << 10 : 16 << 10;
+}
+
 uint32_t spin_us_for(const Config& cfg, int world) {
   unsigned cores = std::thread::hardware_concurrency();
   if (std::getenv("PYCOMM_SPIN_US") == nullptr && cores != 0 &&
@@ -77,6 +88,7 @@ void Communicator::depart() {
 // every process is killed: the kernel frees the memory with the last mapping.
 void Communicator::create_or_open(Rendezvous& rdv) {
   if (rank_ == 0) {
+    cfg_.direct_bytes = direct_bytes_for(cfg_, world_);
     Layout layout(world_, cfg_.slots, cfg_.chunk_bytes, cfg_.direct_bytes);
     std::string what = "a " + std::to_string(world_) + "-rank communicator (" +
                        std::to_string(cfg_.slots) + " slots x " + kib(cfg_.chunk_bytes) +
