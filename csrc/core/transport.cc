@@ -87,25 +87,29 @@ void Transport::chunk_mismatch(int peer, const OpCall& op, const SlotHeader& h, 
 
 // ---- direct areas ------------------------------------------------------------------------
 
+template <class Behind>
+void Transport::wait_for_peers(const OpCall& op, Behind behind) {
+  waiter_.wait(
+      op,
+      [&] {
+        for (int r = 0; r < world(); ++r)
+          if (r != rank() && behind(r)) return false;
+        return true;
+      },
+      [&](std::vector<int>& who) {
+        for (int r = 0; r < world(); ++r)
+          if (r != rank() && behind(r)) who.push_back(r);
+      });
+}
+
 void* Transport::direct_buffer(const OpCall& op) {
   uint64_t seq = op.desc.seq;
   // The area for this parity was last used at seq - 2; peers may still read it until
   // they have finished that op.
   if (seq > 2) {
-    auto behind = [&](int r) {
+    wait_for_peers(op, [&](int r) {
       return shared_.control(r)->completed_seq.load(std::memory_order_acquire) < seq - 2;
-    };
-    waiter_.wait(
-        op,
-        [&] {
-          for (int r = 0; r < world(); ++r)
-            if (r != rank() && behind(r)) return false;
-          return true;
-        },
-        [&](std::vector<int>& who) {
-          for (int r = 0; r < world(); ++r)
-            if (r != rank() && behind(r)) who.push_back(r);
-        });
+    });
   }
   return Layout::payload(shared_.layout().direct(shared_.base(), rank(), seq & 1));
 }
@@ -142,20 +146,9 @@ void Transport::post_stage(const OpCall& op, uint64_t k) {
 
 void Transport::wait_stage(const OpCall& op, uint64_t k) {
   const uint64_t want = op.desc.seq * kStagesPerOp + k;
-  auto behind = [&](int r) {
+  wait_for_peers(op, [&](int r) {
     return shared_.control(r)->stage.load(std::memory_order_acquire) < want;
-  };
-  waiter_.wait(
-      op,
-      [&] {
-        for (int r = 0; r < world(); ++r)
-          if (r != rank() && behind(r)) return false;
-        return true;
-      },
-      [&](std::vector<int>& who) {
-        for (int r = 0; r < world(); ++r)
-          if (r != rank() && behind(r)) who.push_back(r);
-      });
+  });
 }
 
 }  // namespace pycomm

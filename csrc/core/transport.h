@@ -54,6 +54,9 @@ class Transport {
   void wait_stage(const OpCall& op, uint64_t k);
 
  private:
+  // Waits until behind(r) is false for every other rank r.
+  template <class Behind>
+  void wait_for_peers(const OpCall& op, Behind behind);
   [[noreturn]] void chunk_mismatch(int peer, const OpCall& op, const SlotHeader& h,
                                    uint64_t offset, uint64_t bytes, uint64_t msg_bytes);
 
