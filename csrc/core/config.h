@@ -19,7 +19,7 @@ struct Config {
   // A waiter polls with `pause` for spin_us, then polls with sched_yield() (handing the
   // core to a peer that may need it) until yield_us, then sleeps on a futex. Both are
   // time-based: how long one `pause` takes differs 40x between CPU generations.
-  uint32_t spin_us = 20;            // PYCOMM_SPIN_US (default 2 when ranks > cores)
+  uint32_t spin_us = 20;            // PYCOMM_SPIN_US (default 0 when ranks > cores)
   uint32_t yield_us = 1000;         // PYCOMM_YIELD_US
   bool zero_copy = true;            // PYCOMM_ZERO_COPY=0 turns off in-place reads of arena tensors
 
