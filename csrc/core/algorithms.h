@@ -16,8 +16,8 @@ struct Args {
   void* out = nullptr;       // this rank's output (== in for in-place ops)
   size_t count = 0;          // elements: the buffer (all_reduce, broadcast, reduce) or per rank
   DType dtype = DType::F32;
-  RedOp op = RedOp::NONE;    // kernel op (see kernel_op)
-  double scale = 1.0;        // applied once to the final value (AVG)
+  RedOp op = RedOp::NONE;  // kernel op (see kernel_op)
+  double scale = 1.0;      // applied once to the final value (AVG)
   int root = 0;
 };
 

@@ -49,7 +49,8 @@ Arena::Slab* Arena::new_slab(size_t min_bytes) {
   int rc = ftruncate(fd, static_cast<off_t>(bytes)) == 0
                ? posix_fallocate(fd, 0, static_cast<off_t>(bytes))
                : errno;
-  void* base = rc == 0 ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  void* base =
+      rc == 0 ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
   if (base == MAP_FAILED) {
     if (rc == 0) rc = errno;
     close(fd);

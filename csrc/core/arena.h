@@ -17,10 +17,10 @@ namespace pycomm {
 
 // Where a byte range of the arena lives, as a peer needs to know it.
 struct ArenaLocation {
-  int32_t fd = -1;         // the slab's memfd in the owner process
-  uint64_t slab_id = 0;    // unique per process, never reused
+  int32_t fd = -1;       // the slab's memfd in the owner process
+  uint64_t slab_id = 0;  // unique per process, never reused
   uint64_t slab_bytes = 0;
-  uint64_t offset = 0;     // of the range within the slab
+  uint64_t offset = 0;  // of the range within the slab
 };
 
 struct ArenaStats {
@@ -28,7 +28,7 @@ struct ArenaStats {
   size_t live = 0;      // bytes handed out and not yet freed
   size_t peak = 0;      // highest `live` so far
   size_t slabs = 0;
-  size_t allocations = 0;  // live allocations
+  size_t allocations = 0;   // live allocations
   size_t largest_free = 0;  // largest block available without a new slab
 };
 

@@ -18,9 +18,12 @@ void broadcast_chain(Transport& t, const OpCall& op, const Args& a) {
   for (size_t round = 0; round < whole.rounds(); ++round) {
     Piece p = whole.piece(0, round);
     char* at = data + p.offset * es;
-    if (pos == 0) prims.send(at, p);                 // the root feeds the chain
-    else if (pos < n - 1) prims.recv_copy_send(at, p);  // keep it, pass it on
-    else prims.recv_copy(at, p);                       // the end of the chain
+    if (pos == 0)
+      prims.send(at, p);  // the root feeds the chain
+    else if (pos < n - 1)
+      prims.recv_copy_send(at, p);  // keep it, pass it on
+    else
+      prims.recv_copy(at, p);  // the end of the chain
   }
 }
 
@@ -35,9 +38,12 @@ void reduce_chain(Transport& t, const OpCall& op, const Args& a) {
   for (size_t round = 0; round < whole.rounds(); ++round) {
     Piece p = whole.piece(0, round);
     size_t off = p.offset * es;
-    if (pos == 0) prims.send(in + off, p);                       // start the partial sum
-    else if (pos < n - 1) prims.recv_reduce_send(in + off, p);   // add ours, pass it on
-    else prims.recv_reduce_copy(in + off, out + off, p);         // the root: final value
+    if (pos == 0)
+      prims.send(in + off, p);  // start the partial sum
+    else if (pos < n - 1)
+      prims.recv_reduce_send(in + off, p);  // add ours, pass it on
+    else
+      prims.recv_reduce_copy(in + off, out + off, p);  // the root: final value
   }
 }
 

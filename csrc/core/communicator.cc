@@ -17,8 +17,10 @@ const char* kSegmentKey = "pycomm/segment";
 
 std::string kib(size_t bytes) {
   char buf[32];
-  if (bytes >= (1u << 20)) std::snprintf(buf, sizeof(buf), "%.1f MiB", bytes / 1048576.0);
-  else std::snprintf(buf, sizeof(buf), "%.1f KiB", bytes / 1024.0);
+  if (bytes >= (1u << 20))
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", bytes / 1048576.0);
+  else
+    std::snprintf(buf, sizeof(buf), "%.1f KiB", bytes / 1024.0);
   return buf;
 }
 
@@ -68,12 +70,11 @@ Communicator::Communicator(Rendezvous& rdv, int rank, int world, const Config& c
   transport_ = std::make_unique<Transport>(*shared_, COLL, *waiter_);
   peers_ = std::make_unique<PeerMemory>(*shared_);
   const SegmentHeader* h = shared_->header();
-  log_.log(LogLevel::INFO,
-           "init: rank " + std::to_string(rank_) + " of " + std::to_string(world_) + " on host " +
-               hostname() + ", segment " + kib(segment_.size()) + " (" +
-               std::to_string(h->slots) + " slots x " + kib(h->slot_bytes) +
-               " per channel, direct up to " + kib(h->direct_bytes) + "), timeout " +
-               std::to_string(timeout_.count() / 1000.0) + " s");
+  log_.log(LogLevel::INFO, "init: rank " + std::to_string(rank_) + " of " + std::to_string(world_) +
+                               " on host " + hostname() + ", segment " + kib(segment_.size()) +
+                               " (" + std::to_string(h->slots) + " slots x " + kib(h->slot_bytes) +
+                               " per channel, direct up to " + kib(h->direct_bytes) +
+                               "), timeout " + std::to_string(timeout_.count() / 1000.0) + " s");
 }
 
 Communicator::~Communicator() { depart(); }
@@ -156,9 +157,10 @@ void Communicator::finish(const OpCall& op) {
 std::vector<char*> Communicator::negotiate(const OpCall& op, const void* mine, size_t bytes) {
   auto bufs = negotiate_zero_copy(*transport_, *peers_, op, mine, bytes);
   if (log_.enabled(LogLevel::INFO)) {
-    log_.log(LogLevel::INFO, "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) +
-                                 (bufs.empty() ? ": ring (not every rank's buffer is in the arena)"
-                                               : ": zero-copy (every rank's buffer is in the arena)"));
+    log_.log(LogLevel::INFO,
+             "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) +
+                 (bufs.empty() ? ": ring (not every rank's buffer is in the arena)"
+                               : ": zero-copy (every rank's buffer is in the arena)"));
   }
   return bufs;
 }
@@ -167,8 +169,8 @@ std::vector<char*> Communicator::negotiate(const OpCall& op, const void* mine, s
 template <class Body>
 void Communicator::run(OpCall& op, const char* algo, const std::string& why, Body body) {
   if (algo != nullptr && log_.enabled(LogLevel::INFO)) {
-    log_.log(LogLevel::INFO, "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) +
-                                 ": " + algo + (why.empty() ? "" : " (" + why + ")"));
+    log_.log(LogLevel::INFO, "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) + ": " +
+                                 algo + (why.empty() ? "" : " (" + why + ")"));
   }
   try {
     body();
@@ -222,12 +224,16 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
   OpCall c = begin(OpKind::ALL_REDUCE, dtype, count, op, -1);
   size_t bytes = count * dtype_size(dtype);
   if (world_ == 1 || count == 0) return run(c, "local", "", [] {});
-  if (use_direct(bytes)) return run(c, "direct", direct_reason(bytes), [&] { all_reduce_direct(*transport_, c, a); });
-  if (!try_zero_copy()) return run(c, "ring", direct_reason(bytes), [&] { all_reduce_ring(*transport_, c, a); });
+  if (use_direct(bytes))
+    return run(c, "direct", direct_reason(bytes), [&] { all_reduce_direct(*transport_, c, a); });
+  if (!try_zero_copy())
+    return run(c, "ring", direct_reason(bytes), [&] { all_reduce_ring(*transport_, c, a); });
   run(c, nullptr, "", [&] {
     auto bufs = negotiate(c, data, bytes);
-    if (bufs.empty()) all_reduce_ring(*transport_, c, a);
-    else all_reduce_zero_copy(*transport_, c, a, bufs);
+    if (bufs.empty())
+      all_reduce_ring(*transport_, c, a);
+    else
+      all_reduce_zero_copy(*transport_, c, a, bufs);
   });
 }
 
@@ -241,12 +247,17 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType
   if (world_ == 1 || count == 0) {
     return run(c, "local", "", [&] { std::memmove(out, in, count * dtype_size(dtype)); });
   }
-  if (use_direct(bytes)) return run(c, "direct", direct_reason(bytes), [&] { reduce_scatter_direct(*transport_, c, a); });
-  if (!try_zero_copy()) return run(c, "ring", direct_reason(bytes), [&] { reduce_scatter_ring(*transport_, c, a); });
+  if (use_direct(bytes))
+    return run(c, "direct", direct_reason(bytes),
+               [&] { reduce_scatter_direct(*transport_, c, a); });
+  if (!try_zero_copy())
+    return run(c, "ring", direct_reason(bytes), [&] { reduce_scatter_ring(*transport_, c, a); });
   run(c, nullptr, "", [&] {
     auto bufs = negotiate(c, in, bytes);
-    if (bufs.empty()) reduce_scatter_ring(*transport_, c, a);
-    else reduce_scatter_zero_copy(*transport_, c, a, bufs);
+    if (bufs.empty())
+      reduce_scatter_ring(*transport_, c, a);
+    else
+      reduce_scatter_zero_copy(*transport_, c, a, bufs);
   });
 }
 
@@ -259,12 +270,16 @@ void Communicator::all_gather(const void* in, void* out, size_t count, DType dty
   OpCall c = begin(OpKind::ALL_GATHER, dtype, count, RedOp::NONE, -1);
   size_t bytes = count * dtype_size(dtype);
   if (world_ == 1 || count == 0) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
-  if (use_direct(bytes)) return run(c, "direct", direct_reason(bytes), [&] { all_gather_direct(*transport_, c, a); });
-  if (!try_zero_copy()) return run(c, "ring", direct_reason(bytes), [&] { all_gather_ring(*transport_, c, a); });
+  if (use_direct(bytes))
+    return run(c, "direct", direct_reason(bytes), [&] { all_gather_direct(*transport_, c, a); });
+  if (!try_zero_copy())
+    return run(c, "ring", direct_reason(bytes), [&] { all_gather_ring(*transport_, c, a); });
   run(c, nullptr, "", [&] {
     auto bufs = negotiate(c, in, bytes);
-    if (bufs.empty()) all_gather_ring(*transport_, c, a);
-    else all_gather_zero_copy(*transport_, c, a, bufs);
+    if (bufs.empty())
+      all_gather_ring(*transport_, c, a);
+    else
+      all_gather_zero_copy(*transport_, c, a, bufs);
   });
 }
 
@@ -278,11 +293,13 @@ void Communicator::broadcast(void* data, size_t count, DType dtype, int root) {
   OpCall c = begin(OpKind::BROADCAST, dtype, count, RedOp::NONE, root);
   size_t bytes = count * dtype_size(dtype);
   if (world_ == 1 || count == 0) return run(c, "local", "", [] {});
-  if (use_direct(bytes)) return run(c, "direct", direct_reason(bytes), [&] { broadcast_direct(*transport_, c, a); });
+  if (use_direct(bytes))
+    return run(c, "direct", direct_reason(bytes), [&] { broadcast_direct(*transport_, c, a); });
   run(c, "chain", direct_reason(bytes), [&] { broadcast_chain(*transport_, c, a); });
 }
 
-void Communicator::reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, int root) {
+void Communicator::reduce(const void* in, void* out, size_t count, DType dtype, RedOp op,
+                          int root) {
   check_root(root, "reduce");
   Args a = reduction_args(dtype, op);
   a.in = in;
@@ -292,7 +309,8 @@ void Communicator::reduce(const void* in, void* out, size_t count, DType dtype, 
   OpCall c = begin(OpKind::REDUCE, dtype, count, op, root);
   size_t bytes = count * dtype_size(dtype);
   if (world_ == 1 || count == 0) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
-  if (use_direct(bytes)) return run(c, "direct", direct_reason(bytes), [&] { reduce_direct(*transport_, c, a); });
+  if (use_direct(bytes))
+    return run(c, "direct", direct_reason(bytes), [&] { reduce_direct(*transport_, c, a); });
   run(c, "chain", direct_reason(bytes), [&] { reduce_chain(*transport_, c, a); });
 }
 

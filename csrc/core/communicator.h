@@ -12,12 +12,12 @@
 #include "config.h"
 #include "layout.h"
 #include "log.h"
+#include "peer_memory.h"
 #include "rendezvous.h"
 #include "shared_state.h"
 #include "shm_segment.h"
 #include "transport.h"
 #include "waiter.h"
-#include "peer_memory.h"
 
 namespace pycomm {
 

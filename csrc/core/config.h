@@ -11,17 +11,18 @@ enum class Algo { AUTO, RING, DIRECT };
 enum class LogLevel { WARN = 0, INFO = 1, TRACE = 2 };
 
 struct Config {
-  size_t chunk_bytes = 256 << 10;   // PYCOMM_CHUNK_BYTES: payload of one slot
-  uint32_t slots = 4;               // PYCOMM_SLOTS: slots per channel (>= 2 for the ring)
-  size_t direct_bytes = 64 << 10;   // PYCOMM_DIRECT_BYTES: largest message the direct algorithm takes
-  Algo algo = Algo::AUTO;           // PYCOMM_ALGO=auto|ring|direct
-  LogLevel log = LogLevel::WARN;    // PYCOMM_DEBUG=WARN|INFO|TRACE
+  size_t chunk_bytes = 256 << 10;  // PYCOMM_CHUNK_BYTES: payload of one slot
+  uint32_t slots = 4;              // PYCOMM_SLOTS: slots per channel (>= 2 for the ring)
+  size_t direct_bytes =
+      64 << 10;                   // PYCOMM_DIRECT_BYTES: largest message the direct algorithm takes
+  Algo algo = Algo::AUTO;         // PYCOMM_ALGO=auto|ring|direct
+  LogLevel log = LogLevel::WARN;  // PYCOMM_DEBUG=WARN|INFO|TRACE
   // A waiter polls with `pause` for spin_us, then polls with sched_yield() (handing the
   // core to a peer that may need it) until yield_us, then sleeps on a futex. Both are
   // time-based: how long one `pause` takes differs 40x between CPU generations.
-  uint32_t spin_us = 20;            // PYCOMM_SPIN_US (default 0 when ranks > cores)
-  uint32_t yield_us = 1000;         // PYCOMM_YIELD_US
-  bool zero_copy = true;            // PYCOMM_ZERO_COPY=0 turns off in-place reads of arena tensors
+  uint32_t spin_us = 20;     // PYCOMM_SPIN_US (default 0 when ranks > cores)
+  uint32_t yield_us = 1000;  // PYCOMM_YIELD_US
+  bool zero_copy = true;     // PYCOMM_ZERO_COPY=0 turns off in-place reads of arena tensors
 
   // Reads the PYCOMM_* variables; a malformed value throws InvalidArgument naming it.
   static Config from_env();

@@ -32,8 +32,8 @@ std::vector<const char*> everyone(Transport& t, const OpCall& op) {
 void all_reduce_direct(Transport& t, const OpCall& op, const Args& a) {
   post(t, op, a.in, a.count * dtype_size(a.dtype));
   auto areas = everyone(t, op);
-  reduce_many(a.dtype, a.op, a.out, reinterpret_cast<const void* const*>(areas.data()),
-              t.world(), a.count, a.scale);
+  reduce_many(a.dtype, a.op, a.out, reinterpret_cast<const void* const*>(areas.data()), t.world(),
+              a.count, a.scale);
 }
 
 void reduce_scatter_direct(Transport& t, const OpCall& op, const Args& a) {
@@ -41,8 +41,8 @@ void reduce_scatter_direct(Transport& t, const OpCall& op, const Args& a) {
   post(t, op, a.in, a.count * t.world() * es);
   auto areas = everyone(t, op);
   for (auto& p : areas) p += t.rank() * a.count * es;  // only our block of each input
-  reduce_many(a.dtype, a.op, a.out, reinterpret_cast<const void* const*>(areas.data()),
-              t.world(), a.count, a.scale);
+  reduce_many(a.dtype, a.op, a.out, reinterpret_cast<const void* const*>(areas.data()), t.world(),
+              a.count, a.scale);
 }
 
 void all_gather_direct(Transport& t, const OpCall& op, const Args& a) {
@@ -67,8 +67,8 @@ void reduce_direct(Transport& t, const OpCall& op, const Args& a) {
   post(t, op, a.in, a.count * dtype_size(a.dtype));
   if (t.rank() != a.root) return;
   auto areas = everyone(t, op);
-  reduce_many(a.dtype, a.op, a.out, reinterpret_cast<const void* const*>(areas.data()),
-              t.world(), a.count, a.scale);
+  reduce_many(a.dtype, a.op, a.out, reinterpret_cast<const void* const*>(areas.data()), t.world(),
+              a.count, a.scale);
 }
 
 void barrier_direct(Transport& t, const OpCall& op) {

@@ -63,7 +63,8 @@ size_t Layout::channel_index(Lane lane, int src, int dst) const {
 }
 
 ChannelCtl* Layout::channel(void* base, Lane lane, int src, int dst) const {
-  auto* p = static_cast<char*>(base) + channels_off_ + channel_index(lane, src, dst) * channel_stride_;
+  auto* p =
+      static_cast<char*>(base) + channels_off_ + channel_index(lane, src, dst) * channel_stride_;
   return reinterpret_cast<ChannelCtl*>(p);
 }
 
@@ -74,7 +75,8 @@ SlotHeader* Layout::slot(void* base, Lane lane, int src, int dst, uint64_t index
 }
 
 DirectHeader* Layout::direct(void* base, int rank, int parity) const {
-  auto* p = static_cast<char*>(base) + direct_off_ + (2 * static_cast<size_t>(rank) + parity) * direct_stride_;
+  auto* p = static_cast<char*>(base) + direct_off_ +
+            (2 * static_cast<size_t>(rank) + parity) * direct_stride_;
   return reinterpret_cast<DirectHeader*>(p);
 }
 

@@ -67,8 +67,8 @@ void P2PEngine::take_inbox() {
     a.call.timeout_s = timeout_ms_.load() / 1000.0;
     a.call.deadline = a.call.start + std::chrono::milliseconds(timeout_ms_.load());
     a.req = std::move(req);
-    log_.log(LogLevel::TRACE, what(a.req, shared_.rank()) + " queued (message " +
-                                  std::to_string(index) + ")");
+    log_.log(LogLevel::TRACE,
+             what(a.req, shared_.rank()) + " queued (message " + std::to_string(index) + ")");
     (a.req.is_send ? sends_ : recvs_)[peer].push_back(std::move(a));
   }
 }
@@ -87,7 +87,8 @@ bool P2PEngine::step_send(int peer) {
   bool progressed = false;
   while ((a.moved < a.bytes || a.chunks == 0) && transport_.can_acquire(peer)) {
     size_t n = std::min(transport_.chunk_bytes(), a.bytes - a.moved);
-    std::memcpy(transport_.slot_payload_for_send(peer), static_cast<char*>(a.req.data) + a.moved, n);
+    std::memcpy(transport_.slot_payload_for_send(peer), static_cast<char*>(a.req.data) + a.moved,
+                n);
     transport_.publish(peer, a.call, a.moved, n, a.bytes);
     a.moved += n;
     ++a.chunks;

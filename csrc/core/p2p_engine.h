@@ -46,7 +46,7 @@ class P2PEngine {
     P2PRequest req;
     OpCall call;
     size_t bytes = 0;
-    size_t moved = 0;     // bytes copied so far
+    size_t moved = 0;  // bytes copied so far
     size_t chunks = 0;
   };
 

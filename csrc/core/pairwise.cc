@@ -9,8 +9,8 @@ namespace {
 
 // Moves one message to `to` and one from `from` at the same time, alternating slot by
 // slot, so that two ranks sending to each other never wait on each other's full slots.
-void exchange(Transport& t, const OpCall& op, int to, const char* src, size_t send_bytes,
-              int from, char* dst, size_t recv_bytes) {
+void exchange(Transport& t, const OpCall& op, int to, const char* src, size_t send_bytes, int from,
+              char* dst, size_t recv_bytes) {
   const size_t chunk = t.chunk_bytes();
   size_t sent = 0, got = 0;
   bool send_left = to >= 0, recv_left = from >= 0;

@@ -29,8 +29,8 @@ char* PeerMemory::resolve(int rank, const ArenaLocation& loc) {
     if (fd >= 0) close(fd);
     if (base == MAP_FAILED) {
       throw CommError("pycomm: rank " + std::to_string(shared_.rank()) +
-                      " cannot map the arena memory of rank " + std::to_string(rank) + " (" +
-                      path + "): " + strerror(err) +
+                      " cannot map the arena memory of rank " + std::to_string(rank) + " (" + path +
+                      "): " + strerror(err) +
                       "; zero-copy needs both ranks in one PID namespace with access to "
                       "each other's /proc (set PYCOMM_ZERO_COPY=0 to turn it off)");
     }

@@ -52,29 +52,41 @@ struct Arith {  // T is the computing type (float, double, or an unsigned int fo
 };
 
 // One loop per (op), all written the same way: load, combine, scale, store.
-#define PYCOMM_PAIR_LOOP(LOAD, STORE, COMBINE)                  \
-  for (size_t i = 0; i < n; ++i) {                              \
-    auto x = LOAD(a[i]);                                        \
-    auto y = LOAD(b[i]);                                        \
-    dst[i] = STORE(COMBINE(x, y));                              \
+#define PYCOMM_PAIR_LOOP(LOAD, STORE, COMBINE) \
+  for (size_t i = 0; i < n; ++i) {             \
+    auto x = LOAD(a[i]);                       \
+    auto y = LOAD(b[i]);                       \
+    dst[i] = STORE(COMBINE(x, y));             \
   }
 
-#define PYCOMM_FLOAT_PAIR_KERNEL(NAME, T, C, LOAD, STORE)                                   \
-  PYCOMM_CLONES void NAME(RedOp op, T* dst, const T* a, const T* b, size_t n, C s) {         \
-    using A = Arith<C>;                                                                      \
-    if (s != C(1)) {                                                                         \
-      switch (op) {                                                                          \
-        case RedOp::SUM: PYCOMM_PAIR_LOOP(LOAD, STORE, s * A::sum); return;                  \
-        default: break;                                                                      \
-      }                                                                                      \
-    }                                                                                        \
-    switch (op) {                                                                            \
-      case RedOp::SUM: PYCOMM_PAIR_LOOP(LOAD, STORE, A::sum); return;                        \
-      case RedOp::PROD: PYCOMM_PAIR_LOOP(LOAD, STORE, A::prod); return;                      \
-      case RedOp::MIN: PYCOMM_PAIR_LOOP(LOAD, STORE, A::min); return;                        \
-      case RedOp::MAX: PYCOMM_PAIR_LOOP(LOAD, STORE, A::max); return;                        \
-      default: return;                                                                       \
-    }                                                                                        \
+#define PYCOMM_FLOAT_PAIR_KERNEL(NAME, T, C, LOAD, STORE)                            \
+  PYCOMM_CLONES void NAME(RedOp op, T* dst, const T* a, const T* b, size_t n, C s) { \
+    using A = Arith<C>;                                                              \
+    if (s != C(1)) {                                                                 \
+      switch (op) {                                                                  \
+        case RedOp::SUM:                                                             \
+          PYCOMM_PAIR_LOOP(LOAD, STORE, s * A::sum);                                 \
+          return;                                                                    \
+        default:                                                                     \
+          break;                                                                     \
+      }                                                                              \
+    }                                                                                \
+    switch (op) {                                                                    \
+      case RedOp::SUM:                                                               \
+        PYCOMM_PAIR_LOOP(LOAD, STORE, A::sum);                                       \
+        return;                                                                      \
+      case RedOp::PROD:                                                              \
+        PYCOMM_PAIR_LOOP(LOAD, STORE, A::prod);                                      \
+        return;                                                                      \
+      case RedOp::MIN:                                                               \
+        PYCOMM_PAIR_LOOP(LOAD, STORE, A::min);                                       \
+        return;                                                                      \
+      case RedOp::MAX:                                                               \
+        PYCOMM_PAIR_LOOP(LOAD, STORE, A::max);                                       \
+        return;                                                                      \
+      default:                                                                       \
+        return;                                                                      \
+    }                                                                                \
   }
 
 #define PYCOMM_ID(x) (x)
@@ -85,30 +97,51 @@ PYCOMM_FLOAT_PAIR_KERNEL(pair_f16, _Float16, float, f16_to_float, float_to_f16)
 
 // Integers compute in the unsigned type of the same width: wraparound, no UB.
 template <typename U>
-PYCOMM_INLINE U band(U a, U b) { return a & b; }
+PYCOMM_INLINE U band(U a, U b) {
+  return a & b;
+}
 template <typename U>
-PYCOMM_INLINE U bor(U a, U b) { return a | b; }
+PYCOMM_INLINE U bor(U a, U b) {
+  return a | b;
+}
 template <typename U>
-PYCOMM_INLINE U bxor(U a, U b) { return a ^ b; }
+PYCOMM_INLINE U bxor(U a, U b) {
+  return a ^ b;
+}
 
-#define PYCOMM_INT_PAIR_KERNEL(NAME, S, U)                                                 \
-  PYCOMM_CLONES void NAME(RedOp op, S* sdst, const S* sa, const S* sb, size_t n) {         \
-    auto* dst = reinterpret_cast<U*>(sdst);                                                 \
-    auto* a = reinterpret_cast<const U*>(sa);                                               \
-    auto* b = reinterpret_cast<const U*>(sb);                                               \
-    using A = Arith<U>;                                                                     \
-    auto smin = [](U x, U y) { return static_cast<S>(y) < static_cast<S>(x) ? y : x; };     \
-    auto smax = [](U x, U y) { return static_cast<S>(x) < static_cast<S>(y) ? y : x; };     \
-    switch (op) {                                                                           \
-      case RedOp::SUM: PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, A::sum); return;              \
-      case RedOp::PROD: PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, A::prod); return;            \
-      case RedOp::MIN: PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, smin); return;                \
-      case RedOp::MAX: PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, smax); return;                \
-      case RedOp::BAND: PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, band<U>); return;            \
-      case RedOp::BOR: PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, bor<U>); return;              \
-      case RedOp::BXOR: PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, bxor<U>); return;            \
-      default: return;                                                                      \
-    }                                                                                       \
+#define PYCOMM_INT_PAIR_KERNEL(NAME, S, U)                                              \
+  PYCOMM_CLONES void NAME(RedOp op, S* sdst, const S* sa, const S* sb, size_t n) {      \
+    auto* dst = reinterpret_cast<U*>(sdst);                                             \
+    auto* a = reinterpret_cast<const U*>(sa);                                           \
+    auto* b = reinterpret_cast<const U*>(sb);                                           \
+    using A = Arith<U>;                                                                 \
+    auto smin = [](U x, U y) { return static_cast<S>(y) < static_cast<S>(x) ? y : x; }; \
+    auto smax = [](U x, U y) { return static_cast<S>(x) < static_cast<S>(y) ? y : x; }; \
+    switch (op) {                                                                       \
+      case RedOp::SUM:                                                                  \
+        PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, A::sum);                                 \
+        return;                                                                         \
+      case RedOp::PROD:                                                                 \
+        PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, A::prod);                                \
+        return;                                                                         \
+      case RedOp::MIN:                                                                  \
+        PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, smin);                                   \
+        return;                                                                         \
+      case RedOp::MAX:                                                                  \
+        PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, smax);                                   \
+        return;                                                                         \
+      case RedOp::BAND:                                                                 \
+        PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, band<U>);                                \
+        return;                                                                         \
+      case RedOp::BOR:                                                                  \
+        PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, bor<U>);                                 \
+        return;                                                                         \
+      case RedOp::BXOR:                                                                 \
+        PYCOMM_PAIR_LOOP(PYCOMM_ID, PYCOMM_ID, bxor<U>);                                \
+        return;                                                                         \
+      default:                                                                          \
+        return;                                                                         \
+    }                                                                                   \
   }
 
 PYCOMM_INT_PAIR_KERNEL(pair_i8, int8_t, uint8_t)
@@ -120,28 +153,36 @@ PYCOMM_INT_PAIR_KERNEL(pair_i64, int64_t, uint64_t)
 
 constexpr size_t kBlock = 512;
 
-#define PYCOMM_HALF_MANY_KERNEL(NAME, T, LOAD, STORE)                                       \
-  PYCOMM_CLONES void NAME(RedOp op, T* dst, const T* const* srcs, int k, size_t n,          \
-                          float s) {                                                        \
-    using A = Arith<float>;                                                                 \
-    float acc[kBlock];                                                                      \
-    for (size_t base = 0; base < n; base += kBlock) {                                       \
-      size_t m = n - base < kBlock ? n - base : kBlock;                                     \
-      const T* s0 = srcs[0] + base;                                                         \
-      for (size_t i = 0; i < m; ++i) acc[i] = LOAD(s0[i]);                                  \
-      for (int j = 1; j < k; ++j) {                                                         \
-        const T* sj = srcs[j] + base;                                                       \
-        switch (op) {                                                                       \
-          case RedOp::SUM: for (size_t i = 0; i < m; ++i) acc[i] = A::sum(acc[i], LOAD(sj[i])); break;   \
-          case RedOp::PROD: for (size_t i = 0; i < m; ++i) acc[i] = A::prod(acc[i], LOAD(sj[i])); break; \
-          case RedOp::MIN: for (size_t i = 0; i < m; ++i) acc[i] = A::min(acc[i], LOAD(sj[i])); break;   \
-          case RedOp::MAX: for (size_t i = 0; i < m; ++i) acc[i] = A::max(acc[i], LOAD(sj[i])); break;   \
-          default: break;                                                                   \
-        }                                                                                   \
-      }                                                                                     \
-      T* d = dst + base;                                                                    \
-      for (size_t i = 0; i < m; ++i) d[i] = STORE(s * acc[i]);                              \
-    }                                                                                       \
+#define PYCOMM_HALF_MANY_KERNEL(NAME, T, LOAD, STORE)                                         \
+  PYCOMM_CLONES void NAME(RedOp op, T* dst, const T* const* srcs, int k, size_t n, float s) { \
+    using A = Arith<float>;                                                                   \
+    float acc[kBlock];                                                                        \
+    for (size_t base = 0; base < n; base += kBlock) {                                         \
+      size_t m = n - base < kBlock ? n - base : kBlock;                                       \
+      const T* s0 = srcs[0] + base;                                                           \
+      for (size_t i = 0; i < m; ++i) acc[i] = LOAD(s0[i]);                                    \
+      for (int j = 1; j < k; ++j) {                                                           \
+        const T* sj = srcs[j] + base;                                                         \
+        switch (op) {                                                                         \
+          case RedOp::SUM:                                                                    \
+            for (size_t i = 0; i < m; ++i) acc[i] = A::sum(acc[i], LOAD(sj[i]));              \
+            break;                                                                            \
+          case RedOp::PROD:                                                                   \
+            for (size_t i = 0; i < m; ++i) acc[i] = A::prod(acc[i], LOAD(sj[i]));             \
+            break;                                                                            \
+          case RedOp::MIN:                                                                    \
+            for (size_t i = 0; i < m; ++i) acc[i] = A::min(acc[i], LOAD(sj[i]));              \
+            break;                                                                            \
+          case RedOp::MAX:                                                                    \
+            for (size_t i = 0; i < m; ++i) acc[i] = A::max(acc[i], LOAD(sj[i]));              \
+            break;                                                                            \
+          default:                                                                            \
+            break;                                                                            \
+        }                                                                                     \
+      }                                                                                       \
+      T* d = dst + base;                                                                      \
+      for (size_t i = 0; i < m; ++i) d[i] = STORE(s * acc[i]);                                \
+    }                                                                                         \
   }
 
 PYCOMM_HALF_MANY_KERNEL(many_bf16, uint16_t, bf16_to_float, float_to_bf16)
@@ -161,9 +202,13 @@ PYCOMM_CLONES void scale_f16(_Float16* dst, const _Float16* src, size_t n, float
 }
 
 template <typename T>
-const T* as(const void* p) { return static_cast<const T*>(p); }
+const T* as(const void* p) {
+  return static_cast<const T*>(p);
+}
 template <typename T>
-T* as(void* p) { return static_cast<T*>(p); }
+T* as(void* p) {
+  return static_cast<T*>(p);
+}
 
 }  // namespace
 
@@ -187,36 +232,45 @@ RedOp kernel_op(DType t, RedOp op) {
   switch (op) {
     case RedOp::SUM:
     case RedOp::MAX:
-    case RedOp::BOR: return RedOp::MAX;  // 0/1 values: max is logical or
+    case RedOp::BOR:
+      return RedOp::MAX;  // 0/1 values: max is logical or
     case RedOp::PROD:
     case RedOp::MIN:
-    case RedOp::BAND: return RedOp::MIN;  // min is logical and
-    default: return op;
+    case RedOp::BAND:
+      return RedOp::MIN;  // min is logical and
+    default:
+      return op;
   }
 }
 
 void reduce_pair(DType t, RedOp op, void* dst, const void* a, const void* b, size_t n,
                  double scale) {
   switch (t) {
-    case DType::F32: return pair_f32(op, as<float>(dst), as<float>(a), as<float>(b), n, float(scale));
-    case DType::F64: return pair_f64(op, as<double>(dst), as<double>(a), as<double>(b), n, scale);
+    case DType::F32:
+      return pair_f32(op, as<float>(dst), as<float>(a), as<float>(b), n, float(scale));
+    case DType::F64:
+      return pair_f64(op, as<double>(dst), as<double>(a), as<double>(b), n, scale);
     case DType::BF16:
       return pair_bf16(op, as<uint16_t>(dst), as<uint16_t>(a), as<uint16_t>(b), n, float(scale));
     case DType::F16:
       return pair_f16(op, as<_Float16>(dst), as<_Float16>(a), as<_Float16>(b), n, float(scale));
-    case DType::I8: return pair_i8(op, as<int8_t>(dst), as<int8_t>(a), as<int8_t>(b), n);
+    case DType::I8:
+      return pair_i8(op, as<int8_t>(dst), as<int8_t>(a), as<int8_t>(b), n);
     case DType::U8:
-    case DType::BOOL: return pair_u8(op, as<uint8_t>(dst), as<uint8_t>(a), as<uint8_t>(b), n);
-    case DType::I32: return pair_i32(op, as<int32_t>(dst), as<int32_t>(a), as<int32_t>(b), n);
-    case DType::I64: return pair_i64(op, as<int64_t>(dst), as<int64_t>(a), as<int64_t>(b), n);
+    case DType::BOOL:
+      return pair_u8(op, as<uint8_t>(dst), as<uint8_t>(a), as<uint8_t>(b), n);
+    case DType::I32:
+      return pair_i32(op, as<int32_t>(dst), as<int32_t>(a), as<int32_t>(b), n);
+    case DType::I64:
+      return pair_i64(op, as<int64_t>(dst), as<int64_t>(a), as<int64_t>(b), n);
   }
 }
 
 void reduce_many(DType t, RedOp op, void* dst, const void* const* srcs, int k, size_t n,
                  double scale) {
   if (t == DType::BF16) {
-    return many_bf16(op, as<uint16_t>(dst), reinterpret_cast<const uint16_t* const*>(srcs), k,
-                     n, float(scale));
+    return many_bf16(op, as<uint16_t>(dst), reinterpret_cast<const uint16_t* const*>(srcs), k, n,
+                     float(scale));
   }
   if (t == DType::F16) {
     return many_f16(op, as<_Float16>(dst), reinterpret_cast<const _Float16* const*>(srcs), k, n,
@@ -236,10 +290,14 @@ void reduce_many(DType t, RedOp op, void* dst, const void* const* srcs, int k, s
 
 void scale_copy(DType t, void* dst, const void* src, size_t n, double scale) {
   switch (t) {
-    case DType::F32: return scale_f32(as<float>(dst), as<float>(src), n, float(scale));
-    case DType::F64: return scale_f64(as<double>(dst), as<double>(src), n, scale);
-    case DType::BF16: return scale_bf16(as<uint16_t>(dst), as<uint16_t>(src), n, float(scale));
-    case DType::F16: return scale_f16(as<_Float16>(dst), as<_Float16>(src), n, float(scale));
+    case DType::F32:
+      return scale_f32(as<float>(dst), as<float>(src), n, float(scale));
+    case DType::F64:
+      return scale_f64(as<double>(dst), as<double>(src), n, scale);
+    case DType::BF16:
+      return scale_bf16(as<uint16_t>(dst), as<uint16_t>(src), n, float(scale));
+    case DType::F16:
+      return scale_f16(as<_Float16>(dst), as<_Float16>(src), n, float(scale));
     default:
       if (dst != src) std::memcpy(dst, src, n * dtype_size(t));
   }

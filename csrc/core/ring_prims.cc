@@ -8,15 +8,16 @@
 namespace pycomm {
 
 Partition::Partition(size_t count, int parts, size_t chunk_elems)
-    : count_(count), base_(count / parts), rem_(count % parts), chunk_(std::max<size_t>(1, chunk_elems)),
+    : count_(count),
+      base_(count / parts),
+      rem_(count % parts),
+      chunk_(std::max<size_t>(1, chunk_elems)),
       parts_(parts) {
   size_t longest = base_ + (rem_ > 0 ? 1 : 0);
   rounds_ = std::max<size_t>(1, (longest + chunk_ - 1) / chunk_);
 }
 
-size_t Partition::begin(int part) const {
-  return part * base_ + std::min<size_t>(part, rem_);
-}
+size_t Partition::begin(int part) const { return part * base_ + std::min<size_t>(part, rem_); }
 
 size_t Partition::size(int part) const {
   return base_ + (static_cast<size_t>(part) < rem_ ? 1 : 0);
@@ -32,8 +33,15 @@ Piece Partition::piece(long part, size_t round) const {
 
 Prims::Prims(Transport& t, const OpCall& op, DType dtype, int prev, int next, size_t msg_elems,
              RedOp redop, double scale)
-    : t_(t), op_(op), dtype_(dtype), esize_(dtype_size(dtype)), prev_(prev), next_(next),
-      msg_bytes_(msg_elems * esize_), redop_(redop), scale_(scale) {}
+    : t_(t),
+      op_(op),
+      dtype_(dtype),
+      esize_(dtype_size(dtype)),
+      prev_(prev),
+      next_(next),
+      msg_bytes_(msg_elems * esize_),
+      redop_(redop),
+      scale_(scale) {}
 
 const void* Prims::recv(Piece p) {
   return t_.receive(prev_, op_, p.offset * esize_, p.count * esize_, msg_bytes_);

@@ -24,9 +24,7 @@ void Shared::ring_everyone(Lane lane) const {
   for (int r = 0; r < world_; ++r) ring(r, lane);
 }
 
-bool Shared::aborted() const {
-  return header()->abort_flag.load(std::memory_order_acquire) == 2;
-}
+bool Shared::aborted() const { return header()->abort_flag.load(std::memory_order_acquire) == 2; }
 
 std::string Shared::abort_message() const {
   const SegmentHeader* h = header();

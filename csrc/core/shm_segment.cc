@@ -26,9 +26,7 @@ std::string random_name() {
   return buf;
 }
 
-std::string mib(size_t bytes) {
-  return std::to_string((bytes + (1 << 20) - 1) >> 20) + " MiB";
-}
+std::string mib(size_t bytes) { return std::to_string((bytes + (1 << 20) - 1) >> 20) + " MiB"; }
 
 void* map_fd(int fd, size_t bytes, const std::string& name) {
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -52,8 +50,8 @@ ShmSegment ShmSegment::create(size_t bytes, const std::string& what) {
   if (bytes > free_bytes) {
     throw CommError("pycomm: /dev/shm has " + mib(free_bytes) + " free but " + what + " needs " +
                     mib(bytes) + " (" + std::to_string(bytes) +
-                    " bytes). Enlarge /dev/shm (e.g. docker run --shm-size=" +
-                    mib(bytes * 2) + ") or lower PYCOMM_CHUNK_BYTES / PYCOMM_SLOTS.");
+                    " bytes). Enlarge /dev/shm (e.g. docker run --shm-size=" + mib(bytes * 2) +
+                    ") or lower PYCOMM_CHUNK_BYTES / PYCOMM_SLOTS.");
   }
   ShmSegment seg;
   seg.name_ = random_name();
@@ -65,13 +63,15 @@ ShmSegment ShmSegment::create(size_t bytes, const std::string& what) {
   // posix_fallocate reserves the pages now: on tmpfs a plain ftruncate would succeed and
   // the first touch of a missing page would kill the process with SIGBUS.
   int rc = ftruncate(fd, static_cast<off_t>(bytes));
-  if (rc == 0) rc = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-  else rc = errno;
+  if (rc == 0)
+    rc = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  else
+    rc = errno;
   if (rc != 0) {
     close(fd);
     seg.unlink();
-    throw CommError("pycomm: could not reserve " + mib(bytes) + " in /dev/shm for " + what +
-                    " (" + strerror(rc) + "); /dev/shm has " + mib(shm_free_bytes()) +
+    throw CommError("pycomm: could not reserve " + mib(bytes) + " in /dev/shm for " + what + " (" +
+                    strerror(rc) + "); /dev/shm has " + mib(shm_free_bytes()) +
                     " free. Enlarge /dev/shm or lower PYCOMM_CHUNK_BYTES / PYCOMM_SLOTS.");
   }
   try {
@@ -88,8 +88,8 @@ ShmSegment ShmSegment::create(size_t bytes, const std::string& what) {
 ShmSegment ShmSegment::open(const std::string& name, size_t bytes) {
   int fd = shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) {
-    throw CommError("pycomm: cannot open shared-memory segment " + name + ": " +
-                    strerror(errno) + " (are all ranks on one host? set PYCOMM_LOCAL_SIZE)");
+    throw CommError("pycomm: cannot open shared-memory segment " + name + ": " + strerror(errno) +
+                    " (are all ranks on one host? set PYCOMM_LOCAL_SIZE)");
   }
   ShmSegment seg;
   seg.name_ = name;

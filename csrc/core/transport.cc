@@ -27,8 +27,8 @@ void* Transport::slot_payload_for_send(int peer) const {
 }
 
 void* Transport::acquire(int peer, const OpCall& op) {
-  waiter_.wait(op, [&] { return can_acquire(peer); },
-               [&](std::vector<int>& who) { who.push_back(peer); });
+  waiter_.wait(
+      op, [&] { return can_acquire(peer); }, [&](std::vector<int>& who) { who.push_back(peer); });
   return slot_payload_for_send(peer);
 }
 
@@ -54,11 +54,12 @@ const void* Transport::receive(int peer, const OpCall& op, uint64_t offset, uint
                                uint64_t msg_bytes) {
   const SlotHeader* h = peek(peer);
   if (h == nullptr) {
-    waiter_.wait(op, [&] { return (h = peek(peer)) != nullptr; },
-                 [&](std::vector<int>& who) { who.push_back(peer); });
+    waiter_.wait(
+        op, [&] { return (h = peek(peer)) != nullptr; },
+        [&](std::vector<int>& who) { who.push_back(peer); });
   }
-  bool same = h->desc.seq == op.desc.seq && same_call(h->desc, op.desc) &&
-              h->offset == offset && h->bytes == bytes && h->msg_bytes == msg_bytes;
+  bool same = h->desc.seq == op.desc.seq && same_call(h->desc, op.desc) && h->offset == offset &&
+              h->bytes == bytes && h->msg_bytes == msg_bytes;
   if (!same) chunk_mismatch(peer, op, *h, offset, bytes, msg_bytes);
   return h + 1;
 }
@@ -79,8 +80,8 @@ void Transport::chunk_mismatch(int peer, const OpCall& op, const SlotHeader& h, 
                  describe(h.desc) + " (its seq " + std::to_string(h.desc.seq) + ")");
   }
   waiter_.fail("pycomm: " + where(op, rank()) + ": rank " + them + " sends " +
-               std::to_string(h.msg_bytes) + " bytes (chunk at " + std::to_string(h.offset) +
-               ", " + std::to_string(h.bytes) + " bytes) but rank " + me + " expects " +
+               std::to_string(h.msg_bytes) + " bytes (chunk at " + std::to_string(h.offset) + ", " +
+               std::to_string(h.bytes) + " bytes) but rank " + me + " expects " +
                std::to_string(msg_bytes) + " bytes (chunk at " + std::to_string(offset) + ", " +
                std::to_string(bytes) + " bytes)");
 }
@@ -146,9 +147,8 @@ void Transport::post_stage(const OpCall& op, uint64_t k) {
 
 void Transport::wait_stage(const OpCall& op, uint64_t k) {
   const uint64_t want = op.desc.seq * kStagesPerOp + k;
-  wait_for_peers(op, [&](int r) {
-    return shared_.control(r)->stage.load(std::memory_order_acquire) < want;
-  });
+  wait_for_peers(
+      op, [&](int r) { return shared_.control(r)->stage.load(std::memory_order_acquire) < want; });
 }
 
 }  // namespace pycomm

@@ -57,8 +57,8 @@ class Transport {
   // Waits until behind(r) is false for every other rank r.
   template <class Behind>
   void wait_for_peers(const OpCall& op, Behind behind);
-  [[noreturn]] void chunk_mismatch(int peer, const OpCall& op, const SlotHeader& h,
-                                   uint64_t offset, uint64_t bytes, uint64_t msg_bytes);
+  [[noreturn]] void chunk_mismatch(int peer, const OpCall& op, const SlotHeader& h, uint64_t offset,
+                                   uint64_t bytes, uint64_t msg_bytes);
 
   const Shared& shared_;
   Lane lane_;

@@ -5,14 +5,18 @@ namespace pycomm {
 size_t dtype_size(DType t) {
   switch (t) {
     case DType::F64:
-    case DType::I64: return 8;
+    case DType::I64:
+      return 8;
     case DType::F32:
-    case DType::I32: return 4;
+    case DType::I32:
+      return 4;
     case DType::F16:
-    case DType::BF16: return 2;
+    case DType::BF16:
+      return 2;
     case DType::I8:
     case DType::U8:
-    case DType::BOOL: return 1;
+    case DType::BOOL:
+      return 1;
   }
   return 1;
 }
@@ -23,46 +27,74 @@ bool is_floating(DType t) {
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::F32: return "float32";
-    case DType::F64: return "float64";
-    case DType::F16: return "float16";
-    case DType::BF16: return "bfloat16";
-    case DType::I8: return "int8";
-    case DType::U8: return "uint8";
-    case DType::I32: return "int32";
-    case DType::I64: return "int64";
-    case DType::BOOL: return "bool";
+    case DType::F32:
+      return "float32";
+    case DType::F64:
+      return "float64";
+    case DType::F16:
+      return "float16";
+    case DType::BF16:
+      return "bfloat16";
+    case DType::I8:
+      return "int8";
+    case DType::U8:
+      return "uint8";
+    case DType::I32:
+      return "int32";
+    case DType::I64:
+      return "int64";
+    case DType::BOOL:
+      return "bool";
   }
   return "?";
 }
 
 const char* redop_name(RedOp op) {
   switch (op) {
-    case RedOp::SUM: return "SUM";
-    case RedOp::AVG: return "AVG";
-    case RedOp::PROD: return "PRODUCT";
-    case RedOp::MIN: return "MIN";
-    case RedOp::MAX: return "MAX";
-    case RedOp::BAND: return "BAND";
-    case RedOp::BOR: return "BOR";
-    case RedOp::BXOR: return "BXOR";
-    case RedOp::NONE: return "";
+    case RedOp::SUM:
+      return "SUM";
+    case RedOp::AVG:
+      return "AVG";
+    case RedOp::PROD:
+      return "PRODUCT";
+    case RedOp::MIN:
+      return "MIN";
+    case RedOp::MAX:
+      return "MAX";
+    case RedOp::BAND:
+      return "BAND";
+    case RedOp::BOR:
+      return "BOR";
+    case RedOp::BXOR:
+      return "BXOR";
+    case RedOp::NONE:
+      return "";
   }
   return "?";
 }
 
 const char* opkind_name(OpKind k) {
   switch (k) {
-    case OpKind::ALL_REDUCE: return "all_reduce";
-    case OpKind::BROADCAST: return "broadcast";
-    case OpKind::REDUCE: return "reduce";
-    case OpKind::ALL_GATHER: return "all_gather";
-    case OpKind::REDUCE_SCATTER: return "reduce_scatter";
-    case OpKind::ALL_TO_ALL: return "all_to_all";
-    case OpKind::GATHER: return "gather";
-    case OpKind::SCATTER: return "scatter";
-    case OpKind::BARRIER: return "barrier";
-    case OpKind::SEND: return "send";
+    case OpKind::ALL_REDUCE:
+      return "all_reduce";
+    case OpKind::BROADCAST:
+      return "broadcast";
+    case OpKind::REDUCE:
+      return "reduce";
+    case OpKind::ALL_GATHER:
+      return "all_gather";
+    case OpKind::REDUCE_SCATTER:
+      return "reduce_scatter";
+    case OpKind::ALL_TO_ALL:
+      return "all_to_all";
+    case OpKind::GATHER:
+      return "gather";
+    case OpKind::SCATTER:
+      return "scatter";
+    case OpKind::BARRIER:
+      return "barrier";
+    case OpKind::SEND:
+      return "send";
   }
   return "?";
 }

@@ -36,7 +36,7 @@ struct OpDesc {
   DType dtype = DType::U8;
   uint64_t count = 0;  // elements per rank (all_to_all: 0, sizes are checked per pair)
   RedOp op = RedOp::NONE;
-  int32_t root = -1;   // root for rooted collectives, tag for send/recv
+  int32_t root = -1;  // root for rooted collectives, tag for send/recv
 };
 
 // "all_reduce float32[1000] SUM" — the part of a call that must agree across ranks.

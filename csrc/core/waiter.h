@@ -1,19 +1,19 @@
 // Waiting for another rank: poll briefly (cheap when the peer is about to answer), then
 // poll while yielding the core (so an oversubscribed peer, 4 ranks on 2 cores, gets to
 // run), then sleep on this rank's doorbell. Waking a sleeping thread costs tens to
-// hundreds of microseconds (more in a VM), so short waits must never sleep. While asleep it wakes every few milliseconds to check
-// the job: the abort record, the deadline, dead peers and ranks that called something
-// else for the same sequence number. Every failure is recorded for the whole job.
+// hundreds of microseconds (more in a VM), so short waits must never sleep. While asleep it wakes
+// every few milliseconds to check the job: the abort record, the deadline, dead peers and ranks
+// that called something else for the same sequence number. Every failure is recorded for the whole
+// job.
 #pragma once
 
 #include <sched.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
-
-#include <algorithm>
-#include <chrono>
 
 #include "futex.h"
 #include "shared_state.h"
@@ -31,7 +31,9 @@ inline void cpu_relax() {
 class Waiter {
  public:
   Waiter(const Shared& shared, Lane lane, uint32_t spin_us, uint32_t yield_us)
-      : shared_(shared), lane_(lane), spin_(std::chrono::microseconds(spin_us)),
+      : shared_(shared),
+        lane_(lane),
+        spin_(std::chrono::microseconds(spin_us)),
         yield_(std::chrono::microseconds(std::max(spin_us, yield_us))) {}
 
   // Returns once ready() holds. `awaited(std::vector<int>&)` lists the ranks the wait

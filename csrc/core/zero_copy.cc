@@ -37,8 +37,9 @@ std::vector<char*> negotiate_zero_copy(Transport& t, PeerMemory& peers, const Op
   for (int r = 0; r < t.world(); ++r) {
     const auto* theirs = static_cast<const Offer*>(t.wait_direct(r, op));
     all = all && theirs->in_arena;
-    if (all) bufs[r] = r == t.rank() ? static_cast<char*>(const_cast<void*>(mine))
-                                     : peers.resolve(r, theirs->where);
+    if (all)
+      bufs[r] = r == t.rank() ? static_cast<char*>(const_cast<void*>(mine))
+                              : peers.resolve(r, theirs->where);
   }
   if (!all) bufs.clear();
   return bufs;

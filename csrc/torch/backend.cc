@@ -100,7 +100,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, co
     try {
       // Ops run below autograd, as c10d's own backends do: copies into user tensors
       // must not be recorded.
-      c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+      c10::impl::ExcludeDispatchKeyGuard no_autograd(
+          c10::autograd_dispatch_keyset_with_ADInplaceOrView);
       body();
     } catch (...) {
       error = translate_current_exception();
@@ -113,9 +114,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, co
 }
 
 void ProcessGroupPycomm::check_peer(int peer, const char* op) const {
-  TORCH_CHECK_VALUE(peer >= 0 && peer < getSize() && peer != getRank(), "pycomm: ", op,
-                    " on rank ", getRank(), ": peer ", peer,
-                    " is not another rank of this group of ", getSize());
+  TORCH_CHECK_VALUE(peer >= 0 && peer < getSize() && peer != getRank(), "pycomm: ", op, " on rank ",
+                    getRank(), ": peer ", peer, " is not another rank of this group of ",
+                    getSize());
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, at::Tensor t,
@@ -140,7 +141,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, 
   req.done = [this, work, staged, is_send](std::exception_ptr error) mutable {
     if (!error && !is_send) {
       try {
-        c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+        c10::impl::ExcludeDispatchKeyGuard no_autograd(
+            c10::autograd_dispatch_keyset_with_ADInplaceOrView);
         staged->commit();
       } catch (...) {
         error = std::current_exception();
@@ -156,8 +158,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, 
 void ProcessGroupPycomm::all_reduce_now(at::Tensor& t, const std::string& op) {
   c10d::AllreduceOptions opts;
   static const std::map<std::string, c10d::ReduceOp::RedOpType> ops = {
-      {"sum", c10d::ReduceOp::SUM}, {"avg", c10d::ReduceOp::AVG},
-      {"prod", c10d::ReduceOp::PRODUCT}, {"min", c10d::ReduceOp::MIN},
+      {"sum", c10d::ReduceOp::SUM},
+      {"avg", c10d::ReduceOp::AVG},
+      {"prod", c10d::ReduceOp::PRODUCT},
+      {"min", c10d::ReduceOp::MIN},
       {"max", c10d::ReduceOp::MAX}};
   auto it = ops.find(op);
   TORCH_CHECK_VALUE(it != ops.end(), "pycomm: unknown reduction op '", op, "'");
@@ -184,8 +188,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::recv(std::vector<at::Tensor>&
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::recvAnysource(std::vector<at::Tensor>&, int) {
-  TORCH_CHECK(false, "pycomm: recv from any source (dist.recv without src) is not supported; "
-                     "name the source rank");
+  TORCH_CHECK(false,
+              "pycomm: recv from any source (dist.recv without src) is not supported; "
+              "name the source rank");
 }
 
 }  // namespace pycomm_torch

@@ -28,8 +28,8 @@ void unflatten_into(const at::Tensor& flat, std::vector<at::Tensor>& tensors) {
 
 void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int64_t n,
                 const char* op, const char* what, int rank) {
-  TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == n, "pycomm: ", op, " on rank ", rank,
-                    ": ", what, " has ", list.size(), " tensors, expected one per rank (", n, ")");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == n, "pycomm: ", op, " on rank ", rank, ": ",
+                    what, " has ", list.size(), " tensors, expected one per rank (", n, ")");
   for (const auto& t : list) {
     checked_dtype(t, op, rank);
     check_same_dtype(like, t, op, rank);
@@ -46,12 +46,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
   at::Tensor t = single(tensors, "all_reduce", getRank());
   pycomm::DType dt = checked_dtype(t, "all_reduce", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "all_reduce", getRank());
-  return enqueue(c10d::OpType::ALLREDUCE, "pycomm:all_reduce", {t}, opts.asyncOp, [this, t, dt, rs] {
-    Staged buf(t);
-    if (rs.premul) buf.get().mul_(rs.factor);
-    comm().all_reduce(buf.ptr(), buf.numel(), dt, rs.op);
-    buf.commit();
-  });
+  return enqueue(c10d::OpType::ALLREDUCE, "pycomm:all_reduce", {t}, opts.asyncOp,
+                 [this, t, dt, rs] {
+                   Staged buf(t);
+                   if (rs.premul) buf.get().mul_(rs.factor);
+                   comm().all_reduce(buf.ptr(), buf.numel(), dt, rs.op);
+                   buf.commit();
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
@@ -63,8 +64,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
     check_same_dtype(tensors[0], t, "all_reduce_coalesced", getRank());
   }
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "all_reduce_coalesced", getRank());
-  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced", tensors, opts.asyncOp,
-                 [this, tensors, dt, rs]() mutable {
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced", tensors,
+                 opts.asyncOp, [this, tensors, dt, rs]() mutable {
                    at::Tensor flat = flat_copy(tensors);
                    if (rs.premul) flat.mul_(rs.factor);
                    comm().all_reduce(flat.data_ptr(), flat.numel(), dt, rs.op);
@@ -77,11 +78,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Ten
   at::Tensor t = single(tensors, "broadcast", getRank());
   pycomm::DType dt = checked_dtype(t, "broadcast", getRank());
   int root = static_cast<int>(opts.rootRank);
-  return enqueue(c10d::OpType::BROADCAST, "pycomm:broadcast", {t}, opts.asyncOp, [this, t, dt, root] {
-    Staged buf(t);
-    comm().broadcast(buf.ptr(), buf.numel(), dt, root);
-    buf.commit();
-  });
+  return enqueue(c10d::OpType::BROADCAST, "pycomm:broadcast", {t}, opts.asyncOp,
+                 [this, t, dt, root] {
+                   Staged buf(t);
+                   comm().broadcast(buf.ptr(), buf.numel(), dt, root);
+                   buf.commit();
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(std::vector<at::Tensor>& tensors,
@@ -107,24 +109,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
   TORCH_CHECK_VALUE(outputs.size() == 1, "pycomm: all_gather takes one output list per rank");
   std::vector<at::Tensor> outs = outputs[0];
   check_list(outs, in, getSize(), "all_gather", "the output list", getRank());
-  return enqueue(c10d::OpType::ALLGATHER, "pycomm:all_gather", outs, opts.asyncOp, [this, in, outs, dt]() mutable {
-    at::Tensor src = in.contiguous();
-    at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
-    comm().all_gather(src.data_ptr(), flat.data_ptr(), src.numel(), dt);
-    unflatten_into(flat, outs);
-  });
+  return enqueue(c10d::OpType::ALLGATHER, "pycomm:all_gather", outs, opts.asyncOp,
+                 [this, in, outs, dt]() mutable {
+                   at::Tensor src = in.contiguous();
+                   at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
+                   comm().all_gather(src.data_ptr(), flat.data_ptr(), src.numel(), dt);
+                   unflatten_into(flat, outs);
+                 });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(at::Tensor& output,
-                                                                   at::Tensor& input,
-                                                                   const c10d::AllgatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   pycomm::DType dt = checked_dtype(input, "all_gather_into_tensor", getRank());
   checked_dtype(output, "all_gather_into_tensor", getRank());
   check_same_dtype(input, output, "all_gather_into_tensor", getRank());
-  check_numel_ratio(output, input, getSize(), "all_gather_into_tensor", "output", "input", getRank());
+  check_numel_ratio(output, input, getSize(), "all_gather_into_tensor", "output", "input",
+                    getRank());
   at::Tensor out = output, in = input;
-  return enqueue(c10d::OpType::_ALLGATHER_BASE, "pycomm:all_gather_into_tensor", {out}, opts.asyncOp,
-                 [this, out, in, dt] {
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, "pycomm:all_gather_into_tensor", {out},
+                 opts.asyncOp, [this, out, in, dt] {
                    Staged buf(out);
                    at::Tensor src = in.contiguous();
                    comm().all_gather(src.data_ptr(), buf.ptr(), src.numel(), dt);
@@ -144,8 +147,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
     check_same_dtype(inputs[i], outputs[i], name, getRank());
     check_numel_ratio(outputs[i], inputs[i], getSize(), name, "output", "input", getRank());
   }
-  return enqueue(c10d::OpType::COALESCED, "pycomm:all_gather_into_tensor_coalesced", outputs, opts.asyncOp,
-                 [this, outputs, inputs, dts] {
+  return enqueue(c10d::OpType::COALESCED, "pycomm:all_gather_into_tensor_coalesced", outputs,
+                 opts.asyncOp, [this, outputs, inputs, dts] {
                    for (size_t i = 0; i < inputs.size(); ++i) {
                      Staged buf(outputs[i]);
                      at::Tensor src = inputs[i].contiguous();
@@ -168,8 +171,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
     check_list(outputs[i], inputs[i], getSize(), name, "an output list", getRank());
     all_outs.insert(all_outs.end(), outputs[i].begin(), outputs[i].end());
   }
-  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "pycomm:all_gather_coalesced", all_outs, opts.asyncOp,
-                 [this, outputs, inputs, dts]() mutable {
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "pycomm:all_gather_coalesced", all_outs,
+                 opts.asyncOp, [this, outputs, inputs, dts]() mutable {
                    for (size_t i = 0; i < inputs.size(); ++i) {
                      at::Tensor src = inputs[i].contiguous();
                      at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
@@ -179,9 +182,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                                          std::vector<at::Tensor>& inputs,
-                                                          const c10d::GatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
   at::Tensor in = single(inputs, "gather", getRank());
   pycomm::DType dt = checked_dtype(in, "gather", getRank());
   int root = static_cast<int>(opts.rootRank);
@@ -194,18 +197,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(std::vector<std::vecto
     TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "pycomm: gather on rank ", getRank(),
                       ": only the root (rank ", root, ") takes an output list");
   }
-  return enqueue(c10d::OpType::GATHER, "pycomm:gather", outs, opts.asyncOp, [this, in, outs, dt, root]() mutable {
-    at::Tensor src = in.contiguous();
-    at::Tensor flat;
-    if (getRank() == root) flat = at::empty({src.numel() * getSize()}, src.options());
-    comm().gather(src.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr, src.numel(), dt, root);
-    if (getRank() == root) unflatten_into(flat, outs);
-  });
+  return enqueue(c10d::OpType::GATHER, "pycomm:gather", outs, opts.asyncOp,
+                 [this, in, outs, dt, root]() mutable {
+                   at::Tensor src = in.contiguous();
+                   at::Tensor flat;
+                   if (getRank() == root)
+                     flat = at::empty({src.numel() * getSize()}, src.options());
+                   comm().gather(src.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr,
+                                 src.numel(), dt, root);
+                   if (getRank() == root) unflatten_into(flat, outs);
+                 });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(std::vector<at::Tensor>& outputs,
-                                                           std::vector<std::vector<at::Tensor>>& inputs,
-                                                           const c10d::ScatterOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
   at::Tensor out = single(outputs, "scatter", getRank());
   pycomm::DType dt = checked_dtype(out, "scatter", getRank());
   int root = static_cast<int>(opts.rootRank);
@@ -218,13 +224,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(std::vector<at::Tenso
     TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "pycomm: scatter on rank ", getRank(),
                       ": only the root (rank ", root, ") takes an input list");
   }
-  return enqueue(c10d::OpType::SCATTER, "pycomm:scatter", {out}, opts.asyncOp, [this, out, ins, dt, root] {
-    Staged buf(out);
-    at::Tensor flat;
-    if (getRank() == root) flat = flat_copy(ins);
-    comm().scatter(flat.defined() ? flat.data_ptr() : nullptr, buf.ptr(), buf.numel(), dt, root);
-    buf.commit();
-  });
+  return enqueue(c10d::OpType::SCATTER, "pycomm:scatter", {out}, opts.asyncOp,
+                 [this, out, ins, dt, root] {
+                   Staged buf(out);
+                   at::Tensor flat;
+                   if (getRank() == root) flat = flat_copy(ins);
+                   comm().scatter(flat.defined() ? flat.data_ptr() : nullptr, buf.ptr(),
+                                  buf.numel(), dt, root);
+                   buf.commit();
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
@@ -255,8 +263,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
   check_numel_ratio(input, output, getSize(), name, "input", "output", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, name, getRank());
   at::Tensor out = output, in = input;
-  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor", {out}, opts.asyncOp,
-                 [this, out, in, dt, rs] {
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor", {out},
+                 opts.asyncOp, [this, out, in, dt, rs] {
                    Staged buf(out);
                    at::Tensor src = rs.premul ? in.mul(rs.factor).contiguous() : in.contiguous();
                    comm().reduce_scatter(src.data_ptr(), buf.ptr(), buf.numel(), dt, rs.op);
@@ -278,24 +286,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
     check_numel_ratio(inputs[i], outputs[i], getSize(), name, "input", "output", getRank());
     specs.push_back(reduce_spec(opts.reduceOp, dts.back(), name, getRank()));
   }
-  return enqueue(c10d::OpType::COALESCED, "pycomm:reduce_scatter_tensor_coalesced", outputs, opts.asyncOp,
-                 [this, outputs, inputs, dts, specs] {
+  return enqueue(c10d::OpType::COALESCED, "pycomm:reduce_scatter_tensor_coalesced", outputs,
+                 opts.asyncOp, [this, outputs, inputs, dts, specs] {
                    for (size_t i = 0; i < inputs.size(); ++i) {
                      Staged buf(outputs[i]);
                      const ReduceSpec& rs = specs[i];
-                     at::Tensor src = rs.premul ? inputs[i].mul(rs.factor).contiguous()
-                                                : inputs[i].contiguous();
+                     at::Tensor src =
+                         rs.premul ? inputs[i].mul(rs.factor).contiguous() : inputs[i].contiguous();
                      comm().reduce_scatter(src.data_ptr(), buf.ptr(), buf.numel(), dts[i], rs.op);
                      buf.commit();
                    }
                  });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(at::Tensor& output,
-                                                                 at::Tensor& input,
-                                                                 std::vector<int64_t>& output_splits,
-                                                                 std::vector<int64_t>& input_splits,
-                                                                 const c10d::AllToAllOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
+    std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts) {
   const char* name = "all_to_all_single";
   pycomm::DType dt = checked_dtype(input, name, getRank());
   checked_dtype(output, name, getRank());
@@ -382,7 +388,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(std::vector<at::Tens
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::barrier(const c10d::BarrierOptions& opts) {
-  return enqueue(c10d::OpType::BARRIER, "pycomm:barrier", {}, opts.asyncOp, [this] { comm().barrier(); });
+  return enqueue(c10d::OpType::BARRIER, "pycomm:barrier", {}, opts.asyncOp,
+                 [this] { comm().barrier(); });
 }
 
 }  // namespace pycomm_torch

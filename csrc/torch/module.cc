@@ -1,13 +1,12 @@
 // pycomm._C: the backend class for torch.distributed, and a few core facts for Python.
-#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <sys/stat.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
 #include <chrono>
 #include <map>
 #include <string>
-
-#include <sys/stat.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "../core/arena.h"
 #include "../core/config.h"
@@ -47,9 +46,10 @@ py::dict arena_stats() {
 
 // dst = a op b with the core's kernels, for micro-benchmarks and kernel tests.
 void reduce_into(at::Tensor dst, const at::Tensor& a, const at::Tensor& b, const std::string& op) {
-  static const std::map<std::string, pycomm::RedOp> ops = {
-      {"sum", pycomm::RedOp::SUM}, {"prod", pycomm::RedOp::PROD}, {"min", pycomm::RedOp::MIN},
-      {"max", pycomm::RedOp::MAX}};
+  static const std::map<std::string, pycomm::RedOp> ops = {{"sum", pycomm::RedOp::SUM},
+                                                           {"prod", pycomm::RedOp::PROD},
+                                                           {"min", pycomm::RedOp::MIN},
+                                                           {"max", pycomm::RedOp::MAX}};
   auto it = ops.find(op);
   TORCH_CHECK_VALUE(it != ops.end(), "unknown op ", op);
   TORCH_CHECK_VALUE(dst.is_contiguous() && a.is_contiguous() && b.is_contiguous() &&

@@ -33,15 +33,24 @@ pycomm::DType checked_dtype(const at::Tensor& t, const char* op, int rank) {
   TORCH_CHECK_VALUE(t.layout() == c10::kStrided, who(op, rank), ": got a ", t.layout(),
                     " tensor; only dense (strided) tensors are supported");
   switch (t.scalar_type()) {
-    case at::kFloat: return pycomm::DType::F32;
-    case at::kDouble: return pycomm::DType::F64;
-    case at::kHalf: return pycomm::DType::F16;
-    case at::kBFloat16: return pycomm::DType::BF16;
-    case at::kChar: return pycomm::DType::I8;
-    case at::kByte: return pycomm::DType::U8;
-    case at::kInt: return pycomm::DType::I32;
-    case at::kLong: return pycomm::DType::I64;
-    case at::kBool: return pycomm::DType::BOOL;
+    case at::kFloat:
+      return pycomm::DType::F32;
+    case at::kDouble:
+      return pycomm::DType::F64;
+    case at::kHalf:
+      return pycomm::DType::F16;
+    case at::kBFloat16:
+      return pycomm::DType::BF16;
+    case at::kChar:
+      return pycomm::DType::I8;
+    case at::kByte:
+      return pycomm::DType::U8;
+    case at::kInt:
+      return pycomm::DType::I32;
+    case at::kLong:
+      return pycomm::DType::I64;
+    case at::kBool:
+      return pycomm::DType::BOOL;
     default:
       TORCH_CHECK_VALUE(false, who(op, rank), ": unsupported dtype ", t.scalar_type(),
                         " (supported: float32, float64, float16, bfloat16, int8, uint8, int32, "
@@ -52,14 +61,30 @@ pycomm::DType checked_dtype(const at::Tensor& t, const char* op, int rank) {
 ReduceSpec reduce_spec(const c10d::ReduceOp& op, pycomm::DType dtype, const char* what, int rank) {
   ReduceSpec s;
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: s.op = pycomm::RedOp::SUM; break;
-    case c10d::ReduceOp::AVG: s.op = pycomm::RedOp::AVG; break;
-    case c10d::ReduceOp::PRODUCT: s.op = pycomm::RedOp::PROD; break;
-    case c10d::ReduceOp::MIN: s.op = pycomm::RedOp::MIN; break;
-    case c10d::ReduceOp::MAX: s.op = pycomm::RedOp::MAX; break;
-    case c10d::ReduceOp::BAND: s.op = pycomm::RedOp::BAND; break;
-    case c10d::ReduceOp::BOR: s.op = pycomm::RedOp::BOR; break;
-    case c10d::ReduceOp::BXOR: s.op = pycomm::RedOp::BXOR; break;
+    case c10d::ReduceOp::SUM:
+      s.op = pycomm::RedOp::SUM;
+      break;
+    case c10d::ReduceOp::AVG:
+      s.op = pycomm::RedOp::AVG;
+      break;
+    case c10d::ReduceOp::PRODUCT:
+      s.op = pycomm::RedOp::PROD;
+      break;
+    case c10d::ReduceOp::MIN:
+      s.op = pycomm::RedOp::MIN;
+      break;
+    case c10d::ReduceOp::MAX:
+      s.op = pycomm::RedOp::MAX;
+      break;
+    case c10d::ReduceOp::BAND:
+      s.op = pycomm::RedOp::BAND;
+      break;
+    case c10d::ReduceOp::BOR:
+      s.op = pycomm::RedOp::BOR;
+      break;
+    case c10d::ReduceOp::BXOR:
+      s.op = pycomm::RedOp::BXOR;
+      break;
     case c10d::ReduceOp::PREMUL_SUM: {
       TORCH_CHECK_VALUE(pycomm::is_floating(dtype), who(what, rank),
                         ": PREMUL_SUM needs a floating tensor, got ", pycomm::dtype_name(dtype));
@@ -67,7 +92,8 @@ ReduceSpec reduce_spec(const c10d::ReduceOp& op, pycomm::DType dtype, const char
       TORCH_CHECK_VALUE(sup != nullptr, who(what, rank), ": PREMUL_SUM without a factor");
       s.op = pycomm::RedOp::SUM;
       s.premul = true;
-      s.factor = sup->tensor_factor.defined() ? sup->tensor_factor.item<double>() : sup->double_factor;
+      s.factor =
+          sup->tensor_factor.defined() ? sup->tensor_factor.item<double>() : sup->double_factor;
       break;
     }
     default:
@@ -84,8 +110,7 @@ ReduceSpec reduce_spec(const c10d::ReduceOp& op, pycomm::DType dtype, const char
 
 void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op, int rank) {
   TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type(), who(op, rank),
-                    ": input and output dtypes differ: ", a.scalar_type(), " vs ",
-                    b.scalar_type());
+                    ": input and output dtypes differ: ", a.scalar_type(), " vs ", b.scalar_type());
 }
 
 void check_numel_ratio(const at::Tensor& big, const at::Tensor& small, int64_t factor,

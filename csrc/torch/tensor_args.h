@@ -3,9 +3,9 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <string>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 #include <vector>
 
 #include "../core/types.h"

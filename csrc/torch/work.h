@@ -3,9 +3,9 @@
 #pragma once
 
 #include <ATen/core/ivalue.h>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <exception>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
 namespace pycomm_torch {
