@@ -56,8 +56,8 @@ _OUTPUT_TAIL = 4000  # characters of a failing rank's output quoted in RankFailu
 _LIVE_PIDS: set[int] = set()  # ranks of every started, not yet closed pool
 
 # A spawned child starts by running this instead of importing ``pycomm.testing``:
-# importing the package would run pycomm/__init__.py (torch + the C extension)
-# before the rank's env is set, and would fail when the extension is not built.
+# importing the package would run pycomm/__init__.py, which imports torch, before the
+# rank's env (OMP_NUM_THREADS and the like) is applied.
 _BOOTSTRAP = """
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("_pycomm_rank", path)
