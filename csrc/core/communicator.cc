@@ -217,24 +217,32 @@ void Communicator::check_root(int root, const char* what) const {
 
 // ---- collectives ---------------------------------------------------------------------------
 
+// Direct up to the direct size; above it, zero-copy when every rank's buffer is in the
+// arena (found out together), else the ring. `a.in` is this rank's input, `bytes` its size.
+void Communicator::run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos) {
+  if (use_direct(bytes)) {
+    return run(c, "direct", direct_reason(bytes), [&] { algos.direct(*transport_, c, a); });
+  }
+  if (!try_zero_copy()) {
+    return run(c, "ring", direct_reason(bytes), [&] { algos.ring(*transport_, c, a); });
+  }
+  run(c, nullptr, "", [&] {
+    auto bufs = negotiate(c, a.in, bytes);
+    if (bufs.empty())
+      algos.ring(*transport_, c, a);
+    else
+      algos.zero_copy(*transport_, c, a, bufs);
+  });
+}
+
 void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
   Args a = reduction_args(dtype, op);
   a.in = a.out = data;
   a.count = count;
   OpCall c = begin(OpKind::ALL_REDUCE, dtype, count, op, -1);
-  size_t bytes = count * dtype_size(dtype);
   if (world_ == 1 || count == 0) return run(c, "local", "", [] {});
-  if (use_direct(bytes))
-    return run(c, "direct", direct_reason(bytes), [&] { all_reduce_direct(*transport_, c, a); });
-  if (!try_zero_copy())
-    return run(c, "ring", direct_reason(bytes), [&] { all_reduce_ring(*transport_, c, a); });
-  run(c, nullptr, "", [&] {
-    auto bufs = negotiate(c, data, bytes);
-    if (bufs.empty())
-      all_reduce_ring(*transport_, c, a);
-    else
-      all_reduce_zero_copy(*transport_, c, a, bufs);
-  });
+  run_bulk(c, a, count * dtype_size(dtype),
+           {all_reduce_direct, all_reduce_ring, all_reduce_zero_copy});
 }
 
 void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType dtype, RedOp op) {
@@ -243,22 +251,11 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType
   a.out = out;
   a.count = count;
   OpCall c = begin(OpKind::REDUCE_SCATTER, dtype, count, op, -1);
-  size_t bytes = count * world_ * dtype_size(dtype);
   if (world_ == 1 || count == 0) {
     return run(c, "local", "", [&] { std::memmove(out, in, count * dtype_size(dtype)); });
   }
-  if (use_direct(bytes))
-    return run(c, "direct", direct_reason(bytes),
-               [&] { reduce_scatter_direct(*transport_, c, a); });
-  if (!try_zero_copy())
-    return run(c, "ring", direct_reason(bytes), [&] { reduce_scatter_ring(*transport_, c, a); });
-  run(c, nullptr, "", [&] {
-    auto bufs = negotiate(c, in, bytes);
-    if (bufs.empty())
-      reduce_scatter_ring(*transport_, c, a);
-    else
-      reduce_scatter_zero_copy(*transport_, c, a, bufs);
-  });
+  run_bulk(c, a, count * world_ * dtype_size(dtype),
+           {reduce_scatter_direct, reduce_scatter_ring, reduce_scatter_zero_copy});
 }
 
 void Communicator::all_gather(const void* in, void* out, size_t count, DType dtype) {
@@ -270,17 +267,7 @@ void Communicator::all_gather(const void* in, void* out, size_t count, DType dty
   OpCall c = begin(OpKind::ALL_GATHER, dtype, count, RedOp::NONE, -1);
   size_t bytes = count * dtype_size(dtype);
   if (world_ == 1 || count == 0) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
-  if (use_direct(bytes))
-    return run(c, "direct", direct_reason(bytes), [&] { all_gather_direct(*transport_, c, a); });
-  if (!try_zero_copy())
-    return run(c, "ring", direct_reason(bytes), [&] { all_gather_ring(*transport_, c, a); });
-  run(c, nullptr, "", [&] {
-    auto bufs = negotiate(c, in, bytes);
-    if (bufs.empty())
-      all_gather_ring(*transport_, c, a);
-    else
-      all_gather_zero_copy(*transport_, c, a, bufs);
-  });
+  run_bulk(c, a, bytes, {all_gather_direct, all_gather_ring, all_gather_zero_copy});
 }
 
 void Communicator::broadcast(void* data, size_t count, DType dtype, int root) {

@@ -21,6 +21,13 @@
 
 namespace pycomm {
 
+// The three algorithms of all_reduce, reduce_scatter and all_gather.
+struct BulkAlgorithms {
+  void (*direct)(Transport&, const OpCall&, const Args&);
+  void (*ring)(Transport&, const OpCall&, const Args&);
+  void (*zero_copy)(Transport&, const OpCall&, const Args&, const std::vector<char*>&);
+};
+
 class Communicator {
  public:
   Communicator(Rendezvous& rdv, int rank, int world, const Config& cfg,
@@ -62,6 +69,7 @@ class Communicator {
   void finish(const OpCall& op);
   template <class Body>
   void run(OpCall& op, const char* algo, const std::string& why, Body body);
+  void run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos);
   bool use_direct(size_t bytes) const;
   bool try_zero_copy() const { return cfg_.zero_copy && cfg_.algo == Algo::AUTO; }
   // Finds out with the other ranks whether every buffer is in the arena; logs the choice.
