@@ -119,9 +119,7 @@ class NativeComm(TorchComm):
 
     def __init__(self, group):
         super().__init__(group)
-        import torch as _torch
-
-        self.backend = group._get_backend(_torch.device("cpu"))
+        self.backend = group._get_backend(torch.device("cpu"))
 
     def barrier(self) -> None:
         self.backend.barrier_now()

@@ -39,12 +39,10 @@ class Communicator {
   int rank() const { return rank_; }
   int world() const { return world_; }
   uint64_t seq() const { return seq_; }
-  const Config& config() const { return cfg_; }
   const Logger& logger() const { return log_; }
   const Shared& shared() const { return *shared_; }
   size_t segment_bytes() const { return segment_.size(); }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
-  std::chrono::milliseconds timeout() const { return timeout_; }
 
   // In place on `data` (count elements). `op` is the user's op (AVG included).
   void all_reduce(void* data, size_t count, DType dtype, RedOp op);

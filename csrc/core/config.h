@@ -13,8 +13,9 @@ enum class LogLevel { WARN = 0, INFO = 1, TRACE = 2 };
 struct Config {
   size_t chunk_bytes = 256 << 10;  // PYCOMM_CHUNK_BYTES: payload of one slot
   uint32_t slots = 4;              // PYCOMM_SLOTS: slots per channel (>= 2 for the ring)
-  size_t direct_bytes =
-      64 << 10;                   // PYCOMM_DIRECT_BYTES: largest message the direct algorithm takes
+  // PYCOMM_DIRECT_BYTES: largest message the direct algorithm takes. Unset, rank 0
+  // picks it from the ranks per core when the communicator is created.
+  size_t direct_bytes = 64 << 10;
   Algo algo = Algo::AUTO;         // PYCOMM_ALGO=auto|ring|direct
   LogLevel log = LogLevel::WARN;  // PYCOMM_DEBUG=WARN|INFO|TRACE
   // A waiter polls with `pause` for spin_us, then polls with sched_yield() (handing the

@@ -10,7 +10,6 @@ Transport::Transport(const Shared& shared, Lane lane, Waiter& waiter)
       lane_(lane),
       waiter_(waiter),
       chunk_bytes_(shared.header()->slot_bytes),
-      direct_bytes_(shared.header()->direct_bytes),
       slots_(shared.header()->slots),
       sent_(shared.world(), 0),
       received_(shared.world(), 0) {}

@@ -19,8 +19,6 @@ class Transport {
   int rank() const { return shared_.rank(); }
   int world() const { return shared_.world(); }
   size_t chunk_bytes() const { return chunk_bytes_; }
-  size_t direct_bytes() const { return direct_bytes_; }
-  Waiter& waiter() { return waiter_; }
 
   // ---- channels ----------------------------------------------------------------------
   // Waits for a free slot towards `peer` and returns its payload (chunk_bytes() long).
@@ -64,7 +62,6 @@ class Transport {
   Lane lane_;
   Waiter& waiter_;
   size_t chunk_bytes_;
-  size_t direct_bytes_;
   uint32_t slots_;
   std::vector<uint64_t> sent_;      // messages published to each peer (our copy of head)
   std::vector<uint64_t> received_;  // messages released from each peer (our copy of tail)
