@@ -9,15 +9,20 @@
 
 from pycomm._backend import BACKEND_NAME, extension_error, register
 from pycomm.arena import arena_stats, empty, in_arena, zeros
+from pycomm.bucketer import Bucketer, plan_buckets
+from pycomm.flat_arena import Arena
 
 __version__ = "0.1.0"
 __all__ = [
     "BACKEND_NAME",
+    "Arena",
+    "Bucketer",
     "__version__",
     "arena_stats",
     "empty",
     "extension_error",
     "in_arena",
+    "plan_buckets",
     "register",
     "zeros",
 ]

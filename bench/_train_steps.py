@@ -1,0 +1,117 @@
+"""Rank side of ``bench.training data``: one model per strategy, timed step by step.
+
+Every strategy starts from the same weights and trains on the same per-rank batches;
+the strategies take turns (a few steps each, order rotating every round) so machine
+noise hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from parallel.data import DataParallel
+from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
+
+# name: (how the model is wrapped, which group it talks over)
+STRATEGIES = {
+    "local": ("none", "none"),  # the same step without any communication
+    "ddp-gloo": ("ddp", "gloo"),
+    "ddp-pycomm": ("ddp", "pycomm"),
+    "parallel.data-pycomm": ("data", "pycomm"),
+    "parallel.data-gloo": ("data", "gloo"),
+}
+
+
+@dataclass
+class Setup:
+    cfg: GPTConfig
+    batch: int  # sequences per rank per step
+    steps: int  # timed steps per strategy
+    warmup: int
+    bucket_cap_mb: float
+    rounds: int
+
+
+def _wrap(kind: str, group: dist.ProcessGroup | None, net: nn.Module, cap_mb: float) -> nn.Module:
+    if kind == "ddp":
+        return DDP(net, process_group=group, bucket_cap_mb=cap_mb)
+    if kind == "data":
+        return DataParallel(net, process_group=group, bucket_cap_mb=cap_mb)
+    return net
+
+
+def build(name: str, setup: Setup, groups: dict[str, Any]) -> tuple[nn.Module, Callable]:
+    """The wrapped model and a function that runs one training step on it."""
+    kind, group = STRATEGIES[name]
+    torch.manual_seed(0)
+    net = _wrap(kind, groups.get(group), GPT(setup.cfg), setup.bucket_cap_mb)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    rank = dist.get_rank()
+
+    def step(i: int) -> float:
+        x, y = synthetic_batch(setup.cfg, setup.batch, seed=1000 * rank + i)
+        opt.zero_grad()
+        loss = lm_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return net, step
+
+
+def _timed_steps(step: Callable, first: int, count: int) -> list[float]:
+    times = []
+    for i in range(first, first + count):
+        start = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def time_strategies(names: list[str], setup: Setup) -> dict[str, dict[str, Any]]:
+    """Median step time of each strategy, interleaved in rounds (rank-local figures)."""
+    torch.set_num_threads(1)  # one core per rank, as torchrun would
+    groups = {"pycomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    built = {name: build(name, setup, groups) for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    losses: dict[str, float] = {}
+    for name in names:
+        _timed_steps(built[name][1], 0, setup.warmup)
+    for r in range(setup.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            dist.barrier(groups["gloo"])
+            first = setup.warmup + r * setup.steps
+            times[name] += _timed_steps(built[name][1], first, setup.steps)
+    for name in names:
+        losses[name] = built[name][1](10**6)  # one more step on a common batch
+    return {
+        name: {"median_s": statistics.median(t), "times_s": t, "loss": losses[name]}
+        for name, t in times.items()
+    }
+
+
+def peak_memory(name: str, setup: Setup) -> dict[str, Any]:
+    """Peak RSS of a fresh process running a few steps of one strategy, and the
+    communication buffers the strategy itself reports."""
+    torch.set_num_threads(1)
+    groups = {"pycomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    net, step = build(name, setup, groups)
+    for i in range(3):
+        step(i)
+    param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    own = net.comm_stats()["reserved_bytes"] if isinstance(net, DataParallel) else None
+    return {
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "param_bytes": param_bytes,
+        "grad_arena_bytes": own,
+    }

@@ -1,0 +1,249 @@
+"""Data parallelism with constant-size gradient buckets (C_B) on one gradient arena (M_D).
+
+Every parameter's ``.grad`` is a view into one preallocated, contiguous gradient arena
+laid out in bucket order. An autograd hook per parameter marks its gradient ready; when
+a bucket (a contiguous slice of the arena) is complete, its all-reduce starts at once,
+while backward goes on computing earlier layers. Backward ends by waiting only for the
+buckets still in flight. Averaging is fused into the collective (``AVG``) where the
+backend has it. On a ``pycomm`` group the arena is shared memory, so each bucket's
+all-reduce reads the peers' gradients in place (zero-copy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.data import data_comms as comms
+from parallel.data.grad_layout import GradLayout
+from parallel.data.unused import names_of, reachable_params
+from pycomm.bucketer import Bucketer
+from pycomm.flat_arena import Arena
+
+MB = 1 << 20
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` so that backward averages its gradients across ``process_group``.
+
+    Args:
+        module: the model; every rank must wrap the same architecture. Its parameters
+            are overwritten with rank 0's at wrap time.
+        process_group: the group to average over (None: the default group). Any
+            backend works; on ``pycomm`` the gradient all-reduces are zero-copy.
+        bucket_cap_mb: bucket size cap in MiB (C_B).
+        first_bucket_mb: cap of the first bucket, smaller so communication starts early.
+        find_unused_parameters: allow parameters that get no gradient in a backward
+            (found by walking the autograd graph after forward); without it, such
+            parameters are an error naming them.
+        broadcast_buffers: broadcast rank 0's module buffers before every forward.
+
+    Raises:
+        ValueError: at wrap time, if ranks' parameters differ or dtypes are mixed.
+        RuntimeError: at the end of backward, naming parameters that received no
+            gradient (without ``find_unused_parameters``).
+
+    Example::
+
+        model = DataParallel(model, process_group=group, bucket_cap_mb=25)
+        loss_fn(model(x), y).backward()     # gradients averaged when this returns
+        optimizer.step()
+        with model.no_sync():               # accumulate locally, sync on a later backward
+            loss_fn(model(x2), y2).backward()
+    """
+
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None,
+                 bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True):
+        super().__init__()
+        self.module = module
+        self.group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._caps = (int(bucket_cap_mb * MB), int(first_bucket_mb * MB))
+        self._op, self._divide_after = comms.averaging_op(process_group)
+        self.arena = self._make_arena()
+        comms.verify_same_params(self._names, self._params, process_group)
+        comms.broadcast_through(self.arena.buffer, self._params, process_group)
+        self._layout = self._new_layout(list(reversed(range(len(self._params)))))
+        self._require_sync = True
+        self._sync_pending = False
+        self._finalize_queued = False
+        self._observed_order: list[int] | None = []  # first synced backward's ready order
+        self._rebuild_pending = False
+        self._touched = [False] * len(self._params)
+        self._events: list[tuple[str, int, float]] = []
+        self._attach_grads()
+        for i, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def _make_arena(self) -> Arena:
+        dtypes = {p.dtype for p in self._params}
+        devices = {p.device for p in self._params}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(
+                f"DataParallel: parameters must share one dtype and device, got dtypes "
+                f"{sorted(map(str, dtypes))} on {sorted(map(str, devices))}"
+            )
+        dtype = dtypes.pop() if dtypes else torch.float32
+        device = devices.pop() if devices else torch.device("cpu")
+        numel = GradLayout.arena_numel(self._params, dtype)
+        return Arena.for_group(numel, dtype, self.group, device)
+
+    def _new_layout(self, order: list[int]) -> GradLayout:
+        layout = GradLayout(self._params, order, self.arena, *self._caps)
+        previous: Bucketer | None = getattr(self, "_bucketer", None)
+        issued = previous.collectives_issued if previous is not None else 0
+        self._bucketer = Bucketer(layout.buckets, self._launch)
+        self._bucketer.collectives_issued = issued
+        return layout
+
+    def _launch(self, bucket: int) -> Any:
+        return dist.all_reduce(self._layout.slices[bucket], op=self._op, group=self.group,
+                               async_op=True)
+
+    def _attach_grads(self) -> None:
+        """Point every ``.grad`` that is None at its (zeroed) arena view, so autograd
+        accumulates in place and nothing is allocated for gradients per step."""
+        missing = [i for i, p in enumerate(self._params) if p.grad is None]
+        if len(missing) == len(self._params):
+            self.arena.buffer.zero_()  # one memset instead of one per parameter
+        for i in missing:
+            view = self._layout.views[i]
+            if len(missing) != len(self._params):
+                view.zero_()
+            self._params[i].grad = view
+            self._touched[i] = False
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._rebuild_pending:
+            self._rebuild_buckets()
+        if self.broadcast_buffers and self.world_size > 1:
+            comms.broadcast_buffers(self.module, self.group)
+        self._attach_grads()
+        self._bucketer.reset()
+        self._events = []
+        self._finalize_queued = False
+        self._sync_pending = self._require_sync and torch.is_grad_enabled()
+        output = self.module(*args, **kwargs)
+        if self._sync_pending and self.find_unused_parameters:
+            used = reachable_params(output, self._params)
+            for i in range(len(self._params)):
+                if i not in used:
+                    self._bucketer.mark_ready(i)
+        return output
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the first backward after
+        it (of a forward run outside) averages the accumulated sum."""
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    # -- backward ------------------------------------------------------------------------
+
+    def _make_hook(self, i: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(i, param)
+
+        return hook
+
+    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        view = self._layout.views[i]
+        grad = param.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)  # the user replaced .grad after forward: move it home
+            param.grad = view
+        self._touched[i] = True
+        if not self._sync_pending:
+            return
+        self._events.append(("ready", i, time.perf_counter()))
+        if not self._finalize_queued:
+            self._finalize_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if self._observed_order is not None:
+            self._observed_order.append(i)
+        if not self._bucketer.is_ready(i):  # find_unused may have marked it already
+            self._bucketer.mark_ready(i)
+
+    def _finalize(self) -> None:
+        """End of backward: launch what is left, wait for every bucket, then tidy up."""
+        self._events.append(("backward_end", -1, time.perf_counter()))
+        self._sync_pending = False
+        missing = self._bucketer.missing_items()
+        if missing and not self.find_unused_parameters:
+            raise RuntimeError(
+                f"DataParallel: these parameters received no gradient in backward: "
+                f"{names_of(missing, self._names)}. Make every parameter take part in the "
+                "loss, or wrap with find_unused_parameters=True"
+            )
+        for i in missing:
+            self._bucketer.mark_ready(i)
+        self._bucketer.wait()
+        if self._divide_after:
+            self.arena.buffer.div_(self.world_size)
+        if self.find_unused_parameters:
+            for i in comms.globally_unused(self._touched, self.group):
+                self._params[i].grad = None  # as in one process: no gradient, not zero
+        if self._observed_order is not None:
+            self._rebuild_pending = True
+
+    def _rebuild_buckets(self) -> None:
+        """Once, after the first synced step: lay the arena out in the ready order rank 0
+        observed, so buckets fill in the order backward really produces gradients."""
+        self._rebuild_pending = False
+        observed = self._observed_order or []
+        self._observed_order = None
+        seen = set(observed)
+        order = observed + [i for i in reversed(range(len(self._params))) if i not in seen]
+        order = comms.broadcast_order(order, self.group)
+        if order == self._layout.order:
+            return
+        old = [v.clone() for v in self._layout.views]  # once per job, not per step
+        self._layout = self._new_layout(order)
+        for i, p in enumerate(self._params):
+            self._layout.views[i].copy_(old[i])
+            if p.grad is not None:
+                p.grad = self._layout.views[i]
+
+    # -- reporting -----------------------------------------------------------------------
+
+    @property
+    def trace(self) -> list[tuple[str, int, float]]:
+        """Events of the last forward/backward, in time order: ("ready", param index),
+        ("launch" | "complete" | "done", bucket index) and ("backward_end", -1), each
+        with its ``time.perf_counter()``. "complete" is when the backend finished the
+        collective (it may come before backward ends: that is the overlap)."""
+        return sorted(self._events + self._bucketer.trace, key=lambda event: event[2])
+
+    def comm_stats(self) -> dict[str, Any]:
+        """Arena bytes (reserved, live, peak), buckets and their bytes, collectives issued."""
+        return {
+            **self.arena.stats(),
+            "shared": self.arena.shared,
+            "buckets": self._bucketer.num_buckets,
+            "bucket_bytes": self._layout.bucket_bytes(),
+            "params_per_bucket": [len(b) for b in self._layout.buckets],
+            "collectives_issued": self._bucketer.collectives_issued,
+        }
+
+    def bucket_param_names(self) -> list[list[str]]:
+        """Names of the parameters in each bucket, in bucket order."""
+        return [[self._names[i] for i in bucket] for bucket in self._layout.buckets]

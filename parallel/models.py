@@ -1,0 +1,145 @@
+"""The project's reference model: a small GPT (nanoGPT-like) that every strategy runs.
+
+Token and position embeddings, ``n_layer`` pre-norm blocks of causal self-attention and
+a GELU MLP, a final LayerNorm and an LM head. Attention keeps Q, K and V in one
+``c_attn`` linear and the MLP is ``c_fc`` then ``c_proj``, the names Megatron-style
+tensor parallelism splits by. Weights are not tied, so a pipeline can cut between the
+embedding and the head.
+
+Example::
+
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64))
+    logits = model(tokens)                       # (batch, time, vocab)
+    loss = lm_loss(logits, targets)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 32
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}"
+            )
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.attn_dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        # Heads come from the last dimension, so a column-split c_attn (whole heads per
+        # rank) needs no change here: n_head is then the local head count.
+        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        dropout = self.attn_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch, time, -1)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.drop(self.wte(tokens) + self.wpe(positions))
+
+
+class GPT(nn.Module):
+    """Embedding, ``n_layer`` blocks, final LayerNorm and LM head (untied)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the residual projections, as nanoGPT does.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.cfg.block_size:
+            raise ValueError(
+                f"GPT: sequence length {tokens.shape[1]} exceeds block_size {self.cfg.block_size}"
+            )
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def synthetic_batch(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic random tokens and their next-token targets, from ``seed`` alone."""
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=gen)
+    return data[:, :-1], data[:, 1:]
