@@ -128,8 +128,12 @@ class Bucketer:
         get_future = getattr(work, "get_future", None)
         if get_future is None:
             return
+        try:
+            future = get_future()
+        except RuntimeError:  # some Work types (gloo's reduce-scatter) have no future
+            return
         trace = self.trace  # this round's list, even if a new round starts meanwhile
-        get_future().add_done_callback(lambda _: trace.append(("complete", k, time.perf_counter())))
+        future.add_done_callback(lambda _: trace.append(("complete", k, time.perf_counter())))
 
     def missing_items(self) -> list[int]:
         """Items not marked ready this round, in plan order."""
