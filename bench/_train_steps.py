@@ -112,6 +112,18 @@ def peak_memory(name: str, setup: Setup) -> dict[str, Any]:
     own = net.comm_stats()["reserved_bytes"] if isinstance(net, DataParallel) else None
     return {
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "pss_bytes": _pss_bytes(),
         "param_bytes": param_bytes,
         "grad_arena_bytes": own,
     }
+
+
+def _pss_bytes() -> int:
+    """Proportional set size now: shared pages count 1/(processes mapping them). RSS
+    counts a peer's shared-memory gradients, mapped for zero-copy reads, in full on every
+    rank; PSS does not."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0

@@ -5,7 +5,8 @@ bench``: ~20M parameters in 101 tensors, 2 sequences of 64 tokens per rank) for:
 same step without communication (``local``), torch DDP on gloo, torch DDP on pycomm,
 and ``parallel.data`` on pycomm (and on gloo), interleaved in rounds on the same ranks.
 Exposed communication = step time - local step time. Peak RSS comes from a fresh set of
-ranks per strategy. The model is sized so communication matters: 80 MB of gradients
+ranks per strategy (and PSS after 3 steps, which counts shared memory once rather than
+on every rank that maps it). The model is sized so communication matters: 80 MB of gradients
 per step against a small per-rank batch, as in data parallelism at scale where the
 per-rank batch shrinks as ranks are added.
 
@@ -79,6 +80,7 @@ def run_data(args: argparse.Namespace) -> dict[str, Any]:
         for name in args.strategies:
             mem = run_ranks(peak_memory, args.nproc, name, setup, timeout_s=600.0)
             rows[name]["peak_rss_mb"] = max(m["peak_rss_bytes"] for m in mem) / MB
+            rows[name]["pss_mb"] = max(m["pss_bytes"] for m in mem) / MB
             rows[name]["param_mb"] = mem[0]["param_bytes"] / MB
             arena = mem[0]["grad_arena_bytes"]
             rows[name]["grad_arena_mb"] = arena / MB if arena is not None else None
@@ -95,13 +97,14 @@ def print_data(args: argparse.Namespace, rows: dict[str, Any]) -> None:
           f"{args.rounds} rounds x {args.steps} steps per strategy, interleaved; "
           "time = slowest rank per step, median (p25-p75)")
     print(f"{'strategy':<22} {'step ms':>9} {'p25-p75 ms':>15} {'exposed comm ms':>16} "
-          f"{'peak RSS MB':>12} {'grad arena MB':>14} {'loss':>9}")
+          f"{'peak RSS MB':>12} {'PSS MB':>7} {'grad arena MB':>14} {'loss':>9}")
     for name, r in rows.items():
         rss = f"{r['peak_rss_mb']:.0f}" if "peak_rss_mb" in r else "-"
+        pss = f"{r['pss_mb']:.0f}" if "pss_mb" in r else "-"
         arena = f"{r['grad_arena_mb']:.1f}" if r.get("grad_arena_mb") else "-"
         exposed = f"{r['exposed_ms']:.1f}" if r["exposed_ms"] is not None else "-"
         print(f"{name:<22} {r['median_ms']:>9.1f} {r['p25_ms']:>7.1f}-{r['p75_ms']:<7.1f} "
-              f"{exposed:>16} {rss:>12} {arena:>14} {r['loss']:>9.5f}")
+              f"{exposed:>16} {rss:>12} {pss:>7} {arena:>14} {r['loss']:>9.5f}")
     _print_targets(rows)
 
 

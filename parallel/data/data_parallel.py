@@ -83,7 +83,6 @@ class DataParallel(nn.Module):
         self._rebuild_pending = False
         self._touched = [False] * len(self._params)
         self._events: list[tuple[str, int, float]] = []
-        self._attach_grads()
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
 
@@ -114,18 +113,21 @@ class DataParallel(nn.Module):
         return dist.all_reduce(self._layout.slices[bucket], op=self._op, group=self.group,
                                async_op=True)
 
-    def _attach_grads(self) -> None:
-        """Point every ``.grad`` that is None at its (zeroed) arena view, so autograd
-        accumulates in place and nothing is allocated for gradients per step."""
-        missing = [i for i, p in enumerate(self._params) if p.grad is None]
-        if len(missing) == len(self._params):
-            self.arena.buffer.zero_()  # one memset instead of one per parameter
-        for i in missing:
-            view = self._layout.views[i]
-            if len(missing) != len(self._params):
-                view.zero_()
-            self._params[i].grad = view
-            self._touched[i] = False
+    def _is_home(self, i: int) -> bool:
+        """Whether parameter i's ``.grad`` is its arena view (holding its gradient)."""
+        grad = self._params[i].grad
+        return grad is not None and grad.data_ptr() == self._layout.views[i].data_ptr()
+
+    def _forget_stale_grads(self) -> None:
+        """A parameter whose ``.grad`` was set to None has no gradient in its view yet."""
+        for i in range(len(self._params)):
+            if not self._is_home(i):
+                self._touched[i] = False
+
+    def _zero_if_absent(self, i: int) -> None:
+        """Parameter i takes part in a bucket without a gradient: it contributes zeros."""
+        if not self._is_home(i):
+            self._layout.views[i].zero_()
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -134,7 +136,7 @@ class DataParallel(nn.Module):
             self._rebuild_buckets()
         if self.broadcast_buffers and self.world_size > 1:
             comms.broadcast_buffers(self.module, self.group)
-        self._attach_grads()
+        self._forget_stale_grads()
         self._bucketer.reset()
         self._events = []
         self._finalize_queued = False
@@ -144,6 +146,7 @@ class DataParallel(nn.Module):
             used = reachable_params(output, self._params)
             for i in range(len(self._params)):
                 if i not in used:
+                    self._zero_if_absent(i)
                     self._bucketer.mark_ready(i)
         return output
 
@@ -166,10 +169,12 @@ class DataParallel(nn.Module):
         return hook
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
-        view = self._layout.views[i]
-        grad = param.grad
-        if grad is not None and grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)  # the user replaced .grad after forward: move it home
+        if param.grad is not None and not self._is_home(i):
+            # A fresh gradient (``.grad`` was None): move it into the arena. Copying is
+            # cheaper than keeping zeroed views attached (a memset, then an add), and
+            # autograd allocated this tensor either way. Later backwards accumulate in place.
+            view = self._layout.views[i]
+            view.copy_(param.grad)
             param.grad = view
         self._touched[i] = True
         if not self._sync_pending:
@@ -195,10 +200,14 @@ class DataParallel(nn.Module):
                 "loss, or wrap with find_unused_parameters=True"
             )
         for i in missing:
+            self._zero_if_absent(i)
             self._bucketer.mark_ready(i)
         self._bucketer.wait()
         if self._divide_after:
             self.arena.buffer.div_(self.world_size)
+        for i, p in enumerate(self._params):  # unused here: the view holds the others' average
+            if not self._is_home(i):
+                p.grad = self._layout.views[i]
         if self.find_unused_parameters:
             for i in comms.globally_unused(self._touched, self.group):
                 self._params[i].grad = None  # as in one process: no gradient, not zero
@@ -216,12 +225,14 @@ class DataParallel(nn.Module):
         order = comms.broadcast_order(order, self.group)
         if order == self._layout.order:
             return
-        old = [v.clone() for v in self._layout.views]  # once per job, not per step
+        # Keep the values of gradients still attached (accumulating across the rebuild);
+        # after zero_grad(set_to_none=True), the usual case, there is nothing to copy.
+        kept = {i: p.grad.clone() for i, p in enumerate(self._params) if p.grad is not None}
         self._layout = self._new_layout(order)
-        for i, p in enumerate(self._params):
-            self._layout.views[i].copy_(old[i])
-            if p.grad is not None:
-                p.grad = self._layout.views[i]
+        self.arena.buffer.zero_()
+        for i, value in kept.items():
+            self._layout.views[i].copy_(value)
+            self._params[i].grad = self._layout.views[i]
 
     # -- reporting -----------------------------------------------------------------------
 
