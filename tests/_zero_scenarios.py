@@ -10,7 +10,7 @@ import torch.distributed as dist
 from _dp_scenarios import batch, model
 
 from parallel.models import lm_loss
-from parallel.zero import ZeroOptimizer
+from parallel.zero import ZeroOptimizer, load_sharded, save_sharded
 
 STEPS = 20
 CLIP = 0.5  # small enough that clipping is active on most steps
@@ -20,15 +20,17 @@ OPTIMIZERS = {
 }
 
 
-def reference(world: int, optim: str, clip: bool) -> dict[str, Any]:
-    """One process on the concatenated batch, torch's optimizer and clipping."""
+def reference(world: int, optim: str, clip: bool,
+              world_from_10: int | None = None) -> dict[str, Any]:
+    """One process on the concatenated batch, torch's optimizer and clipping; from step
+    10 on, the batches of ``world_from_10`` ranks if given (a resharded resume)."""
     net = model()
     cls, kwargs = OPTIMIZERS[optim]
     opt = cls(net.parameters(), **kwargs)
     losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
-        x, y = batch(step, world)
+        x, y = batch(step, world_from_10 if world_from_10 and step >= 10 else world)
         loss = lm_loss(net(x), y)
         loss.backward()
         if clip:
@@ -87,7 +89,58 @@ def bad_input(group: Any) -> dict[str, str]:
     return errors
 
 
-def run_all(world: int) -> dict[str, Any]:
+def _adamw(net: Any, group: Any, stage: int) -> ZeroOptimizer:
+    cls, kwargs = OPTIMIZERS["adamw"]
+    return ZeroOptimizer(net.parameters(), cls, stage=stage, process_group=group,
+                         bucket_cap_mb=16 / 1024, **kwargs)
+
+
+def _steps(net: Any, opt: ZeroOptimizer, group: Any, steps: range) -> list[float]:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    losses = []
+    for step in steps:
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        loss = lm_loss(net(x), y)
+        loss.backward()
+        opt.clip_grad_norm_(CLIP)
+        losses.append(loss.item())
+        opt.step()
+    return losses
+
+
+def checkpoints(group: Any, stage: int, root: str, load_from: str | None) -> dict[str, Any]:
+    """Train 10 steps, save, train 10 more; a fresh model and optimizer loaded from the
+    checkpoint (this job's, and ``load_from``'s: another world size) go on the same way."""
+    world = dist.get_world_size(group)
+    net = model()
+    opt = _adamw(net, group, stage)
+    first = _steps(net, opt, group, range(10))
+    path = f"{root}/w{world}-s{stage}"
+    save_sharded(path, net, opt)
+    at_save = [p.detach().clone() for p in net.parameters()]
+    rest = _steps(net, opt, group, range(10, STEPS))
+    resumed = {}
+    for name, source in {"same": path, "other": load_from}.items():
+        if source is None:
+            continue
+        fresh = model(seed=7)
+        fresh_opt = _adamw(fresh, group, stage)
+        load_sharded(source, fresh, fresh_opt)
+        resumed[name] = _steps(fresh, fresh_opt, group, range(10, STEPS))
+    try:
+        from parallel.models import GPT, GPTConfig
+
+        other = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32))
+        load_sharded(path, other, _adamw(other, group, stage))
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    return {"first": first, "rest": rest, "resumed": resumed, "at_save": at_save, "path": path,
+            "other_model_error": error}
+
+
+def run_all(world: int, root: str) -> dict[str, Any]:
     """Every case on the pycomm default group and on a gloo group of the same ranks."""
     groups = {"pycomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     out: dict[str, Any] = {}
@@ -97,4 +150,7 @@ def run_all(world: int) -> dict[str, Any]:
             out[(name, stage, "adamw_clip")] = train(group, stage, "adamw", clip=True)
             out[(name, stage, "memory")] = memory(group, stage)
     out["bad_input"] = bad_input(dist.group.WORLD)
+    for stage in (1, 2):
+        other = f"{root}/w2-s{stage}" if world == 3 else None  # saved by the 2-rank job
+        out[("ckpt", stage)] = checkpoints(dist.group.WORLD, stage, root, other)
     return out

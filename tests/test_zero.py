@@ -9,11 +9,18 @@ GROUPS = ["pycomm", "gloo"]
 STAGES = [1, 2]
 
 
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("zero_ckpt"))
+
+
 @pytest.fixture(scope="module", params=[2, 3])
-def world(request, require_pycomm):
+def world(request, require_pycomm, ckpt_root):
+    """World 2 runs first (params order) and saves the checkpoints world 3 reshards."""
     from pycomm.testing import run_ranks
 
-    return request.param, run_ranks(run_all, request.param, request.param, timeout_s=600.0)
+    size = request.param
+    return size, run_ranks(run_all, size, size, ckpt_root, timeout_s=600.0)
 
 
 def _replicas_identical(results):
@@ -68,3 +75,45 @@ def test_bad_input_gets_clear_errors(world):
     errors = ranks[0]["bad_input"]
     assert "stage must be 1 or 2" in errors["stage"] and "4" in errors["stage"]
     assert "is the same tensor as parameter 0" in errors["twice"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_checkpoint_resumes_the_same_trajectory(world, stage):
+    size, ranks = world
+    run = ranks[0][("ckpt", stage)]
+    assert run["resumed"]["same"] == run["rest"], "same world size: bit-identical losses"
+    single = reference(size, "adamw", clip=True)["losses"]
+    losses = torch.tensor([r[("ckpt", stage)]["first"] + r[("ckpt", stage)]["rest"]
+                           for r in ranks]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(single), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("world", [3], indirect=True)  # loads the 2-rank job's checkpoint
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_checkpoint_from_two_ranks_resumes_on_three(world, stage):
+    _, ranks = world
+    resumed = torch.tensor([r[("ckpt", stage)]["resumed"]["other"] for r in ranks]).mean(0)
+    single = reference(2, "adamw", clip=True, world_from_10=3)["losses"][10:]
+    # Same global batches, so the same trajectory up to summation order.
+    torch.testing.assert_close(resumed, torch.tensor(single), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_consolidate_gives_a_plain_state_dict_without_a_group(world, stage):
+    from _dp_scenarios import model
+
+    from parallel.zero import consolidate
+
+    _, ranks = world
+    run = ranks[0][("ckpt", stage)]
+    plain = model(seed=11)
+    plain.load_state_dict(consolidate(run["path"]))
+    for mine, saved in zip(plain.parameters(), run["at_save"], strict=True):
+        assert torch.equal(mine, saved)
+
+
+def test_a_checkpoint_of_another_model_is_refused(world):
+    _, ranks = world
+    for r in ranks:
+        error = r[("ckpt", 1)]["other_model_error"]
+        assert "checkpoint is from a different model" in error, error

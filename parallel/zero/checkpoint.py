@@ -1,0 +1,171 @@
+"""Sharded checkpoints of ZeRO training that reload onto any world size.
+
+Each rank writes ``rank{r}.pt`` holding, for every parameter it owns elements of, the
+range ``[lo, hi)`` of the flattened parameter, its values there, and the optimizer state
+tensors for the same elements. Ranges, not bucket shards, are the unit, so a job with a
+different world size (a different layout) can find the elements it owns in any file.
+``meta.pt`` (rank 0) holds the names, shapes, world size, hyper-parameters, scalar
+optimizer state and the model's buffers.
+
+Example::
+
+    save_sharded("ckpt/step10", model, opt)        # every rank
+    load_sharded("ckpt/step10", model, opt)        # every rank, any world size
+    full = consolidate("ckpt/step10")              # no process group needed
+    plain_model.load_state_dict(full)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.zero.zero_optimizer import ZeroOptimizer
+
+FORMAT = "pycomm.zero/1"
+
+
+def _names(model: nn.Module, opt: ZeroOptimizer) -> list[str]:
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    missing = [i for i, p in enumerate(opt.params) if id(p) not in by_id]
+    if missing:
+        raise ValueError(f"zero checkpoint: optimizer parameters {missing} are not in the model")
+    return [by_id[id(p)] for p in opt.params]
+
+
+def _owned_pieces(opt: ZeroOptimizer) -> list[tuple[int, int, int, int, int]]:
+    """(param index, bucket, lo, hi, offset in the bucket shard) for this rank's elements."""
+    pieces = []
+    for k, bucket in enumerate(opt.layout.buckets):
+        mine = bucket.shard_of(opt.rank)
+        for i in bucket.params:
+            start = opt.layout.offsets[i]
+            lo, hi = max(start, mine.start), min(start + opt.params[i].numel(), mine.stop)
+            if lo < hi:
+                pieces.append((i, k, lo - start, hi - start, lo - mine.start))
+    return pieces
+
+
+def _shard_state(opt: ZeroOptimizer, k: int) -> dict[str, Any]:
+    return opt.optimizer.state.get(opt.shard_params[k], {})
+
+
+def save_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer) -> None:
+    """Every rank writes its shard (collective: all ranks call it)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    names = _names(model, opt)
+    pieces = {}
+    for i, k, lo, hi, at in _owned_pieces(opt):
+        shard = opt.shard_params[k].detach()
+        state = {key: t[at : at + hi - lo].clone() for key, t in _shard_state(opt, k).items()
+                 if torch.is_tensor(t) and t.shape == shard.shape}
+        pieces[names[i]] = {"lo": lo, "hi": hi, "value": shard[at : at + hi - lo].clone(),
+                            "state": state}
+    torch.save({"format": FORMAT, "pieces": pieces}, path / f"rank{opt.rank}.pt")
+    if opt.rank == 0:
+        torch.save(_meta(model, opt, names), path / "meta.pt")
+    dist.barrier(opt.group)  # the checkpoint is complete only once every rank wrote
+
+
+def _meta(model: nn.Module, opt: ZeroOptimizer, names: list[str]) -> dict[str, Any]:
+    params = set(names)
+    scalars = {key: t for key, t in _shard_state(opt, 0).items()
+               if not (torch.is_tensor(t) and t.dim() > 0)} if opt.shard_params else {}
+    return {
+        "format": FORMAT,
+        "world": opt.world,
+        "shapes": {n: tuple(p.shape) for n, p in zip(names, opt.params, strict=True)},
+        "dtype": str(opt.flat.dtype),
+        "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                         for g in opt.optimizer.param_groups],
+        "scalar_state": scalars,
+        "buffers": {n: b for n, b in model.state_dict().items() if n not in params},
+    }
+
+
+def _load_meta(path: Path) -> dict[str, Any]:
+    meta = torch.load(path / "meta.pt", weights_only=False)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a pycomm ZeRO checkpoint (format {meta.get('format')!r})")
+    return meta
+
+
+def _all_pieces(path: Path, world: int) -> list[dict[str, Any]]:
+    files = [path / f"rank{r}.pt" for r in range(world)]
+    if missing := [str(f) for f in files if not f.exists()]:
+        raise FileNotFoundError(f"incomplete ZeRO checkpoint {path}: missing {missing}")
+    return [torch.load(f, mmap=True, weights_only=False)["pieces"] for f in files]
+
+
+def load_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer) -> None:
+    """Restore parameters, this rank's optimizer state and hyper-parameters, whatever
+    world size saved them.
+
+    Raises:
+        ValueError: if the checkpoint's parameter names or shapes differ from the model's.
+    """
+    path = Path(path)
+    meta = _load_meta(path)
+    names = _names(model, opt)
+    shapes = {n: tuple(p.shape) for n, p in zip(names, opt.params, strict=True)}
+    if shapes != meta["shapes"]:
+        diff = sorted(set(shapes.items()) ^ set(meta["shapes"].items()))[:4]
+        raise ValueError(f"{path}: checkpoint is from a different model; differing "
+                         f"(name, shape) entries include {diff}")
+    files = _all_pieces(path, meta["world"])
+    with torch.no_grad():
+        _restore_values(opt, names, files)
+        _restore_state(opt, names, files, meta)
+    for group, saved in zip(opt.optimizer.param_groups, meta["param_groups"], strict=False):
+        group.update(saved)
+    model.load_state_dict(meta["buffers"], strict=False)
+
+
+def _restore_values(opt: ZeroOptimizer, names: list[str], files: list[dict]) -> None:
+    """Every parameter in full (stages 1 and 2 keep whole parameters on every rank)."""
+    for i, name in enumerate(names):
+        flat = opt.params[i].data.reshape(-1)
+        for pieces in files:
+            if name in pieces:
+                piece = pieces[name]
+                flat[piece["lo"] : piece["hi"]].copy_(piece["value"])
+
+
+def _restore_state(opt: ZeroOptimizer, names: list[str], files: list[dict],
+                   meta: dict[str, Any]) -> None:
+    """This rank's optimizer state, gathered element range by element range."""
+    keys = {key for pieces in files for piece in pieces.values() for key in piece["state"]}
+    for shard in opt.shard_params:  # every shard, even one holding only padding
+        state = opt.optimizer.state.setdefault(shard, {})
+        for key in keys:
+            state[key] = torch.zeros_like(shard)
+        for key, value in meta["scalar_state"].items():
+            state[key] = value.clone() if torch.is_tensor(value) else value
+    for i, k, lo, hi, at in _owned_pieces(opt):
+        state = opt.optimizer.state[opt.shard_params[k]]
+        for pieces in files:
+            piece = pieces.get(names[i])
+            if piece is None or piece["hi"] <= lo or piece["lo"] >= hi:
+                continue
+            a, b = max(lo, piece["lo"]), min(hi, piece["hi"])
+            for key, saved in piece["state"].items():
+                src = saved[a - piece["lo"] : b - piece["lo"]]
+                state[key][at + a - lo : at + b - lo].copy_(src)
+
+
+def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A plain, full ``state_dict`` (parameters and buffers), without any process group."""
+    path = Path(path)
+    meta = _load_meta(path)
+    dtype = getattr(torch, meta["dtype"].removeprefix("torch."))
+    full = {n: torch.zeros(shape, dtype=dtype) for n, shape in meta["shapes"].items()}
+    for pieces in _all_pieces(path, meta["world"]):
+        for name, piece in pieces.items():
+            full[name].view(-1)[piece["lo"] : piece["hi"]].copy_(piece["value"])
+    return {**full, **meta["buffers"]}
