@@ -14,13 +14,26 @@ def ckpt_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("zero_ckpt"))
 
 
-@pytest.fixture(scope="module", params=[2, 3])
-def world(request, require_pycomm, ckpt_root):
-    """World 2 runs first (params order) and saves the checkpoints world 3 reshards."""
+def _spawn(size: int, ckpt_root: str):
     from pycomm.testing import run_ranks
 
-    size = request.param
     return size, run_ranks(run_all, size, size, ckpt_root, timeout_s=600.0)
+
+
+@pytest.fixture(scope="module")
+def world2(require_pycomm, ckpt_root):
+    return _spawn(2, ckpt_root)
+
+
+@pytest.fixture(scope="module")
+def world3(world2, ckpt_root):
+    """After world2: the 3-rank job reloads the checkpoints the 2-rank job saved."""
+    return _spawn(3, ckpt_root)
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def world(request):
+    return request.getfixturevalue(f"world{request.param}")
 
 
 def _replicas_identical(results):
@@ -40,11 +53,10 @@ def test_sgd_momentum_parameters_match_one_process(world, group, stage):
     torch.testing.assert_close(results[0]["params"], single["params"], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("stage", STAGES)
-def test_adamw_with_clipping_follows_the_same_loss_and_norms(world, group, stage):
+def test_adamw_with_clipping_follows_the_same_loss_and_norms(world, stage):
     size, ranks = world
-    results = [r[(group, stage, "adamw_clip")] for r in ranks]
+    results = [r[("pycomm", stage, "adamw_clip")] for r in ranks]
     _replicas_identical(results)
     single = reference(size, "adamw", clip=True)
     losses = torch.tensor([r["losses"] for r in results]).mean(0)
@@ -55,14 +67,13 @@ def test_adamw_with_clipping_follows_the_same_loss_and_norms(world, group, stage
                                    rtol=1e-4, atol=0)
 
 
-@pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("stage", STAGES)
-def test_per_rank_bytes_match_the_zero_formulas(world, group, stage):
+def test_per_rank_bytes_match_the_zero_formulas(world, stage):
     """fp32 AdamW: stage 1 holds 4 Psi params + 4 Psi grads + 8 Psi / N state; stage 2
     4 Psi + 12 Psi / N (bucket buffers are reported apart: constant, C_B)."""
     size, ranks = world
     for r in ranks:
-        m = r[(group, stage, "memory")]
+        m = r[("pycomm", stage, "memory")]
         psi = m["psi"]
         measured = m["param_bytes"] + m["grad_bytes"] + m["optimizer_state_bytes"]
         formula = 8 * psi + 8 * psi / size if stage == 1 else 4 * psi + 12 * psi / size
@@ -88,10 +99,9 @@ def test_a_checkpoint_resumes_the_same_trajectory(world, stage):
     torch.testing.assert_close(losses, torch.tensor(single), rtol=1e-4, atol=0)
 
 
-@pytest.mark.parametrize("world", [3], indirect=True)  # loads the 2-rank job's checkpoint
 @pytest.mark.parametrize("stage", STAGES)
-def test_a_checkpoint_from_two_ranks_resumes_on_three(world, stage):
-    _, ranks = world
+def test_a_checkpoint_from_two_ranks_resumes_on_three(world3, stage):
+    _, ranks = world3
     resumed = torch.tensor([r[("ckpt", stage)]["resumed"]["other"] for r in ranks]).mean(0)
     single = reference(2, "adamw", clip=True, world_from_10=3)["losses"][10:]
     # Same global batches, so the same trajectory up to summation order.
