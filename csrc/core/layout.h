@@ -43,6 +43,7 @@ enum class RankState : uint32_t { ABSENT = 0, ALIVE = 1, DEPARTED = 2 };
 struct alignas(kLine) RankControl {
   std::atomic<int32_t> pid{0};
   std::atomic<uint32_t> state{0};          // RankState
+  std::atomic<int32_t> cpu{-1};            // the CPU it last started waiting on
   std::atomic<uint64_t> entered_seq{0};    // last collective this rank started
   std::atomic<uint64_t> completed_seq{0};  // last collective this rank finished
   std::atomic<uint64_t> stage{0};          // seq * 2^20 + step, for multi-step syncs

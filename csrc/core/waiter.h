@@ -59,11 +59,14 @@ class Waiter {
     }
   }
 
-  // The two polling phases; true once ready() holds.
+  // The two polling phases; true once ready() holds. Spinning is skipped when another
+  // rank last waited on this CPU: the scheduler has put us on one core, so the peer we
+  // wait for cannot run until we give the core up (spinning would only delay it).
   template <class Ready>
   bool poll(Ready ready) {
     const auto start = Clock::now();
-    while (Clock::now() - start < spin_) {
+    const auto spin = shares_cpu_with_a_peer() ? Clock::duration::zero() : spin_;
+    while (Clock::now() - start < spin) {
       for (int i = 0; i < 32; ++i) {
         if (ready()) return true;
         cpu_relax();
@@ -72,6 +75,17 @@ class Waiter {
     while (Clock::now() - start < yield_) {
       if (ready()) return true;
       sched_yield();
+    }
+    return false;
+  }
+
+  // Publishes this rank's CPU; true if another rank of the group last waited on it.
+  bool shares_cpu_with_a_peer() const {
+    const int cpu = sched_getcpu();
+    shared_.control(shared_.rank())->cpu.store(cpu, std::memory_order_relaxed);
+    for (int r = 0; r < shared_.world(); ++r) {
+      if (r != shared_.rank() && shared_.control(r)->cpu.load(std::memory_order_relaxed) == cpu)
+        return true;
     }
     return false;
   }
