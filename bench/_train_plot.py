@@ -19,6 +19,8 @@ def plot(what: str, results: dict[str, Any], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(8, 4))
     if what == "data":
         _data_bars(ax, results)
+    elif what == "zero":
+        _zero_bars(ax, results)
     else:
         _bucket_bars(ax, results)
     fig.tight_layout()
@@ -37,6 +39,16 @@ def _data_bars(ax: Any, rows: dict[str, Any]) -> None:
     ax.set_xlabel("step time (ms, median of the slowest rank)")
     ax.invert_yaxis()
     ax.legend(loc="lower right")
+
+
+def _zero_bars(ax: Any, rows: dict[str, Any]) -> None:
+    """Step time per strategy, each bar labelled with its PSS (memory) when measured."""
+    names = list(rows)
+    bars = ax.barh(names, [r["median_ms"] for r in rows.values()])
+    labels = [f"{r['pss_mb']:.0f} MB PSS" if "pss_mb" in r else "" for r in rows.values()]
+    ax.bar_label(bars, labels=labels, padding=3, fontsize=8)
+    ax.set_xlabel("step time (ms, median of the slowest rank)")
+    ax.invert_yaxis()
 
 
 def _bucket_bars(ax: Any, res: dict[str, Any]) -> None:

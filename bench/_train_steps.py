@@ -22,14 +22,26 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from parallel.data import DataParallel
 from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
 
-# name: (how the model is wrapped, which group it talks over)
+# name: (how the model is wrapped, the optimizer, which group it talks over)
 STRATEGIES = {
-    "local": ("none", "none"),  # the same step without any communication
-    "ddp-gloo": ("ddp", "gloo"),
-    "ddp-pycomm": ("ddp", "pycomm"),
-    "parallel.data-pycomm": ("data", "pycomm"),
-    "parallel.data-gloo": ("data", "gloo"),
+    "local": ("none", "sgd", "none"),  # the same step without any communication
+    "ddp-gloo": ("ddp", "sgd", "gloo"),
+    "ddp-pycomm": ("ddp", "sgd", "pycomm"),
+    "parallel.data-pycomm": ("data", "sgd", "pycomm"),
+    "parallel.data-gloo": ("data", "sgd", "gloo"),
 }
+# ZeRO against its torch peers, with AdamW (whose state is what ZeRO shards).
+ZERO_STRATEGIES = {
+    f"{name}-{group}": (wrap, optim, group)
+    for group in ("pycomm", "gloo")
+    for name, wrap, optim in (
+        ("ddp-adamw", "ddp", "adamw"),
+        ("torch-zero1", "ddp", "torch-zero"),  # DDP + torch's ZeroRedundancyOptimizer
+        ("parallel.zero1", "none", "zero1"),
+        ("parallel.zero2", "none", "zero2"),
+    )
+}
+ALL_STRATEGIES = {**STRATEGIES, **ZERO_STRATEGIES}
 
 
 @dataclass
@@ -50,12 +62,30 @@ def _wrap(kind: str, group: dist.ProcessGroup | None, net: nn.Module, cap_mb: fl
     return net
 
 
+def _optimizer(kind: str, net: nn.Module, group: Any, cap_mb: float) -> Any:
+    from parallel.zero import ZeroOptimizer
+
+    if kind == "sgd":
+        return torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW(net.parameters(), lr=1e-4)
+    if kind == "torch-zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW, process_group=group,
+                                       lr=1e-4)
+    stage = int(kind.removeprefix("zero"))
+    return ZeroOptimizer(net.parameters(), torch.optim.AdamW, stage=stage, process_group=group,
+                         bucket_cap_mb=cap_mb, lr=1e-4)
+
+
 def build(name: str, setup: Setup, groups: dict[str, Any]) -> tuple[nn.Module, Callable]:
     """The wrapped model and a function that runs one training step on it."""
-    kind, group = STRATEGIES[name]
+    kind, optim, group = ALL_STRATEGIES[name]
     torch.manual_seed(0)
     net = _wrap(kind, groups.get(group), GPT(setup.cfg), setup.bucket_cap_mb)
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    opt = _optimizer(optim, net, groups.get(group), setup.bucket_cap_mb)
+    net.zero_optimizer = opt if hasattr(opt, "memory_stats") else None  # for peak_memory
     rank = dist.get_rank()
 
     def step(i: int) -> float:
@@ -110,7 +140,9 @@ def peak_memory(name: str, setup: Setup) -> dict[str, Any]:
         step(i)
     param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     own = net.comm_stats()["reserved_bytes"] if isinstance(net, DataParallel) else None
+    zero = getattr(net, "zero_optimizer", None)
     return {
+        "zero_memory": zero.memory_stats() if zero is not None else None,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "pss_bytes": _pss_bytes(),
         "param_bytes": param_bytes,

@@ -10,6 +10,10 @@ on every rank that maps it). The model is sized so communication matters: 80 MB 
 per step against a small per-rank batch, as in data parallelism at scale where the
 per-rank batch shrinks as ranks are added.
 
+``python -m bench.training zero`` times ZeRO stages 1 and 2 (``parallel.zero``) against
+DDP and torch's ``ZeroRedundancyOptimizer`` with AdamW, on pycomm and on gloo, with each
+ZeroOptimizer's own accounting of parameter, gradient, state and bucket bytes.
+
 ``python -m bench.training buckets`` is the C_B micro-benchmark: the same model's
 gradient tensors all-reduced one by one against in constant-size buckets.
 
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._bucket_bench import time_bucketing
-from bench._train_steps import STRATEGIES, Setup, peak_memory, time_strategies
+from bench._train_steps import STRATEGIES, ZERO_STRATEGIES, Setup, peak_memory, time_strategies
 from parallel.models import GPTConfig
 from pycomm.testing import run_ranks
 
@@ -39,7 +43,7 @@ MB = 1e6
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["data", "buckets"])
+    p.add_argument("what", choices=["data", "buckets", "zero"])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--model", choices=sorted(MODELS), default="bench")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
@@ -47,14 +51,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--strategies", default=None, help="default: every strategy of `what`")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
     p.add_argument("-o", "--out", type=Path, default=None, help="JSON path (PNG beside it)")
     args = p.parse_args(argv)
     args.out = args.out or Path("bench/results") / f"training_{args.what}_{args.nproc}ranks.json"
-    args.strategies = args.strategies.split(",")
-    if unknown := set(args.strategies) - set(STRATEGIES):
-        p.error(f"unknown strategies {sorted(unknown)}; choose from {list(STRATEGIES)}")
+    known = ZERO_STRATEGIES if args.what == "zero" else STRATEGIES
+    args.strategies = args.strategies.split(",") if args.strategies else list(known)
+    if unknown := set(args.strategies) - set(known):
+        p.error(f"unknown strategies {sorted(unknown)}; choose from {list(known)}")
     return args
 
 
@@ -84,6 +89,8 @@ def run_data(args: argparse.Namespace) -> dict[str, Any]:
             rows[name]["param_mb"] = mem[0]["param_bytes"] / MB
             arena = mem[0]["grad_arena_bytes"]
             rows[name]["grad_arena_mb"] = arena / MB if arena is not None else None
+            if mem[0]["zero_memory"] is not None:
+                rows[name]["zero_memory"] = mem[0]["zero_memory"]
     local = rows.get("local", {}).get("median_ms")
     for row in rows.values():
         row["exposed_ms"] = row["median_ms"] - local if local is not None else None
@@ -92,8 +99,9 @@ def run_data(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_data(args: argparse.Namespace, rows: dict[str, Any]) -> None:
     cfg = MODELS[args.model]
-    print(f"# bench.training data: {args.nproc} ranks, GPT {cfg}, {args.batch} sequences of "
-          f"{cfg.block_size} tokens per rank, SGD momentum, bucket cap {args.bucket_cap_mb} MB; "
+    optim = "AdamW" if args.what == "zero" else "SGD momentum"
+    print(f"# bench.training {args.what}: {args.nproc} ranks, GPT {cfg}, {args.batch} sequences "
+          f"of {cfg.block_size} tokens per rank, {optim}, bucket cap {args.bucket_cap_mb} MB; "
           f"{args.rounds} rounds x {args.steps} steps per strategy, interleaved; "
           "time = slowest rank per step, median (p25-p75)")
     print(f"{'strategy':<22} {'step ms':>9} {'p25-p75 ms':>15} {'exposed comm ms':>16} "
@@ -108,7 +116,17 @@ def print_data(args: argparse.Namespace, rows: dict[str, Any]) -> None:
     _print_targets(rows)
 
 
+def _print_zero_accounting(rows: dict[str, Any]) -> None:
+    for name, r in rows.items():
+        if m := r.get("zero_memory"):
+            print(f"# {name}: params {m['param_bytes'] / MB:.1f} MB, grads "
+                  f"{m['grad_bytes'] / MB:.1f} MB, optimizer state "
+                  f"{m['optimizer_state_bytes'] / MB:.1f} MB, "
+                  f"buckets {m['bucket_bytes'] / MB:.1f} MB")
+
+
 def _print_targets(rows: dict[str, Any]) -> None:
+    _print_zero_accounting(rows)
     ours, gloo, ddp = (rows.get(n) for n in ("parallel.data-pycomm", "ddp-gloo", "ddp-pycomm"))
     if ours and gloo and ours["exposed_ms"] is not None and gloo["exposed_ms"]:
         ratio = ours["exposed_ms"] / gloo["exposed_ms"]
@@ -155,7 +173,7 @@ def write_outputs(args: argparse.Namespace, results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.what == "data":
+    if args.what in ("data", "zero"):
         rows = run_data(args)
         write_outputs(args, rows)
         print_data(args, rows)

@@ -50,3 +50,14 @@ def test_buckets_reports_both_backends(tiny, capsys, require_pycomm):
     text = capsys.readouterr().out
     assert "speed-up" in text
     _assert_plot(out, text)
+
+
+def test_zero_runs_stages_and_torch_peers_on_both_backends(tiny, capsys, require_pycomm):
+    flags, tmp = tiny
+    out = tmp / "zero.json"
+    main(["zero", *flags, "--no-memory", "--strategies",
+          "torch-zero1-gloo,parallel.zero1-pycomm,parallel.zero2-gloo", "-o", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    losses = [r["loss"] for r in rows.values()]
+    assert len(rows) == 3 and max(losses) - min(losses) < 1e-4, rows
+    _assert_plot(out, capsys.readouterr().out)
