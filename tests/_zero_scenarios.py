@@ -73,6 +73,11 @@ def memory(group: Any, stage: int) -> dict[str, Any]:
     return {"psi": sum(p.numel() for p in net.parameters()), **opt.memory_stats()}
 
 
+def memory_only(world: int) -> dict[Any, Any]:
+    """The memory cases alone (the 4-rank job: the formulas at N = 4)."""
+    return {("pycomm", stage, "memory"): memory(dist.group.WORLD, stage) for stage in (1, 2)}
+
+
 def bad_input(group: Any) -> dict[str, str]:
     net = model()
     errors = {}

@@ -36,6 +36,15 @@ def world(request):
     return request.getfixturevalue(f"world{request.param}")
 
 
+@pytest.fixture(scope="module")
+def world4_memory(require_pycomm):
+    from _zero_scenarios import memory_only
+
+    from pycomm.testing import run_ranks
+
+    return 4, run_ranks(memory_only, 4, 4, timeout_s=300.0)
+
+
 def _replicas_identical(results):
     for rank, r in enumerate(results[1:], start=1):
         for i, (a, b) in enumerate(zip(results[0]["params"], r["params"], strict=True)):
@@ -67,11 +76,13 @@ def test_adamw_with_clipping_follows_the_same_loss_and_norms(world, stage):
                                    rtol=1e-4, atol=0)
 
 
+@pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("stage", STAGES)
-def test_per_rank_bytes_match_the_zero_formulas(world, stage):
+def test_per_rank_bytes_match_the_zero_formulas(request, size, stage):
     """fp32 AdamW: stage 1 holds 4 Psi params + 4 Psi grads + 8 Psi / N state; stage 2
     4 Psi + 12 Psi / N (bucket buffers are reported apart: constant, C_B)."""
-    size, ranks = world
+    name = "world4_memory" if size == 4 else f"world{size}"
+    _, ranks = request.getfixturevalue(name)
     for r in ranks:
         m = r[("pycomm", stage, "memory")]
         psi = m["psi"]
