@@ -125,8 +125,9 @@ def test_no_memory_growth_after_the_first_steps(world2, group):  # one RSS probe
     for rank, r in enumerate(ranks):
         result = r[group]["memory"]
         growth = result["rss"][10] - result["rss"][2]
-        # Gradients are 6 MB: gradients or buckets kept per step would add that each
-        # step (48 MB over 8 steps); allocator and gloo noise stay within a few MB.
-        assert growth < result["grad_bytes"] // 2, (
+        # Gradients are 5.6 MB: gradients or buckets kept per step would add that each
+        # step (45 MB over 8 steps). The allocator and gloo's lazily grown buffers move
+        # RSS by up to ~3 MB on a busy machine, so the bound is one set of gradients.
+        assert growth < result["grad_bytes"], (
             f"rank {rank}: RSS grew {growth} bytes between steps 2 and 10"
         )
