@@ -34,6 +34,7 @@ import argparse
 import gc
 import glob
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -173,7 +174,7 @@ def profile_case(nproc: int, nbytes: int, path: str, args) -> tuple[dict, dict, 
 
 
 def row(size: str, path: str, cells: list[float]) -> str:
-    """A table row: counts as integers, the implied DRAM MiB with two decimals."""
+    """A table row: counts as integers, the LL-miss MiB with two decimals."""
     text = [f"{c:,.0f}" for c in cells[:-1]] + [f"{cells[-1]:.2f}"]
     return f"| {size} | {path} | " + " | ".join(text) + " |"
 
@@ -186,7 +187,7 @@ def cells(counts: dict[str, float]) -> list[float]:
 
 def report(results: dict, nproc: int, ll: str | None) -> None:
     """Print the markdown table: per size, ring, arena, and their ratio."""
-    simulated = next(iter(next(iter(results.values())).values()))[2]
+    simulated = next(iter(results.values()))["ring"][2]  # cachegrind's own description
     print(f"\n{nproc} ranks, --LL={ll or 'auto-detected'} (simulated LL: {simulated});")
     print("per rank (mean over ranks), per op\n")
     titles = [t for t, _ in COLUMNS] + ["LL-miss MiB/op (x64 B)"]
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["--rank"]:  # a rank under valgrind: --rank NBYTES PATH OPS
         return rank_main(int(argv[1]), argv[2], int(argv[3]))
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `launch` stops the ranks
     with tempfile.TemporaryDirectory(prefix="pycomm-cg-") as tmp:
         args.out_dir = args.out_dir or tmp
         os.makedirs(args.out_dir, exist_ok=True)
