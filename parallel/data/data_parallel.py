@@ -23,6 +23,7 @@ from torch import nn
 from parallel.data import data_comms as comms
 from parallel.data.grad_layout import GradLayout
 from parallel.data.unused import names_of, reachable_params
+from parallel.grad_hooks import EndOfBackward, move_grad_into, on_grad_ready
 from pycomm.bucketer import Bucketer
 from pycomm.flat_arena import Arena
 
@@ -78,13 +79,12 @@ class DataParallel(nn.Module):
         self._layout = self._new_layout(list(reversed(range(len(self._params)))))
         self._require_sync = True
         self._sync_pending = False
-        self._finalize_queued = False
+        self._end_of_backward = EndOfBackward(self._finalize)
         self._observed_order: list[int] | None = []  # first synced backward's ready order
         self._rebuild_pending = False
         self._touched = [False] * len(self._params)
         self._events: list[tuple[str, int, float]] = []
-        for i, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+        on_grad_ready(self._params, self._on_grad_ready)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -139,7 +139,7 @@ class DataParallel(nn.Module):
         self._forget_stale_grads()
         self._bucketer.reset()
         self._events = []
-        self._finalize_queued = False
+        self._end_of_backward.reset()
         self._sync_pending = self._require_sync and torch.is_grad_enabled()
         output = self.module(*args, **kwargs)
         if self._sync_pending and self.find_unused_parameters:
@@ -162,27 +162,16 @@ class DataParallel(nn.Module):
 
     # -- backward ------------------------------------------------------------------------
 
-    def _make_hook(self, i: int) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad_ready(i, param)
-
-        return hook
-
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
-        if param.grad is not None and not self._is_home(i):
-            # A fresh gradient (``.grad`` was None): move it into the arena. Copying is
-            # cheaper than keeping zeroed views attached (a memset, then an add), and
-            # autograd allocated this tensor either way. Later backwards accumulate in place.
-            view = self._layout.views[i]
-            view.copy_(param.grad)
-            param.grad = view
+        # A fresh gradient (``.grad`` was None) moves into the arena. Copying is cheaper
+        # than keeping zeroed views attached (a memset, then an add), and autograd
+        # allocated this tensor either way. Later backwards accumulate in place.
+        move_grad_into(param, self._layout.views[i])
         self._touched[i] = True
         if not self._sync_pending:
             return
         self._events.append(("ready", i, time.perf_counter()))
-        if not self._finalize_queued:
-            self._finalize_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        self._end_of_backward.request()
         if self._observed_order is not None:
             self._observed_order.append(i)
         if not self._bucketer.is_ready(i):  # find_unused may have marked it already

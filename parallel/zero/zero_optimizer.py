@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.grad_hooks import EndOfBackward, move_grad_into, on_grad_ready
 from parallel.zero import zero_comms as comms
 from parallel.zero.shard_layout import ShardLayout
 from pycomm.bucketer import Bucketer
@@ -86,9 +87,9 @@ class ZeroOptimizer:
         self._make_grad_buffers(dtype)
         self.optimizer = optimizer_class(self.shard_params, **optimizer_kwargs)
         self._bucketer = Bucketer([b.params for b in self.layout.buckets], self._launch)
-        self._sync, self._finalize_queued, self._fresh = True, False, True
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self._sync, self._fresh = True, True
+        self._end_of_backward = EndOfBackward(self._finalize)
+        on_grad_ready(self.params, self._on_grad_ready)
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -126,23 +127,12 @@ class ZeroOptimizer:
 
     # -- backward ------------------------------------------------------------------------------
 
-    def _make_hook(self, i: int) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad_ready(i, param)
-
-        return hook
-
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
-        if self.stage == 1 and param.grad is not None:
-            view = self._param_view(self.grads.buffer, i)
-            if param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)
-                param.grad = view
+        if self.stage == 1:
+            move_grad_into(param, self._param_view(self.grads.buffer, i))
         if not self._sync:
             return
-        if not self._finalize_queued:
-            self._finalize_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        self._end_of_backward.request()
         self._bucketer.mark_ready(i)
 
     def _launch(self, k: int) -> Any:
@@ -156,8 +146,11 @@ class ZeroOptimizer:
         for i in bucket.params:
             p = self.params[i]
             start = self.layout.offsets[i] - bucket.start
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            buffer[start : start + p.numel()].copy_(grad.reshape(-1))
+            target = buffer[start : start + p.numel()]
+            if p.grad is None:  # no gradient this backward: it contributes zeros
+                target.zero_()
+            else:
+                target.copy_(p.grad.reshape(-1))
             used = max(used, start + p.numel())
             p.grad = None  # the full gradient is not kept (stage 2)
         buffer[used:].zero_()
@@ -187,7 +180,6 @@ class ZeroOptimizer:
             self._bucketer.mark_ready(i)
         self._bucketer.wait()
         self._bucketer.reset()
-        self._finalize_queued = False
         if self.stage == 2:
             self._in_flight.clear()
             self._free = [a.buffer for a in self._bucket_buffers]
