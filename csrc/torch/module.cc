@@ -13,6 +13,7 @@
 #include "../core/reduce.h"
 #include "../core/shm_segment.h"
 #include "backend.h"
+#include "storage_binding.h"
 #include "tensor_args.h"
 
 namespace py = pybind11;
@@ -96,6 +97,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_reduce_into", &reduce_into, py::arg("dst"), py::arg("a"), py::arg("b"),
         py::arg("op") = "sum", py::call_guard<py::gil_scoped_release>(),
         "dst = a op b with pycomm's reduction kernels (benchmarks and tests).");
+  m.def("unbound_tensor", &pycomm_torch::unbound_tensor, py::arg("sizes"), py::arg("dtype"),
+        "A contiguous CPU tensor of that shape whose storage holds no memory yet.");
+  m.def("bind_storage", &pycomm_torch::bind_storage, py::arg("target"), py::arg("source"),
+        "Point target's storage (and every view of it) at source's memory.");
+  m.def("unbind_storage", &pycomm_torch::unbind_storage, py::arg("target"),
+        "Make target's storage hold no memory again.");
   m.def("in_arena", &in_arena, py::arg("tensor"), "Whether the tensor's data lies in the arena.");
   m.def("cuda_built", [] { return false; }, "Whether the CUDA path was compiled in.");
   m.def(

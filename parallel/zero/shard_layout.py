@@ -48,18 +48,32 @@ class ShardLayout:
 
     def __init__(self, params: Sequence[nn.Parameter], world: int, rank: int, cap_bytes: int,
                  dtype: torch.dtype):
-        self.world, self.rank, self.dtype = world, rank, dtype
         order = list(reversed(range(len(params))))  # gradients arrive last layer first
         sizes = [params[i].numel() * dtype.itemsize for i in order]
-        self.offsets = [0] * len(params)
+        groups = [[order[j] for j in positions] for positions in plan_buckets(sizes, cap_bytes)]
+        self._place([p.numel() for p in params], groups, world, rank, dtype)
+
+    @classmethod
+    def from_groups(cls, numels: Sequence[int], groups: Sequence[Sequence[int]], world: int,
+                    rank: int, dtype: torch.dtype) -> ShardLayout:
+        """One bucket per group of parameter indices, in the order given (stage 3: one
+        bucket per sharded unit)."""
+        layout = cls.__new__(cls)
+        layout._place(list(numels), groups, world, rank, dtype)
+        return layout
+
+    def _place(self, numels: list[int], groups: Sequence[Sequence[int]], world: int, rank: int,
+               dtype: torch.dtype) -> None:
+        self.world, self.rank, self.dtype = world, rank, dtype
+        self.offsets = [0] * len(numels)
         self.buckets: list[BucketSpan] = []
         start = 0
-        for positions in plan_buckets(sizes, cap_bytes):
-            members = tuple(order[j] for j in positions)
+        for group in groups:
+            members = tuple(group)
             offset = start
             for i in members:
                 self.offsets[i] = offset
-                offset += params[i].numel()
+                offset += numels[i]
             shard = aligned_numel(-(-(offset - start) // world), dtype)
             self.buckets.append(BucketSpan(members, start, shard))
             start += world * shard

@@ -14,7 +14,7 @@ Group = dist.ProcessGroup | None
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
-__all__ = ["all_gather_shard", "averaging_op", "broadcast_flat", "global_sq_norm",
+__all__ = ["all_gather_shard", "averaging_op", "broadcast_flat", "gather_unit", "global_sq_norm",
            "reduce_scatter_bucket"]
 
 
@@ -43,3 +43,8 @@ def global_sq_norm(shards: list[torch.Tensor], group: Group) -> torch.Tensor:
     total = local.reshape(1)
     dist.all_reduce(total, group=group)
     return total[0]
+
+
+def gather_unit(full: torch.Tensor, shard: torch.Tensor, group: Group) -> Any:
+    """Stage 3: ``full`` becomes every rank's ``shard`` side by side (async)."""
+    return _all_gather(full, shard, group=group, async_op=True)

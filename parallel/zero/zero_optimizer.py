@@ -67,14 +67,24 @@ class ZeroOptimizer:
         opt.zero_grad(); loss.backward(); opt.clip_grad_norm_(1.0); opt.step()
     """
 
+    def __new__(cls, params: Any = None, optimizer_class: Any = None, stage: int = 1,
+                *args: Any, **kwargs: Any) -> ZeroOptimizer:
+        if cls is ZeroOptimizer and stage == 3:  # the model is sharded: another machine
+            from parallel.zero.stage3_optimizer import Stage3Optimizer
+
+            return super().__new__(Stage3Optimizer)
+        return super().__new__(cls)
+
     def __init__(self, params: Iterable[nn.Parameter], optimizer_class: type[torch.optim.Optimizer],
                  stage: int = 1, process_group: dist.ProcessGroup | None = None,
                  bucket_cap_mb: float = 25, **optimizer_kwargs: Any):
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroOptimizer: stage must be 1 or 2 here (got {stage!r}); "
-                             "stage 3 shards the model itself: use parallel.zero.shard_model")
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3 (got {stage!r})")
         self.stage, self.group = stage, process_group
         self.params = _check_params([p for p in params if p.requires_grad])
+        if any(hasattr(p, "zero3") for p in self.params):
+            raise ValueError(f"ZeroOptimizer: stage {stage} got the shards of a model from "
+                             "shard_model; a sharded model needs stage=3")
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         dtype = self.params[0].dtype if self.params else torch.float32
         cap = int(bucket_cap_mb * MB)
@@ -198,6 +208,11 @@ class ZeroOptimizer:
     def step(self) -> None:
         """Step on this rank's shards, then all-gather every bucket's updated shards."""
         self.optimizer.step()
+        self.publish_shards()
+
+    @torch.no_grad()
+    def publish_shards(self) -> None:
+        """Every rank's (updated) shards into every rank's parameters."""
         works = [comms.all_gather_shard(self.flat.buffer[b.full(self.world)], self.rank, self.group)
                  for b in self.layout.buckets]
         for work in works:
@@ -237,6 +252,15 @@ class ZeroOptimizer:
             for g in self.shard_grads:
                 g.mul_(coef)
         return total.to(self.grads.dtype)
+
+    def param_names(self, model: nn.Module) -> list[str]:
+        """The qualified name in ``model`` of each of :attr:`params` (checkpoints)."""
+        by_id = {id(p): n for n, p in model.named_parameters()}
+        missing = [i for i, p in enumerate(self.params) if id(p) not in by_id]
+        if missing:
+            raise ValueError(f"zero checkpoint: optimizer parameters {missing} are not in "
+                             "the model")
+        return [by_id[id(p)] for p in self.params]
 
     # -- reporting -----------------------------------------------------------------------------
 

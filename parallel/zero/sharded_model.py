@@ -1,0 +1,329 @@
+"""ZeRO stage 3: every rank keeps ``1/world`` of each unit's parameters; a unit is
+gathered just before its forward (and again before its backward) and freed after.
+
+:func:`shard_model` moves each unit's parameters into a flat, padded shard registered
+on the unit's module (``zero3_shard``: what ``model.parameters()`` and the optimizer
+see). The original parameter objects stay the module's attributes, so the model's code
+is unchanged, but they hold no memory between uses: a forward pre-hook all-gathers the
+unit into a buffer from a :class:`SlotPool` and points them at it; a forward hook frees
+it and arms a hook on the outputs that gathers it again when their gradient arrives.
+Once the forward order is known, the next unit's gather is started while the current
+one computes (forward: the next; backward: the previous). Gradients are reduce-scattered
+per unit by :class:`UnitGradReducer`.
+
+Example::
+
+    model = shard_model(GPT(cfg))                 # every rank, same model
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=3, lr=1e-3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from parallel.zero import zero_comms as comms
+from parallel.zero.shard_layout import ShardLayout
+from parallel.zero.slot_pool import SlotPool
+from parallel.zero.unit_grads import UnitGradReducer
+from parallel.zero.units import UnitPlan, plan_units
+from pycomm._backend import _extension
+from pycomm.flat_arena import Arena
+
+SHARD_NAME = "zero3_shard"
+PERSISTENT_SHARD_NAME = "zero3_persistent_shard"
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # elements, as DeepSpeed's default
+
+
+def _on_first_grad(output: Any, fn: Any) -> None:
+    """Call ``fn()`` when backward first reaches any tensor of ``output`` (before the
+    nodes that produced it run)."""
+    outs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+    if outs:
+        torch.autograd.graph.register_multi_grad_hook(outs, lambda _grad: fn(), mode="any")
+
+
+class Unit:
+    """One unit: its parameters, where they sit in the unit's flat buffer, its shard."""
+
+    def __init__(self, index: int, plan: UnitPlan, params: list[nn.Parameter], ids: list[int],
+                 layout: ShardLayout, k: int):
+        self.index, self.module, self.persistent = index, plan.module, plan.persistent
+        self.names, self.params, self.ids = plan.names, params, ids
+        span = layout.buckets[k]
+        self.shard_numel = span.shard
+        self.full_numel = span.shard * layout.world
+        self.offsets = [layout.offsets[i] - span.start for i in ids]
+        self.position = {i: j for j, i in enumerate(ids)}  # global index -> place in the unit
+        self.shapes = [p.shape for p in params]  # kept: the parameters become empty
+        self.homes: list[torch.Tensor] = []  # full-shape tensors bound to the gathered slot
+        self.shard: nn.Parameter  # master values of this rank's shard
+        self.comm_shard: torch.Tensor  # the shard in the compute dtype (the same tensor in fp32)
+        self.slot: torch.Tensor | None = None  # the gathered unit, while it is in memory
+        self.pending: Any = None  # a gather in flight
+        self.bound = False  # the parameters point into ``slot``
+
+    def piece(self, buffer: torch.Tensor, j: int) -> torch.Tensor:
+        """Parameter ``j``'s elements in a whole-unit buffer."""
+        return buffer[self.offsets[j] : self.offsets[j] + self.shapes[j].numel()]
+
+
+class ShardedModel:
+    """The stage-3 machinery attached to a model (``model.zero3``); see :func:`shard_model`."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None,
+                 unit_modules: Iterable[nn.Module] | None, persistence_threshold: int):
+        self.model, self.group = model, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        plans = plan_units(model, unit_modules, persistence_threshold)
+        named = dict(model.named_parameters())
+        self.names = [n for plan in plans for n in plan.names]
+        self.params = [named[n] for n in self.names]
+        if len({p.dtype for p in self.params}) > 1:
+            raise ValueError(f"shard_model: parameters must share one dtype, got "
+                             f"{sorted({str(p.dtype) for p in self.params})}")
+        self.dtype = self.params[0].dtype if self.params else torch.float32
+        self.compute_dtype = self.dtype
+        groups, start = [], 0
+        for plan in plans:
+            groups.append(list(range(start, start + len(plan.names))))
+            start += len(plan.names)
+        self.layout = ShardLayout.from_groups([p.numel() for p in self.params], groups,
+                                              self.world, self.rank, self.dtype)
+        self.pool = SlotPool(group)
+        self.masters = Arena.for_group(self.layout.shard_numel, self.dtype, group)
+        self.units = [Unit(k, plan, [self.params[i] for i in ids], ids, self.layout, k)
+                      for k, (plan, ids) in enumerate(zip(plans, groups, strict=True))]
+        self.unit_of = {i: u for u in self.units for i in u.ids}
+        self._ext = _extension()
+        self._empty = torch.empty(0, dtype=self.dtype)
+        self._make_shards()
+        self._detach_params()
+        self._make_homes()
+        self._install_hooks()
+        self.order: list[int] | None = None  # unit indices in forward order (first step)
+        self._recording: list[int] = []
+        self._persistent_stale = True
+        self.reducer = UnitGradReducer(self)
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _make_shards(self) -> None:
+        """Rank 0's values, unit by unit: broadcast whole, keep this rank's shard."""
+        with torch.no_grad():
+            for u in self.units:
+                full = self.pool.take(u.full_numel, self.dtype)
+                full.zero_()
+                for j, p in enumerate(u.params):
+                    u.piece(full, j).copy_(p.reshape(-1))
+                dist.broadcast(full, src=comms.src_rank(self.group), group=self.group)
+                view = self.masters.allocate(u.shard_numel)
+                view.copy_(full[self.rank * u.shard_numel : (self.rank + 1) * u.shard_numel])
+                u.shard = nn.Parameter(view)
+                u.shard.zero3 = (self, u.index)  # type: ignore[attr-defined]
+                u.comm_shard = view
+                self.pool.give(full)
+
+    def _detach_params(self) -> None:
+        """The originals leave ``_parameters`` (plain attributes now, holding no memory);
+        each unit's module registers its shard instead."""
+        for u in self.units:
+            for name, p in zip(u.names, u.params, strict=True):
+                owner, _, attr = name.rpartition(".")
+                module = self.model.get_submodule(owner)
+                del module._parameters[attr]
+                module.__dict__[attr] = p
+                p.data = self._empty
+            u.module.register_parameter(PERSISTENT_SHARD_NAME if u.persistent else SHARD_NAME,
+                                        u.shard)
+
+    def _make_homes(self) -> None:
+        self._empty = torch.empty(0, dtype=self.compute_dtype)
+        for u in self.units:
+            u.homes = [self._ext.unbound_tensor(list(shape), self.compute_dtype)
+                       for shape in u.shapes]
+
+    def set_precision(self, compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+        """Compute and gather in ``compute_dtype``; reduce gradients in ``reduce_dtype``
+        (the shards stay the master copy, in the parameters' dtype)."""
+        if any(u.bound or u.pending is not None for u in self.units):
+            raise RuntimeError("set_precision: call it before the first forward")
+        self.compute_dtype = compute_dtype
+        self.reducer.reduce_dtype = reduce_dtype
+        if compute_dtype != self.dtype:
+            self.comm_arena = Arena.for_group(self.layout.shard_numel, compute_dtype, self.group)
+            for u in self.units:
+                u.comm_shard = self.comm_arena.allocate(u.shard_numel)
+        self._make_homes()
+        self.publish_shards()
+
+    def _install_hooks(self) -> None:
+        self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
+        self.model.register_forward_hook(self._end_forward)
+        for u in self.units:
+            if u.persistent:
+                continue
+            u.module.register_forward_pre_hook(lambda _m, _a, u=u: self._pre_forward(u))
+            u.module.register_forward_hook(lambda _m, _a, out, u=u: self._post_forward(u, out))
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def _begin_forward(self, _module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if self._persistent_stale:
+            for u in self.units:
+                if u.persistent:
+                    self._gather_into_slot(u)
+                    self.bind(u)
+            self._persistent_stale = False
+        if self.compute_dtype == self.dtype:
+            return None
+        cast = self._cast_input
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    def _cast_input(self, value: Any) -> Any:
+        if torch.is_tensor(value) and value.is_floating_point():
+            return value.to(self.compute_dtype)
+        return value
+
+    def _pre_forward(self, u: Unit) -> None:
+        if self.order is None and torch.is_grad_enabled():
+            self._recording.append(u.index)
+        self.bind(u)
+        self._prefetch(u, +1)
+
+    def _post_forward(self, u: Unit, output: Any) -> None:
+        grads = torch.is_grad_enabled()
+        if grads:
+            _on_first_grad(output, lambda: self._pre_backward(u))
+        # The model's own unit is needed first by backward: keep it (as FSDP does).
+        if not (grads and u.module is self.model):
+            self.release(u)
+
+    def _end_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():  # even a model whose units are all persistent
+            _on_first_grad(output, self._begin_backward)
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def _begin_backward(self) -> None:
+        if self.order is None:
+            self.order = list(dict.fromkeys(self._recording))
+            self._position = {index: j for j, index in enumerate(self.order)}
+        self.reducer.begin_backward()
+
+    def _pre_backward(self, u: Unit) -> None:
+        self._begin_backward()
+        self.bind(u)
+        self._prefetch(u, -1)
+
+    def backward_unit_order(self) -> list[int]:
+        """Units in the order their gradients complete: reverse forward order, then any
+        unit forward did not reach, then the persistent one."""
+        seen = list(reversed(self.order or []))
+        rest = [u.index for u in self.units if u.index not in seen and not u.persistent]
+        return seen + rest + [u.index for u in self.units if u.persistent]
+
+    # -- gathering and freeing -------------------------------------------------------------------
+
+    def _prefetch(self, u: Unit, step: int) -> None:
+        if self.order is None or u.index not in self._position:
+            return
+        j = self._position[u.index] + step
+        if 0 <= j < len(self.order):
+            nxt = self.units[self.order[j]]
+            if not nxt.bound and nxt.pending is None:
+                self._gather_into_slot(nxt)
+
+    def _gather_into_slot(self, u: Unit) -> None:
+        if u.slot is None:
+            u.slot = self.pool.take(u.full_numel, self.compute_dtype)
+        u.pending = comms.gather_unit(u.slot, u.comm_shard, self.group)
+
+    def bind(self, u: Unit) -> None:
+        """Make ``u``'s parameters hold its gathered values (gathering now if needed)."""
+        if u.pending is None and not u.bound:
+            self._gather_into_slot(u)
+        if u.pending is not None:
+            u.pending.wait()
+            u.pending = None
+        if u.bound:
+            return
+        assert u.slot is not None
+        for j, (home, p) in enumerate(zip(u.homes, u.params, strict=True)):
+            self._ext.bind_storage(home, u.piece(u.slot, j))
+            p.data = home
+        u.bound = True
+
+    def release(self, u: Unit) -> None:
+        """Free ``u``'s gathered parameters (the slot goes back to the pool)."""
+        if u.pending is not None:  # prefetched but never used
+            u.pending.wait()
+            u.pending = None
+        for home, p in zip(u.homes, u.params, strict=True):
+            self._ext.unbind_storage(home)
+            p.data = self._empty
+        if u.slot is not None:
+            self.pool.give(u.slot)
+        u.slot, u.bound = None, False
+
+    def release_all(self) -> None:
+        for u in self.units:
+            if not u.persistent and (u.bound or u.pending is not None):
+                self.release(u)
+
+    def publish_shards(self) -> None:
+        """After the masters changed (a step, a checkpoint load): refresh the compute-dtype
+        shards, and let the next forward gather everything afresh."""
+        self.release_all()
+        if self.compute_dtype != self.dtype:
+            with torch.no_grad():
+                for u in self.units:
+                    u.comm_shard.copy_(u.shard)
+        self._persistent_stale = True
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole (master dtype) and the buffers; collective."""
+        out: dict[str, torch.Tensor] = {}
+        for u in self.units:
+            full = torch.empty(u.full_numel, dtype=self.dtype)
+            comms.gather_unit(full, u.shard.detach(), self.group).wait()
+            for j, name in enumerate(u.names):
+                out[name] = u.piece(full, j).view_as(u.homes[j]).clone()
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if not isinstance(t, nn.Parameter):
+                out[name] = t.detach().clone()
+        return out
+
+
+def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None,
+                unit_modules: Iterable[nn.Module] | None = None,
+                persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD) -> nn.Module:
+    """Shard ``model``'s parameters for ZeRO stage 3 (in place; collective).
+
+    Args:
+        model: the same model on every rank (rank 0's values are kept).
+        process_group: the data-parallel group (None: default).
+        unit_modules: modules each gathered as one unit; default: the children of every
+            ``nn.ModuleList`` (transformer blocks), the rest forming the model's unit.
+        persistence_threshold: parameters with fewer elements stay gathered all step.
+
+    Returns:
+        ``model``, whose ``parameters()`` are now the shards; its machinery is
+        ``model.zero3`` (a :class:`ShardedModel`).
+
+    Raises:
+        ValueError: shared (tied) parameters, mixed dtypes, or unit modules that are not
+            part of ``model``.
+    """
+    if "zero3" in model.__dict__:
+        raise ValueError("shard_model: this model is already sharded")
+    model.__dict__["zero3"] = ShardedModel(model, process_group, unit_modules,
+                                           persistence_threshold)
+    return model

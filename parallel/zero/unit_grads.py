@@ -1,0 +1,139 @@
+"""Stage 3's gradient side: each unit's gradients reduce-scattered into this rank's shard.
+
+As a gradient is accumulated, it is copied into its unit's whole-unit gradient buffer
+(from the :class:`SlotPool`) and dropped; once every parameter of the unit has its
+gradient, the gathered parameters are freed and (through the :class:`Bucketer`, so every
+rank issues the same collectives in the same order) the buffer is reduce-scattered
+straight into the master gradient of this rank's shard. At most ``MAX_IN_FLIGHT``
+buffers are being reduced at once; a rank holds ``1/world`` of the gradients plus
+those.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from parallel.grad_hooks import EndOfBackward, on_grad_ready
+from parallel.zero import zero_comms as comms
+from pycomm.bucketer import Bucketer
+from pycomm.flat_arena import Arena
+
+if TYPE_CHECKING:
+    from parallel.zero.sharded_model import ShardedModel, Unit
+
+MAX_IN_FLIGHT = 2
+
+
+class UnitGradReducer:
+    """Owns the master gradients (``unit.shard.grad``) and fills them every backward."""
+
+    def __init__(self, engine: ShardedModel):
+        self.engine = engine
+        self.reduce_dtype = engine.dtype
+        self.grads = Arena(engine.layout.shard_numel, engine.dtype)
+        for u in engine.units:
+            u.shard.grad = self.grads.allocate(u.shard_numel)
+        self._op, self._divide_after = comms.averaging_op(engine.group)
+        self._bucketer: Bucketer | None = None
+        self._plan: list[Unit] = []
+        self._slots: dict[int, torch.Tensor] = {}  # unit index -> its gradient buffer
+        self._got = [False] * len(engine.params)
+        self._seen = [0] * len(engine.units)
+        self._in_flight: deque[tuple[Any, torch.Tensor]] = deque()
+        self._landed: list[tuple[Unit, torch.Tensor]] = []  # reduced outside the master grads
+        self._scratch: Arena | None = None
+        self.fresh = True  # the next backward overwrites the master gradients
+        self._end = EndOfBackward(self._finalize)
+        on_grad_ready(engine.params, self._on_grad)
+
+    def begin_backward(self) -> None:
+        if self._bucketer is None:
+            self._plan = [self.engine.units[k] for k in self.engine.backward_unit_order()]
+            self._bucketer = Bucketer([u.ids for u in self._plan], self._launch)
+        self._end.request()
+
+    # -- per parameter ---------------------------------------------------------------------------
+
+    def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        u = self.engine.unit_of[i]
+        grad = param.grad
+        if grad is None or self._bucketer is None:
+            return
+        u.piece(self._slot(u), u.position[i]).copy_(grad.reshape(-1))
+        param.grad = None  # the whole gradient is not kept
+        self._got[i] = True
+        self._seen[u.index] += 1
+        if self._seen[u.index] == len(u.ids) and not u.persistent:
+            self.engine.release(u)  # its parameters are not needed again this step
+        self._bucketer.mark_ready(i)
+
+    def _slot(self, u: Unit) -> torch.Tensor:
+        if u.index not in self._slots:
+            while len(self._in_flight) >= MAX_IN_FLIGHT:
+                self._recycle_oldest()
+            self._slots[u.index] = self.engine.pool.take(u.full_numel, self.reduce_dtype)
+        return self._slots[u.index]
+
+    def _recycle_oldest(self) -> None:
+        work, slot = self._in_flight.popleft()
+        work.wait()
+        self.engine.pool.give(slot)
+
+    # -- per unit --------------------------------------------------------------------------------
+
+    def _launch(self, k: int) -> Any:
+        u = self._plan[k]
+        slot = self._slot(u)
+        for j, i in enumerate(u.ids):  # no gradient this backward: it contributes zeros
+            if not self._got[i]:
+                u.piece(slot, j).zero_()
+        slot[u.offsets[-1] + u.shapes[-1].numel():].zero_()  # the padding
+        out = self._destination(u)
+        work = comms.reduce_scatter_bucket(out, slot, self._op, self.engine.group)
+        del self._slots[u.index]
+        self._in_flight.append((work, slot))
+        return work
+
+    def _destination(self, u: Unit) -> torch.Tensor:
+        """The master gradient itself, unless it must be added to or cast into."""
+        master = u.shard.grad
+        assert master is not None
+        if self.fresh and self.reduce_dtype == master.dtype:
+            return master
+        if self._scratch is None:
+            self._scratch = Arena(self.engine.layout.shard_numel, self.reduce_dtype)
+        offset = self.grads.offset_of(master)
+        out = self._scratch.buffer[offset : offset + u.shard_numel]
+        self._landed.append((u, out))
+        return out
+
+    def _finalize(self) -> None:
+        assert self._bucketer is not None
+        for i in self._bucketer.missing_items():
+            self._bucketer.mark_ready(i)
+        self._bucketer.wait()
+        self._bucketer.reset()
+        while self._in_flight:
+            self._recycle_oldest()
+        self.engine.release_all()
+        if self._divide_after:  # no AVG on this backend: the sum, divided once
+            reduced = [out for _, out in self._landed]
+            if self.fresh and self.reduce_dtype == self.grads.dtype:
+                reduced = [self.grads.buffer]
+            for t in reduced:
+                t.div_(self.engine.world)
+        for u, out in self._landed:
+            master = u.shard.grad
+            assert master is not None
+            master.copy_(out) if self.fresh else master.add_(out)
+        self._landed.clear()
+        self._got = [False] * len(self._got)
+        self._seen = [0] * len(self._seen)
+        self.fresh = False
+
+    def zero_grad(self) -> None:
+        self.grads.buffer.zero_()
+        self.fresh = True

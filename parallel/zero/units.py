@@ -1,0 +1,92 @@
+"""Which parameters stage 3 gathers together: one unit per layer, plus the small ones.
+
+A unit is the set of parameters one all-gather brings in before a module's forward (and
+again before its backward) and frees after. By default every child of an
+``nn.ModuleList`` (a transformer's blocks) is a unit, and the model itself is one for
+the parameters no block owns (embeddings, final norm, head), as FSDP is usually
+wrapped. Parameters smaller than the persistence threshold (biases, norms) go to one
+persistent unit instead: gathered once per step and kept, because an all-gather per
+tiny tensor would cost more in latency than the memory it saves (DeepSpeed's
+``stage3_param_persistence_threshold``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass
+class UnitPlan:
+    """A unit's module (whose forward gathers it) and its parameters' qualified names."""
+
+    module: nn.Module
+    names: list[str] = field(default_factory=list)
+    persistent: bool = False
+
+
+def default_unit_modules(model: nn.Module) -> list[nn.Module]:
+    """Every child of every ``nn.ModuleList`` (outermost lists only), in module order."""
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, nn.ModuleList):
+                units.extend(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return units
+
+
+def _check_not_shared(model: nn.Module) -> None:
+    seen: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            raise ValueError(
+                f"shard_model: parameter {name!r} is the same tensor as {seen[id(p)]!r}; "
+                "a parameter used by two modules (tied weights) cannot be freed after one "
+                "of them: untie it, or raise persistence_threshold above its size")
+        seen[id(p)] = name
+
+
+def plan_units(model: nn.Module, unit_modules: Iterable[nn.Module] | None,
+               persistence_threshold: int) -> list[UnitPlan]:
+    """The units in module order: the model's own unit first, the persistent unit last.
+
+    Raises:
+        ValueError: if a parameter is shared between modules, or a unit module is not
+            part of ``model``.
+    """
+    _check_not_shared(model)
+    modules = default_unit_modules(model) if unit_modules is None else list(unit_modules)
+    prefix_of = {id(m): name for name, m in model.named_modules()}
+    if stray := [type(m).__name__ for m in modules if id(m) not in prefix_of]:
+        raise ValueError(f"shard_model: unit modules {stray} are not part of the model")
+    plans = {id(model): UnitPlan(model)}
+    plans.update({id(m): UnitPlan(m) for m in modules if m is not model})
+    persistent = UnitPlan(model, persistent=True)
+    for module_name, module in model.named_modules():
+        owner = _innermost_unit(model, module_name, plans, prefix_of)
+        for param_name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            (persistent if p.numel() < persistence_threshold else owner).names.append(name)
+    units = [p for p in plans.values() if p.names]
+    return units + ([persistent] if persistent.names else [])
+
+
+def _innermost_unit(model: nn.Module, module_name: str, plans: dict[int, UnitPlan],
+                    prefix_of: dict[int, str]) -> UnitPlan:
+    """The unit of the deepest unit module that contains ``module_name``."""
+    best, depth = plans[id(model)], -1
+    for key, plan in plans.items():
+        prefix = prefix_of[key]
+        inside = prefix == "" or module_name == prefix or module_name.startswith(prefix + ".")
+        if inside and prefix.count(".") + (prefix != "") > depth:
+            best, depth = plan, prefix.count(".") + (prefix != "")
+    return best
