@@ -8,11 +8,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _dp_scenarios import batch, model
+from torch import nn
 
 from parallel.models import lm_loss
-from parallel.zero import ZeroOptimizer, load_sharded, save_sharded
+from parallel.zero import ZeroOptimizer, load_sharded, save_sharded, shard_model
 
 STEPS = 20
+STAGES = (1, 2, 3)
+# Stage 3 keeps the test model's biases and norms (< 200 elements) whole, and shards the
+# rest in three units (the model's own, and one per block).
+PERSIST_BELOW = 200
 CLIP = 0.5  # small enough that clipping is active on most steps
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
@@ -41,12 +46,30 @@ def reference(world: int, optim: str, clip: bool,
             "norms": norms}
 
 
-def train(group: Any, stage: int, optim: str, clip: bool) -> dict[str, Any]:
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    net = model(seed=rank)  # different on purpose: ZeroOptimizer broadcasts rank 0's
+def build(group: Any, stage: int, optim: str, seed: int = 0, persist_below: int = PERSIST_BELOW,
+          net: nn.Module | None = None) -> tuple[nn.Module, ZeroOptimizer]:
+    """The test model (or ``net``) and a ZeroOptimizer of ``stage`` over ``group``."""
+    net = model(seed=seed) if net is None else net
+    if stage == 3:
+        net = shard_model(net, group, persistence_threshold=persist_below)
     cls, kwargs = OPTIMIZERS[optim]
     opt = ZeroOptimizer(net.parameters(), cls, stage=stage, process_group=group,
                         bucket_cap_mb=16 / 1024, **kwargs)
+    return net, opt
+
+
+def full_params(net: nn.Module) -> list[torch.Tensor]:
+    """Every parameter whole, in the unsharded model's order (stage 3 gathers them)."""
+    if "zero3" not in net.__dict__:
+        return [p.detach().clone() for p in net.parameters()]
+    full = net.zero3.full_state_dict()
+    return [full[name] for name, _ in model().named_parameters()]
+
+
+def train(group: Any, stage: int, optim: str, clip: bool) -> dict[str, Any]:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    # Different on purpose: ZeroOptimizer and shard_model keep rank 0's values.
+    net, opt = build(group, stage, optim, seed=rank)
     losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
@@ -57,47 +80,58 @@ def train(group: Any, stage: int, optim: str, clip: bool) -> dict[str, Any]:
             norms.append(float(opt.clip_grad_norm_(CLIP)))
         losses.append(loss.item())
         opt.step()
-    return {"params": [p.detach().clone() for p in net.parameters()], "losses": losses,
-            "norms": norms, "memory": opt.memory_stats(), "buckets": len(opt.layout.buckets)}
+    out = {"params": full_params(net), "losses": losses, "norms": norms,
+           "memory": opt.memory_stats(), "buckets": len(opt.layout.buckets)}
+    if stage == 3:
+        out["stats"] = dict(net.zero3.stats)
+        out["units"] = [(u.persistent, len(u.names)) for u in net.zero3.units]
+    return out
 
 
 def memory(group: Any, stage: int) -> dict[str, Any]:
-    """Measured bytes after one AdamW step, and Psi."""
+    """Measured bytes after one AdamW step, and Psi (stage 3: nothing kept whole)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    net = model()
-    opt = ZeroOptimizer(net.parameters(), torch.optim.AdamW, stage=stage, process_group=group,
-                        bucket_cap_mb=16 / 1024, lr=1e-3)
+    psi = sum(p.numel() for p in model().parameters())
+    net, opt = build(group, stage, "adamw", persist_below=0)
     x, y = batch(0, world, rank)
     lm_loss(net(x), y).backward()
     opt.step()
-    return {"psi": sum(p.numel() for p in net.parameters()), **opt.memory_stats()}
+    return {"psi": psi, **opt.memory_stats()}
 
 
 def memory_only(world: int) -> dict[Any, Any]:
     """The memory cases alone (the 4-rank job: the formulas at N = 4)."""
-    return {("pycomm", stage, "memory"): memory(dist.group.WORLD, stage) for stage in (1, 2)}
+    return {("pycomm", stage, "memory"): memory(dist.group.WORLD, stage) for stage in STAGES}
+
+
+def _error(call: Any) -> str:
+    try:
+        call()
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return ""
 
 
 def bad_input(group: Any) -> dict[str, str]:
+    from parallel.models import GPT
+
     net = model()
-    errors = {}
-    for name, call in {
-        "stage": lambda: ZeroOptimizer(net.parameters(), torch.optim.SGD, stage=4, lr=0.1),
-        "twice": lambda: ZeroOptimizer([*net.parameters(), next(net.parameters())],
-                                       torch.optim.SGD, process_group=group, lr=0.1),
-    }.items():
-        try:
-            call()
-            errors[name] = ""
-        except (ValueError, TypeError) as exc:
-            errors[name] = str(exc)
-    return errors
-
-
-def _adamw(net: Any, group: Any, stage: int) -> ZeroOptimizer:
-    cls, kwargs = OPTIMIZERS["adamw"]
-    return ZeroOptimizer(net.parameters(), cls, stage=stage, process_group=group,
-                         bucket_cap_mb=16 / 1024, **kwargs)
+    tied = model()
+    tied.lm_head.weight = tied.embed.wte.weight  # shapes agree: vocab x n_embd
+    sharded = shard_model(model(), group)
+    return {
+        "stage": _error(lambda: ZeroOptimizer(net.parameters(), torch.optim.SGD, stage=4,
+                                              lr=0.1)),
+        "twice": _error(lambda: ZeroOptimizer([*net.parameters(), next(net.parameters())],
+                                              torch.optim.SGD, process_group=group, lr=0.1)),
+        "stage3_plain": _error(lambda: ZeroOptimizer(net.parameters(), torch.optim.SGD,
+                                                     stage=3, lr=0.1)),
+        "stage1_sharded": _error(lambda: ZeroOptimizer(sharded.parameters(), torch.optim.SGD,
+                                                       stage=1, lr=0.1)),
+        "tied": _error(lambda: shard_model(tied, group)),
+        "stray_unit": _error(lambda: shard_model(model(), group,
+                                                 unit_modules=[GPT(model().cfg).lm_head])),
+    }
 
 
 def _steps(net: Any, opt: ZeroOptimizer, group: Any, steps: range) -> list[float]:
@@ -118,26 +152,25 @@ def checkpoints(group: Any, stage: int, root: str, load_from: str | None) -> dic
     """Train 10 steps, save, train 10 more; a fresh model and optimizer loaded from the
     checkpoint (this job's, and ``load_from``'s: another world size) go on the same way."""
     world = dist.get_world_size(group)
-    net = model()
-    opt = _adamw(net, group, stage)
+    net, opt = build(group, stage, "adamw")
     first = _steps(net, opt, group, range(10))
     path = f"{root}/w{world}-s{stage}"
     save_sharded(path, net, opt)
-    at_save = [p.detach().clone() for p in net.parameters()]
+    at_save = full_params(net)
     rest = _steps(net, opt, group, range(10, STEPS))
     resumed = {}
     for name, source in {"same": path, "other": load_from}.items():
         if source is None:
             continue
-        fresh = model(seed=7)
-        fresh_opt = _adamw(fresh, group, stage)
+        fresh, fresh_opt = build(group, stage, "adamw", seed=7)
         load_sharded(source, fresh, fresh_opt)
         resumed[name] = _steps(fresh, fresh_opt, group, range(10, STEPS))
     try:
         from parallel.models import GPT, GPTConfig
 
         other = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32))
-        load_sharded(path, other, _adamw(other, group, stage))
+        other, other_opt = build(group, stage, "adamw", net=other)
+        load_sharded(path, other, other_opt)
         error = ""
     except ValueError as exc:
         error = str(exc)
@@ -150,13 +183,13 @@ def run_all(world: int, root: str) -> dict[str, Any]:
     groups = {"pycomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     out: dict[str, Any] = {}
     for name, group in groups.items():
-        for stage in (1, 2):  # gloo: the SGD case shows it runs there; the rest on pycomm
+        for stage in STAGES:  # gloo: the SGD case shows it runs there; the rest on pycomm
             out[(name, stage, "sgd")] = train(group, stage, "sgd", clip=False)
             if name == "pycomm":
                 out[(name, stage, "adamw_clip")] = train(group, stage, "adamw", clip=True)
                 out[(name, stage, "memory")] = memory(group, stage)
     out["bad_input"] = bad_input(dist.group.WORLD)
-    for stage in (1, 2):
+    for stage in STAGES:
         other = f"{root}/w2-s{stage}" if world == 3 else None  # saved by the 2-rank job
         out[("ckpt", stage)] = checkpoints(dist.group.WORLD, stage, root, other)
     return out

@@ -1,4 +1,4 @@
-"""parallel.zero.ZeroOptimizer stages 1 and 2 at world sizes 2 and 3 (uneven shards,
+"""parallel.zero.ZeroOptimizer stages 1, 2 and 3 at world sizes 2 and 3 (uneven shards,
 padding), on pycomm and gloo, against one process on the concatenated batch."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from _zero_scenarios import reference, run_all
 
 GROUPS = ["pycomm", "gloo"]
-STAGES = [1, 2]
+STAGES = [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
@@ -80,23 +80,48 @@ def test_adamw_with_clipping_follows_the_same_loss_and_norms(world, stage):
 @pytest.mark.parametrize("stage", STAGES)
 def test_per_rank_bytes_match_the_zero_formulas(request, size, stage):
     """fp32 AdamW: stage 1 holds 4 Psi params + 4 Psi grads + 8 Psi / N state; stage 2
-    4 Psi + 12 Psi / N (bucket buffers are reported apart: constant, C_B)."""
+    4 Psi + 12 Psi / N; stage 3 16 Psi / N (bucket buffers and stage 3's gathered units
+    are reported apart: constant, C_B and M_D)."""
     name = "world4_memory" if size == 4 else f"world{size}"
     _, ranks = request.getfixturevalue(name)
     for r in ranks:
         m = r[("pycomm", stage, "memory")]
         psi = m["psi"]
         measured = m["param_bytes"] + m["grad_bytes"] + m["optimizer_state_bytes"]
-        formula = 8 * psi + 8 * psi / size if stage == 1 else 4 * psi + 12 * psi / size
+        formula = {1: 8 * psi + 8 * psi / size, 2: 4 * psi + 12 * psi / size,
+                   3: 16 * psi / size}[stage]
         assert abs(measured - formula) / formula < 0.05, (stage, measured, formula)
         assert m["optimizer_state_bytes"] == pytest.approx(8 * psi / size, rel=0.05)
+
+
+def test_stage3_gathers_each_unit_before_forward_and_backward_and_prefetches(world):
+    """Per step: the model's own unit once (kept from forward to backward), every block
+    twice, the persistent unit once; after the first step most gathers start ahead."""
+    size, ranks = world
+    for r in ranks:
+        run = r[("pycomm", 3, "sgd")]
+        persistent = [n for p, n in run["units"] if p]
+        assert len(run["units"]) == 4 and persistent and persistent[0] > 0, run["units"]
+        blocks = len(run["units"]) - 2
+        per_step = 1 + 2 * blocks + 1
+        assert run["stats"]["gathers"] == 20 * per_step, run["stats"]
+        # Forward prefetches block 0 after the root and block 1 after block 0; backward
+        # block 0 after block 1: three of the four blocks' gathers. The forward order is
+        # known from the first backward on, so step 1 has the backward one only.
+        assert run["stats"]["prefetches"] == 19 * 3 + 1, run["stats"]
+        # Never more than the model's unit, the persistent unit and two blocks at once.
+        assert run["stats"]["max_gathered_units"] <= 4, run["stats"]
 
 
 def test_bad_input_gets_clear_errors(world):
     _, ranks = world
     errors = ranks[0]["bad_input"]
-    assert "stage must be 1 or 2" in errors["stage"] and "4" in errors["stage"]
+    assert "stage must be 1, 2 or 3" in errors["stage"] and "4" in errors["stage"]
     assert "is the same tensor as parameter 0" in errors["twice"]
+    assert "stage 3 needs the parameters of a model sharded by" in errors["stage3_plain"]
+    assert "a sharded model needs stage=3" in errors["stage1_sharded"]
+    assert "'lm_head.weight' is the same tensor as 'embed.wte.weight'" in errors["tied"]
+    assert "are not part of the model" in errors["stray_unit"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

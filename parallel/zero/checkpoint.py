@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,22 +31,15 @@ from parallel.zero.zero_optimizer import ZeroOptimizer
 FORMAT = "pycomm.zero/1"
 
 
-def _names(model: nn.Module, opt: ZeroOptimizer) -> list[str]:
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    missing = [i for i, p in enumerate(opt.params) if id(p) not in by_id]
-    if missing:
-        raise ValueError(f"zero checkpoint: optimizer parameters {missing} are not in the model")
-    return [by_id[id(p)] for p in opt.params]
-
-
 def _owned_pieces(opt: ZeroOptimizer) -> list[tuple[int, int, int, int, int]]:
     """(param index, bucket, lo, hi, offset in the bucket shard) for this rank's elements."""
+    numels = [shape.numel() for shape in opt.param_shapes()]
     pieces = []
     for k, bucket in enumerate(opt.layout.buckets):
         mine = bucket.shard_of(opt.rank)
         for i in bucket.params:
             start = opt.layout.offsets[i]
-            lo, hi = max(start, mine.start), min(start + opt.params[i].numel(), mine.stop)
+            lo, hi = max(start, mine.start), min(start + numels[i], mine.stop)
             if lo < hi:
                 pieces.append((i, k, lo - start, hi - start, lo - mine.start))
     return pieces
@@ -59,7 +53,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer) 
     """Every rank writes its shard (collective: all ranks call it)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    names = _names(model, opt)
+    names = opt.param_names(model)
     pieces = {}
     for i, k, lo, hi, at in _owned_pieces(opt):
         shard = opt.shard_params[k].detach()
@@ -80,13 +74,20 @@ def _meta(model: nn.Module, opt: ZeroOptimizer, names: list[str]) -> dict[str, A
     return {
         "format": FORMAT,
         "world": opt.world,
-        "shapes": {n: tuple(p.shape) for n, p in zip(names, opt.params, strict=True)},
+        "shapes": dict(zip(names, map(tuple, opt.param_shapes()), strict=True)),
         "dtype": str(opt.flat.dtype),
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in opt.optimizer.param_groups],
         "scalar_state": scalars,
-        "buffers": {n: b for n, b in model.state_dict().items() if n not in params},
+        "buffers": _buffers(model, params),
     }
+
+
+def _buffers(model: nn.Module, params: set[str]) -> dict[str, torch.Tensor]:
+    """The state that is not a parameter (stage 3's shards are parameters too)."""
+    state = model.state_dict(keep_vars=True)
+    return {n: t.detach() for n, t in state.items()
+            if n not in params and not isinstance(t, nn.Parameter)}
 
 
 def _load_meta(path: Path) -> dict[str, Any]:
@@ -112,8 +113,8 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer) 
     """
     path = Path(path)
     meta = _load_meta(path)
-    names = _names(model, opt)
-    shapes = {n: tuple(p.shape) for n, p in zip(names, opt.params, strict=True)}
+    names = opt.param_names(model)
+    shapes = dict(zip(names, map(tuple, opt.param_shapes()), strict=True))
     if shapes != meta["shapes"]:
         diff = sorted(set(shapes.items()) ^ set(meta["shapes"].items()))[:4]
         raise ValueError(f"{path}: checkpoint is from a different model; differing "
@@ -128,13 +129,23 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer) 
 
 
 def _restore_values(opt: ZeroOptimizer, names: list[str], files: list[dict]) -> None:
-    """Every parameter in full (stages 1 and 2 keep whole parameters on every rank)."""
-    for i, name in enumerate(names):
-        flat = opt.params[i].data.reshape(-1)
-        for pieces in files:
-            if name in pieces:
-                piece = pieces[name]
-                flat[piece["lo"] : piece["hi"]].copy_(piece["value"])
+    """This rank's shards, element range by element range; then every rank's shards
+    into the parameters (stages 1-2: whole on every rank; stage 3: gathered when used)."""
+    for i, k, lo, hi, at in _owned_pieces(opt):
+        shard = opt.shard_params[k].detach()
+        for piece, a, b in _overlapping(files, names[i], lo, hi):
+            value = piece["value"][a - piece["lo"] : b - piece["lo"]]
+            shard[at + a - lo : at + b - lo].copy_(value)
+    opt.publish_shards()
+
+
+def _overlapping(files: list[dict], name: str, lo: int,
+                 hi: int) -> Iterator[tuple[dict[str, Any], int, int]]:
+    """Each saved piece of ``name`` that overlaps ``[lo, hi)``, with the overlap."""
+    for pieces in files:
+        piece = pieces.get(name)
+        if piece is not None and piece["hi"] > lo and piece["lo"] < hi:
+            yield piece, max(lo, piece["lo"]), min(hi, piece["hi"])
 
 
 def _restore_state(opt: ZeroOptimizer, names: list[str], files: list[dict],
@@ -149,11 +160,7 @@ def _restore_state(opt: ZeroOptimizer, names: list[str], files: list[dict],
             state[key] = value.clone() if torch.is_tensor(value) else value
     for i, k, lo, hi, at in _owned_pieces(opt):
         state = opt.optimizer.state[opt.shard_params[k]]
-        for pieces in files:
-            piece = pieces.get(names[i])
-            if piece is None or piece["hi"] <= lo or piece["lo"] >= hi:
-                continue
-            a, b = max(lo, piece["lo"]), min(hi, piece["hi"])
+        for piece, a, b in _overlapping(files, names[i], lo, hi):
             for key, saved in piece["state"].items():
                 src = saved[a - piece["lo"] : b - piece["lo"]]
                 state[key][at + a - lo : at + b - lo].copy_(src)

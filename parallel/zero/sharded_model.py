@@ -109,6 +109,8 @@ class ShardedModel:
         self.order: list[int] | None = None  # unit indices in forward order (first step)
         self._recording: list[int] = []
         self._persistent_stale = True
+        # gathers issued, of them started ahead by prefetch, and most units gathered at once
+        self.stats = {"gathers": 0, "prefetches": 0, "max_gathered_units": 0}
         self.reducer = UnitGradReducer(self)
 
     # -- construction ------------------------------------------------------------------------
@@ -238,11 +240,15 @@ class ShardedModel:
             nxt = self.units[self.order[j]]
             if not nxt.bound and nxt.pending is None:
                 self._gather_into_slot(nxt)
+                self.stats["prefetches"] += 1
 
     def _gather_into_slot(self, u: Unit) -> None:
         if u.slot is None:
             u.slot = self.pool.take(u.full_numel, self.compute_dtype)
         u.pending = comms.gather_unit(u.slot, u.comm_shard, self.group)
+        self.stats["gathers"] += 1
+        gathered = sum(v.slot is not None for v in self.units)
+        self.stats["max_gathered_units"] = max(self.stats["max_gathered_units"], gathered)
 
     def bind(self, u: Unit) -> None:
         """Make ``u``'s parameters hold its gathered values (gathering now if needed)."""

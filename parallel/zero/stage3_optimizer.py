@@ -63,6 +63,9 @@ class Stage3Optimizer(ZeroOptimizer):
         self.flat = engine.masters
         self.optimizer = optimizer_class(self.shard_params, **optimizer_kwargs)
 
+    def param_shapes(self) -> list[torch.Size]:
+        return [shape for u in self.engine.units for shape in u.shapes]
+
     def param_names(self, model: nn.Module) -> list[str]:
         if model.__dict__.get("zero3") is not self.engine:
             raise ValueError("zero checkpoint: the optimizer's parameters are not this model's")

@@ -253,6 +253,10 @@ class ZeroOptimizer:
                 g.mul_(coef)
         return total.to(self.grads.dtype)
 
+    def param_shapes(self) -> list[torch.Size]:
+        """The shape of each of :attr:`params` (checkpoints)."""
+        return [p.shape for p in self.params]
+
     def param_names(self, model: nn.Module) -> list[str]:
         """The qualified name in ``model`` of each of :attr:`params` (checkpoints)."""
         by_id = {id(p): n for n, p in model.named_parameters()}
