@@ -11,7 +11,7 @@ from _dp_scenarios import batch, model
 from torch import nn
 
 from parallel.models import lm_loss
-from parallel.zero import ZeroOptimizer, load_sharded, save_sharded, shard_model
+from parallel.zero import ZeroOptimizer, consolidate, load_sharded, save_sharded, shard_model
 
 STEPS = 20
 STAGES = (1, 2, 3)
@@ -99,9 +99,49 @@ def memory(group: Any, stage: int) -> dict[str, Any]:
     return {"psi": psi, **opt.memory_stats()}
 
 
+def mixed(group: Any, stage: int, reduce_dtype: torch.dtype | None,
+          persist_below: int = PERSIST_BELOW, root: str | None = None,
+          optim: str = "adamw") -> dict[str, Any]:
+    """bf16 compute and communication, fp32 masters: losses, bytes and dtypes; with
+    ``root``, the fp32 masters at the end (through a checkpoint and ``consolidate``)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    net = model()
+    if stage == 3:
+        net = shard_model(net, group, persistence_threshold=persist_below)
+    cls, kwargs = OPTIMIZERS[optim]
+    opt = ZeroOptimizer(net.parameters(), cls, stage=stage, process_group=group,
+                        bucket_cap_mb=16 / 1024, mixed_precision=torch.bfloat16,
+                        reduce_dtype=reduce_dtype, **kwargs)
+    losses, logits_dtype = [], None
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, world, rank)
+        logits = net(x)
+        logits_dtype = str(logits.dtype)
+        loss = lm_loss(logits.float(), y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    state_dtypes = {str(t.dtype) for s in opt.optimizer.state.values() for t in s.values()
+                    if torch.is_tensor(t) and t.dim() > 0}
+    masters = None
+    if root is not None:
+        path = f"{root}/mixed-w{world}-s{stage}-{reduce_dtype}"
+        save_sharded(path, net, opt)
+        full = consolidate(path)
+        masters = [full[name] for name, _ in model().named_parameters()]
+    return {"losses": losses, "logits_dtype": logits_dtype, "state_dtypes": state_dtypes,
+            "masters": masters,
+            "master_dtypes": {str(p.dtype) for p in opt.shard_params},
+            "psi": sum(p.numel() for p in model().parameters()), **opt.memory_stats()}
+
+
 def memory_only(world: int) -> dict[Any, Any]:
     """The memory cases alone (the 4-rank job: the formulas at N = 4)."""
-    return {("pycomm", stage, "memory"): memory(dist.group.WORLD, stage) for stage in STAGES}
+    out = {("pycomm", stage, "memory"): memory(dist.group.WORLD, stage) for stage in STAGES}
+    for stage in STAGES:
+        out[("pycomm", stage, "mixed_memory")] = mixed(dist.group.WORLD, stage, None, 0)
+    return out
 
 
 def _error(call: Any) -> str:
@@ -188,6 +228,9 @@ def run_all(world: int, root: str) -> dict[str, Any]:
             if name == "pycomm":
                 out[(name, stage, "adamw_clip")] = train(group, stage, "adamw", clip=True)
                 out[(name, stage, "memory")] = memory(group, stage)
+                out[(name, stage, "mixed_memory")] = mixed(group, stage, None, 0)
+                out[(name, stage, "mixed_fp32_reduce")] = mixed(group, stage, torch.float32,
+                                                                root=root, optim="sgd")
     out["bad_input"] = bad_input(dist.group.WORLD)
     for stage in STAGES:
         other = f"{root}/w2-s{stage}" if world == 3 else None  # saved by the 2-rank job

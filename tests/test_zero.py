@@ -97,7 +97,7 @@ def test_per_rank_bytes_match_the_zero_formulas(request, size, stage):
 def test_stage3_gathers_each_unit_before_forward_and_backward_and_prefetches(world):
     """Per step: the model's own unit once (kept from forward to backward), every block
     twice, the persistent unit once; after the first step most gathers start ahead."""
-    size, ranks = world
+    _, ranks = world
     for r in ranks:
         run = r[("pycomm", 3, "sgd")]
         persistent = [n for p, n in run["units"] if p]
@@ -111,6 +111,58 @@ def test_stage3_gathers_each_unit_before_forward_and_backward_and_prefetches(wor
         assert run["stats"]["prefetches"] == 19 * 3 + 1, run["stats"]
         # Never more than the model's unit, the persistent unit and two blocks at once.
         assert run["stats"]["max_gathered_units"] <= 4, run["stats"]
+
+
+@pytest.mark.parametrize("reduce", ["mixed_memory", "mixed_fp32_reduce"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_mixed_precision_follows_the_fp32_trajectory(world, stage, reduce):
+    """bf16 forward, backward and communication with fp32 masters and optimizer state
+    (AdamW with bf16 reduction, SGD with momentum with fp32 reduction): the losses stay
+    within bf16's resolution of one fp32 process on the same batches, and (SGD, read back
+    through a checkpoint) the fp32 masters end within a few percent of how far fp32
+    training moved the weights."""
+    from _dp_scenarios import model
+
+    size, ranks = world
+    results = [r[("pycomm", stage, reduce)] for r in ranks]
+    single = reference(size, "sgd" if reduce == "mixed_fp32_reduce" else "adamw", clip=False)
+    losses = torch.tensor([r["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(single["losses"]), rtol=1e-2, atol=0)
+    if reduce == "mixed_fp32_reduce":
+        start = torch.cat([p.detach().reshape(-1) for p in model().parameters()])
+        ref = torch.cat([p.reshape(-1) for p in single["params"]])
+        mine = torch.cat([p.reshape(-1) for p in results[0]["masters"]])
+        moved, off = (ref - start).norm(), (mine - ref).norm()
+        assert off < 0.05 * moved, (float(off), float(moved))
+    for r in results:
+        assert r["logits_dtype"] == "torch.bfloat16"
+        assert r["master_dtypes"] == {"torch.float32"} == r["state_dtypes"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp32_reduction_keeps_fp32_gradients(world, stage):
+    _, ranks = world
+    bf16, fp32 = ranks[0][("pycomm", stage, "mixed_memory")], ranks[0][("pycomm", stage,
+                                                                        "mixed_fp32_reduce")]
+    assert fp32["grad_bytes"] == pytest.approx(2 * bf16["grad_bytes"], rel=0.01)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("stage", STAGES)
+def test_mixed_precision_bytes_match_the_zero_formulas(request, size, stage):
+    """bf16 params and gradients, fp32 master + AdamW state (K = 12): stage 1
+    4 Psi + 12 Psi / N, stage 2 2 Psi + 14 Psi / N, stage 3 16 Psi / N."""
+    name = "world4_memory" if size == 4 else f"world{size}"
+    _, ranks = request.getfixturevalue(name)
+    for r in ranks:
+        m = r[("pycomm", stage, "mixed_memory")]
+        psi = m["psi"]
+        measured = (m["param_bytes"] + m["master_bytes"] + m["grad_bytes"]
+                    + m["optimizer_state_bytes"])
+        formula = {1: 4 * psi + 12 * psi / size, 2: 2 * psi + 14 * psi / size,
+                   3: 16 * psi / size}[stage]
+        assert abs(measured - formula) / formula < 0.05, (stage, measured, formula)
+        assert m["master_bytes"] == pytest.approx(4 * psi / size, rel=0.05)
 
 
 def test_bad_input_gets_clear_errors(world):

@@ -75,7 +75,7 @@ def _meta(model: nn.Module, opt: ZeroOptimizer, names: list[str]) -> dict[str, A
         "format": FORMAT,
         "world": opt.world,
         "shapes": dict(zip(names, map(tuple, opt.param_shapes()), strict=True)),
-        "dtype": str(opt.flat.dtype),
+        "dtype": str(opt.precision.master),
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in opt.optimizer.param_groups],
         "scalar_state": scalars,

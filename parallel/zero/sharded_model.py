@@ -156,13 +156,21 @@ class ShardedModel:
         if any(u.bound or u.pending is not None for u in self.units):
             raise RuntimeError("set_precision: call it before the first forward")
         self.compute_dtype = compute_dtype
-        self.reducer.reduce_dtype = reduce_dtype
+        self.reducer.set_reduce_dtype(reduce_dtype)
         if compute_dtype != self.dtype:
             self.comm_arena = Arena.for_group(self.layout.shard_numel, compute_dtype, self.group)
-            for u in self.units:
-                u.comm_shard = self.comm_arena.allocate(u.shard_numel)
+            for u, view in zip(self.units, self.shard_views(self.comm_arena), strict=True):
+                u.comm_shard = view
         self._make_homes()
         self.publish_shards()
+
+    def shard_views(self, arena: Arena) -> list[torch.Tensor]:
+        """Each unit's shard in ``arena`` (of any dtype), at the masters' offsets."""
+        views = []
+        for u in self.units:
+            at = self.masters.offset_of(u.shard.detach())
+            views.append(arena.buffer[at : at + u.shard_numel])
+        return views
 
     def _install_hooks(self) -> None:
         self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)

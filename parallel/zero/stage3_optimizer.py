@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.zero.precision import Precision, step_on_masters
 from parallel.zero.sharded_model import ShardedModel
 from parallel.zero.zero_optimizer import ZeroOptimizer, _check_params
 
@@ -52,14 +53,13 @@ class Stage3Optimizer(ZeroOptimizer):
                              "was sharded over; pass the same group (or None)")
         self.engine, self.group = engine, engine.group
         self.world, self.rank = engine.world, engine.rank
-        if mixed_precision is not None:
-            engine.set_precision(mixed_precision, reduce_dtype or mixed_precision)
-        elif reduce_dtype is not None:
-            raise ValueError("ZeroOptimizer: reduce_dtype needs mixed_precision")
+        self.precision = Precision.choose(engine.dtype, mixed_precision, reduce_dtype)
+        if self.precision.mixed:
+            engine.set_precision(self.precision.compute, self.precision.reduce)
         self.params, self.layout = engine.params, engine.layout
         self.shard_params = [u.shard for u in engine.units]  # layout order
         self.grads = engine.reducer.grads
-        self.shard_grads = [g for g in (u.shard.grad for u in engine.units) if g is not None]
+        self.shard_grads = engine.reducer.shard_grads
         self.flat = engine.masters
         self.optimizer = optimizer_class(self.shard_params, **optimizer_kwargs)
 
@@ -74,7 +74,7 @@ class Stage3Optimizer(ZeroOptimizer):
     @torch.no_grad()
     def step(self) -> None:
         """Step on this rank's shards; the next forward gathers the new values."""
-        self.optimizer.step()
+        step_on_masters(self.optimizer, self.shard_params, self.shard_grads)
         self.engine.publish_shards()
 
     def publish_shards(self) -> None:
@@ -96,9 +96,10 @@ class Stage3Optimizer(ZeroOptimizer):
         state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         comm = getattr(self.engine, "comm_arena", None)
+        masters = self.flat.stats()["reserved_bytes"]
         return {
-            "param_bytes": self.flat.stats()["reserved_bytes"],
-            "compute_param_bytes": comm.stats()["reserved_bytes"] if comm else 0,
+            "param_bytes": comm.stats()["reserved_bytes"] if comm else masters,
+            "master_bytes": masters if comm else 0,
             "grad_bytes": self.grads.stats()["reserved_bytes"],
             "optimizer_state_bytes": state,
             "bucket_bytes": self.engine.pool.stats()["reserved_bytes"],

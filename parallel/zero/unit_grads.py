@@ -4,7 +4,7 @@ As a gradient is accumulated, it is copied into its unit's whole-unit gradient b
 (from the :class:`SlotPool`) and dropped; once every parameter of the unit has its
 gradient, the gathered parameters are freed and (through the :class:`Bucketer`, so every
 rank issues the same collectives in the same order) the buffer is reduce-scattered
-straight into the master gradient of this rank's shard. At most ``MAX_IN_FLIGHT``
+straight into the gradient of this rank's shard. At most ``MAX_IN_FLIGHT``
 buffers are being reduced at once; a rank holds ``1/world`` of the gradients plus
 those.
 """
@@ -28,14 +28,12 @@ MAX_IN_FLIGHT = 2
 
 
 class UnitGradReducer:
-    """Owns the master gradients (``unit.shard.grad``) and fills them every backward."""
+    """Owns the reduced gradient shards (``shard_grads``, in the reduce dtype) and fills
+    them every backward; the optimizer steps on them (see ``step_on_masters``)."""
 
     def __init__(self, engine: ShardedModel):
         self.engine = engine
-        self.reduce_dtype = engine.dtype
-        self.grads = Arena(engine.layout.shard_numel, engine.dtype)
-        for u in engine.units:
-            u.shard.grad = self.grads.allocate(u.shard_numel)
+        self.set_reduce_dtype(engine.dtype)
         self._op, self._divide_after = comms.averaging_op(engine.group)
         self._bucketer: Bucketer | None = None
         self._plan: list[Unit] = []
@@ -48,6 +46,12 @@ class UnitGradReducer:
         self.fresh = True  # the next backward overwrites the master gradients
         self._end = EndOfBackward(self._finalize)
         on_grad_ready(engine.params, self._on_grad)
+
+    def set_reduce_dtype(self, dtype: torch.dtype) -> None:
+        """Reduce in ``dtype``; the reduced shards (``shard_grads``, one per unit) too."""
+        self.reduce_dtype = dtype
+        self.grads = Arena(self.engine.layout.shard_numel, dtype)
+        self.shard_grads = self.engine.shard_views(self.grads)
 
     def begin_backward(self) -> None:
         if self._bucketer is None:
@@ -98,14 +102,13 @@ class UnitGradReducer:
         return work
 
     def _destination(self, u: Unit) -> torch.Tensor:
-        """The master gradient itself, unless it must be added to or cast into."""
-        master = u.shard.grad
-        assert master is not None
-        if self.fresh and self.reduce_dtype == master.dtype:
-            return master
+        """The unit's reduced shard itself, unless this backward accumulates into it."""
+        mine = self.shard_grads[u.index]
+        if self.fresh:
+            return mine
         if self._scratch is None:
             self._scratch = Arena(self.engine.layout.shard_numel, self.reduce_dtype)
-        offset = self.grads.offset_of(master)
+        offset = self.grads.offset_of(mine)
         out = self._scratch.buffer[offset : offset + u.shard_numel]
         self._landed.append((u, out))
         return out
@@ -120,15 +123,11 @@ class UnitGradReducer:
             self._recycle_oldest()
         self.engine.release_all()
         if self._divide_after:  # no AVG on this backend: the sum, divided once
-            reduced = [out for _, out in self._landed]
-            if self.fresh and self.reduce_dtype == self.grads.dtype:
-                reduced = [self.grads.buffer]
+            reduced = [self.grads.buffer] if self.fresh else [out for _, out in self._landed]
             for t in reduced:
                 t.div_(self.engine.world)
         for u, out in self._landed:
-            master = u.shard.grad
-            assert master is not None
-            master.copy_(out) if self.fresh else master.add_(out)
+            self.shard_grads[u.index].add_(out)
         self._landed.clear()
         self._got = [False] * len(self._got)
         self._seen = [0] * len(self._seen)

@@ -24,6 +24,7 @@ from torch import nn
 
 from parallel.grad_hooks import EndOfBackward, move_grad_into, on_grad_ready
 from parallel.zero import zero_comms as comms
+from parallel.zero.precision import Precision, step_on_masters
 from parallel.zero.shard_layout import ShardLayout
 from pycomm.bucketer import Bucketer
 from pycomm.flat_arena import Arena
@@ -52,14 +53,18 @@ class ZeroOptimizer:
     Args:
         params: the model's parameters (each once), all of one dtype.
         optimizer_class: any ``torch.optim`` optimizer (AdamW, Adam, SGD, ...).
-        stage: 1 (optimizer state sharded) or 2 (also gradients).
+        stage: 1 (optimizer state sharded), 2 (also gradients) or 3 (also parameters:
+            pass the parameters of a model from :func:`parallel.zero.shard_model`).
         process_group: the data-parallel group (None: default).
-        bucket_cap_mb: bucket size (C_B).
+        bucket_cap_mb: bucket size (C_B); stage 3 reduces per unit instead.
+        mixed_precision: compute and communicate in this dtype (``torch.bfloat16``),
+            keeping fp32 master shards and optimizer state.
+        reduce_dtype: reduce gradients in this dtype (default: ``mixed_precision``).
         **optimizer_kwargs: passed to ``optimizer_class``.
 
     Raises:
-        ValueError: a stage other than 1 or 2 (stage 3 needs ``shard_model``), a parameter
-            passed twice, or mixed dtypes.
+        ValueError: a stage other than 1-3, a parameter passed twice, mixed dtypes,
+            shards of a sharded model below stage 3 or plain parameters at stage 3.
 
     Example::
 
@@ -77,7 +82,8 @@ class ZeroOptimizer:
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer_class: type[torch.optim.Optimizer],
                  stage: int = 1, process_group: dist.ProcessGroup | None = None,
-                 bucket_cap_mb: float = 25, **optimizer_kwargs: Any):
+                 bucket_cap_mb: float = 25, mixed_precision: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, **optimizer_kwargs: Any):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3 (got {stage!r})")
         self.stage, self.group = stage, process_group
@@ -86,15 +92,13 @@ class ZeroOptimizer:
             raise ValueError(f"ZeroOptimizer: stage {stage} got the shards of a model from "
                              "shard_model; a sharded model needs stage=3")
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        dtype = self.params[0].dtype if self.params else torch.float32
+        master = self.params[0].dtype if self.params else torch.float32
+        self.precision = Precision.choose(master, mixed_precision, reduce_dtype)
         cap = int(bucket_cap_mb * MB)
-        self.layout = ShardLayout(self.params, self.world, self.rank, cap, dtype)
+        self.layout = ShardLayout(self.params, self.world, self.rank, cap, self.precision.compute)
         self._op, self._divide_after = comms.averaging_op(process_group)
-        self.flat = Arena.for_group(self.layout.numel, dtype, process_group)
         self._adopt_params()
-        self.shard_params = [nn.Parameter(self.flat.buffer[b.shard_of(self.rank)])
-                             for b in self.layout.buckets]
-        self._make_grad_buffers(dtype)
+        self._make_grad_buffers(self.precision.reduce)
         self.optimizer = optimizer_class(self.shard_params, **optimizer_kwargs)
         self._bucketer = Bucketer([b.params for b in self.layout.buckets], self._launch)
         self._sync, self._fresh = True, True
@@ -108,20 +112,37 @@ class ZeroOptimizer:
         return buffer[self.layout.offsets[i] : self.layout.offsets[i] + p.numel()].view_as(p)
 
     def _adopt_params(self) -> None:
-        """Move every parameter into the flat buffer (rank 0's values everywhere)."""
+        """Move every parameter into the flat buffer (rank 0's values everywhere); the
+        optimizer's parameters are this rank's shards of it, or fp32 copies of them."""
+        prec, shards = self.precision, [b.shard_of(self.rank) for b in self.layout.buckets]
         with torch.no_grad():
+            flat = Arena.for_group(self.layout.numel, prec.master, self.group)
             for i, p in enumerate(self.params):
-                self._param_view(self.flat.buffer, i).copy_(p)
-            comms.broadcast_flat(self.flat.buffer, self.group)
+                self._param_view(flat.buffer, i).copy_(p)
+            comms.broadcast_flat(flat.buffer, self.group)
+            self.masters: Arena | None = None
+            if prec.mixed:
+                self.masters = Arena(self.layout.shard_numel, prec.master)
+                master_views = [self.masters.allocate(s.stop - s.start) for s in shards]
+                for view, s in zip(master_views, shards, strict=True):
+                    view.copy_(flat.buffer[s])
+                low = Arena.for_group(self.layout.numel, prec.compute, self.group)
+                low.buffer.copy_(flat.buffer)
+                flat = low  # the whole fp32 copy is dropped here
+            self.flat = flat
             for i, p in enumerate(self.params):
                 p.data = self._param_view(self.flat.buffer, i)
+        masters = master_views if prec.mixed else [self.flat.buffer[s] for s in shards]
+        self.shard_params = [nn.Parameter(m) for m in masters]
 
     def _make_grad_buffers(self, dtype: torch.dtype) -> None:
         shards = [self.flat.buffer[b.shard_of(self.rank)] for b in self.layout.buckets]
-        if self.stage == 1:  # whole gradients, every .grad a view (as parallel.data)
+        # Stage 1 keeps whole gradients, every .grad a view (as parallel.data); when they
+        # are reduced in another dtype than computed, each is added into its view instead.
+        self._grads_are_views = self.precision.reduce == self.precision.compute
+        if self.stage == 1:
             self.grads = Arena.for_group(self.layout.numel, dtype, self.group)
-            for i, p in enumerate(self.params):
-                p.grad = self._param_view(self.grads.buffer, i)
+            self._point_grads_at_views()
             shard_grads = [self.grads.buffer[b.shard_of(self.rank)] for b in self.layout.buckets]
         else:  # only this rank's shards, plus two bucket buffers for packing
             self.grads = Arena(self.layout.shard_numel, dtype)
@@ -132,14 +153,21 @@ class ZeroOptimizer:
             self._in_flight: list[tuple[Any, torch.Tensor]] = []
             self._scratch: torch.Tensor | None = None
         self.shard_grads = shard_grads
-        for param, grad in zip(self.shard_params, shard_grads, strict=True):
-            param.grad = grad
+
+    def _point_grads_at_views(self) -> None:
+        for i, p in enumerate(self.params):
+            p.grad = self._param_view(self.grads.buffer, i) if self._grads_are_views else None
 
     # -- backward ------------------------------------------------------------------------------
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         if self.stage == 1:
-            move_grad_into(param, self._param_view(self.grads.buffer, i))
+            view = self._param_view(self.grads.buffer, i)
+            if self._grads_are_views:
+                move_grad_into(param, view)
+            elif param.grad is not None:
+                view.add_(param.grad)
+                param.grad = None
         if not self._sync:
             return
         self._end_of_backward.request()
@@ -207,12 +235,15 @@ class ZeroOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """Step on this rank's shards, then all-gather every bucket's updated shards."""
-        self.optimizer.step()
+        step_on_masters(self.optimizer, self.shard_params, self.shard_grads)
         self.publish_shards()
 
     @torch.no_grad()
     def publish_shards(self) -> None:
         """Every rank's (updated) shards into every rank's parameters."""
+        if self.precision.mixed:
+            for b, master in zip(self.layout.buckets, self.shard_params, strict=True):
+                self.flat.buffer[b.shard_of(self.rank)].copy_(master)
         works = [comms.all_gather_shard(self.flat.buffer[b.full(self.world)], self.rank, self.group)
                  for b in self.layout.buckets]
         for work in works:
@@ -223,8 +254,7 @@ class ZeroOptimizer:
         the next backward overwrites this rank's shards)."""
         if self.stage == 1:
             self.grads.buffer.zero_()
-            for i, p in enumerate(self.params):
-                p.grad = self._param_view(self.grads.buffer, i)
+            self._point_grads_at_views()
         else:
             for p in self.params:
                 p.grad = None
@@ -251,7 +281,7 @@ class ZeroOptimizer:
         if coef < 1.0:
             for g in self.shard_grads:
                 g.mul_(coef)
-        return total.to(self.grads.dtype)
+        return total.to(self.precision.master)
 
     def param_shapes(self) -> list[torch.Size]:
         """The shape of each of :attr:`params` (checkpoints)."""
@@ -273,12 +303,14 @@ class ZeroOptimizer:
         return self.optimizer.param_groups
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients, optimizer state and buckets."""
+        """Bytes this rank holds for parameters (compute dtype), fp32 master shards
+        (mixed precision), reduced gradients, optimizer state and buckets."""
         state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         buckets = sum(a.stats()["reserved_bytes"] for a in getattr(self, "_bucket_buffers", []))
         return {
             "param_bytes": self.flat.stats()["reserved_bytes"],
+            "master_bytes": self.masters.stats()["reserved_bytes"] if self.masters else 0,
             "grad_bytes": self.grads.stats()["reserved_bytes"],
             "optimizer_state_bytes": state,
             "bucket_bytes": buckets,
