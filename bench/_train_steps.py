@@ -39,9 +39,20 @@ ZERO_STRATEGIES = {
         ("torch-zero1", "ddp", "torch-zero"),  # DDP + torch's ZeroRedundancyOptimizer
         ("parallel.zero1", "none", "zero1"),
         ("parallel.zero2", "none", "zero2"),
+        ("torch-fsdp2", "fsdp2", "adamw"),  # fully_shard per block and root: stage 3 peer
+        ("parallel.zero3", "zero3", "zero3"),
     )
 }
-ALL_STRATEGIES = {**STRATEGIES, **ZERO_STRATEGIES}
+# The same with bf16 compute and communication (fp32 masters and state): on request.
+MIXED_STRATEGIES = {
+    f"{name}-{group}": (wrap, optim, group)
+    for group in ("pycomm", "gloo")
+    for name, wrap, optim in (
+        ("torch-fsdp2-bf16", "fsdp2-bf16", "adamw"),
+        ("parallel.zero3-bf16", "zero3", "zero3-bf16"),
+    )
+}
+ALL_STRATEGIES = {**STRATEGIES, **ZERO_STRATEGIES, **MIXED_STRATEGIES}
 
 
 @dataclass
@@ -59,6 +70,25 @@ def _wrap(kind: str, group: dist.ProcessGroup | None, net: nn.Module, cap_mb: fl
         return DDP(net, process_group=group, bucket_cap_mb=cap_mb)
     if kind == "data":
         return DataParallel(net, process_group=group, bucket_cap_mb=cap_mb)
+    if kind.startswith("fsdp2"):
+        return _fully_shard(net, group, bf16=kind.endswith("bf16"))
+    if kind == "zero3":
+        from parallel.zero import shard_model
+
+        return shard_model(net, group)
+    return net
+
+
+def _fully_shard(net: nn.Module, group: dist.ProcessGroup | None, bf16: bool) -> nn.Module:
+    """FSDP2 as its docs wrap a transformer: each block, then the root."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(net, mesh=mesh, mp_policy=policy)
     return net
 
 
@@ -74,9 +104,10 @@ def _optimizer(kind: str, net: nn.Module, group: Any, cap_mb: float) -> Any:
 
         return ZeroRedundancyOptimizer(net.parameters(), torch.optim.AdamW, process_group=group,
                                        lr=1e-4)
-    stage = int(kind.removeprefix("zero"))
+    stage = int(kind.removeprefix("zero")[0])
+    mixed = torch.bfloat16 if kind.endswith("bf16") else None
     return ZeroOptimizer(net.parameters(), torch.optim.AdamW, stage=stage, process_group=group,
-                         bucket_cap_mb=cap_mb, lr=1e-4)
+                         bucket_cap_mb=cap_mb, mixed_precision=mixed, lr=1e-4)
 
 
 def build(name: str, setup: Setup, groups: dict[str, Any]) -> tuple[nn.Module, Callable]:
@@ -91,8 +122,10 @@ def build(name: str, setup: Setup, groups: dict[str, Any]) -> tuple[nn.Module, C
     def step(i: int) -> float:
         x, y = synthetic_batch(setup.cfg, setup.batch, seed=1000 * rank + i)
         opt.zero_grad()
-        loss = lm_loss(net(x), y)
+        loss = lm_loss(net(x).float(), y)
+        _sample_memory()
         loss.backward()
+        _sample_memory()
         opt.step()
         return loss.item()
 
@@ -136,6 +169,7 @@ def peak_memory(name: str, setup: Setup) -> dict[str, Any]:
     torch.set_num_threads(1)
     groups = {"pycomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     net, step = build(name, setup, groups)
+    _PEAK_PSS[0] = 0
     for i in range(3):
         step(i)
     param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
@@ -145,9 +179,20 @@ def peak_memory(name: str, setup: Setup) -> dict[str, Any]:
         "zero_memory": zero.memory_stats() if zero is not None else None,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "pss_bytes": _pss_bytes(),
+        "peak_pss_bytes": _PEAK_PSS[0],
         "param_bytes": param_bytes,
         "grad_arena_bytes": own,
     }
+
+
+_PEAK_PSS = [-1]  # -1: not sampling (timed runs); otherwise the largest PSS seen
+
+
+def _sample_memory() -> None:
+    """PSS at the two memory peaks of a step: after forward (activations, and whatever
+    parameters stay gathered) and after backward (gradients before the step)."""
+    if _PEAK_PSS[0] >= 0:
+        _PEAK_PSS[0] = max(_PEAK_PSS[0], _pss_bytes())
 
 
 def _pss_bytes() -> int:

@@ -10,9 +10,12 @@ on every rank that maps it). The model is sized so communication matters: 80 MB 
 per step against a small per-rank batch, as in data parallelism at scale where the
 per-rank batch shrinks as ranks are added.
 
-``python -m bench.training zero`` times ZeRO stages 1 and 2 (``parallel.zero``) against
-DDP and torch's ``ZeroRedundancyOptimizer`` with AdamW, on pycomm and on gloo, with each
-ZeroOptimizer's own accounting of parameter, gradient, state and bucket bytes.
+``python -m bench.training zero`` times ZeRO stages 1, 2 and 3 (``parallel.zero``) against
+DDP, torch's ``ZeroRedundancyOptimizer`` (stage 1 peer) and FSDP2 ``fully_shard`` (stage 3
+peer, per block and root) with AdamW, on pycomm and on gloo, with each ZeroOptimizer's
+own accounting of parameter, gradient, state and bucket bytes; peak PSS is sampled
+after each forward and backward. ``--strategies`` also takes the bf16 variants
+``torch-fsdp2-bf16-*`` and ``parallel.zero3-bf16-*``.
 
 ``python -m bench.training buckets`` is the C_B micro-benchmark: the same model's
 gradient tensors all-reduced one by one against in constant-size buckets.
@@ -30,7 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from bench._bucket_bench import time_bucketing
-from bench._train_steps import STRATEGIES, ZERO_STRATEGIES, Setup, peak_memory, time_strategies
+from bench._train_steps import (
+    MIXED_STRATEGIES,
+    STRATEGIES,
+    ZERO_STRATEGIES,
+    Setup,
+    peak_memory,
+    time_strategies,
+)
 from parallel.models import GPTConfig
 from pycomm.testing import run_ranks
 
@@ -56,8 +66,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-o", "--out", type=Path, default=None, help="JSON path (PNG beside it)")
     args = p.parse_args(argv)
     args.out = args.out or Path("bench/results") / f"training_{args.what}_{args.nproc}ranks.json"
-    known = ZERO_STRATEGIES if args.what == "zero" else STRATEGIES
-    args.strategies = args.strategies.split(",") if args.strategies else list(known)
+    default = ZERO_STRATEGIES if args.what == "zero" else STRATEGIES
+    known = {**default, **MIXED_STRATEGIES} if args.what == "zero" else STRATEGIES
+    args.strategies = args.strategies.split(",") if args.strategies else list(default)
     if unknown := set(args.strategies) - set(known):
         p.error(f"unknown strategies {sorted(unknown)}; choose from {list(known)}")
     return args
@@ -86,6 +97,7 @@ def run_data(args: argparse.Namespace) -> dict[str, Any]:
             mem = run_ranks(peak_memory, args.nproc, name, setup, timeout_s=600.0)
             rows[name]["peak_rss_mb"] = max(m["peak_rss_bytes"] for m in mem) / MB
             rows[name]["pss_mb"] = max(m["pss_bytes"] for m in mem) / MB
+            rows[name]["peak_pss_mb"] = max(m["peak_pss_bytes"] for m in mem) / MB
             rows[name]["param_mb"] = mem[0]["param_bytes"] / MB
             arena = mem[0]["grad_arena_bytes"]
             rows[name]["grad_arena_mb"] = arena / MB if arena is not None else None
@@ -104,29 +116,48 @@ def print_data(args: argparse.Namespace, rows: dict[str, Any]) -> None:
           f"of {cfg.block_size} tokens per rank, {optim}, bucket cap {args.bucket_cap_mb} MB; "
           f"{args.rounds} rounds x {args.steps} steps per strategy, interleaved; "
           "time = slowest rank per step, median (p25-p75)")
-    print(f"{'strategy':<22} {'step ms':>9} {'p25-p75 ms':>15} {'exposed comm ms':>16} "
-          f"{'peak RSS MB':>12} {'PSS MB':>7} {'grad arena MB':>14} {'loss':>9}")
+    width = max(22, *(len(n) for n in rows))
+    print(f"{'strategy':<{width}} {'step ms':>9} {'p25-p75 ms':>15} {'exposed comm ms':>16} "
+          f"{'peak RSS MB':>12} {'peak PSS MB':>12} {'grad arena MB':>14} {'loss':>9}")
     for name, r in rows.items():
         rss = f"{r['peak_rss_mb']:.0f}" if "peak_rss_mb" in r else "-"
-        pss = f"{r['pss_mb']:.0f}" if "pss_mb" in r else "-"
+        pss = f"{r['peak_pss_mb']:.0f}" if "peak_pss_mb" in r else "-"
         arena = f"{r['grad_arena_mb']:.1f}" if r.get("grad_arena_mb") else "-"
         exposed = f"{r['exposed_ms']:.1f}" if r["exposed_ms"] is not None else "-"
-        print(f"{name:<22} {r['median_ms']:>9.1f} {r['p25_ms']:>7.1f}-{r['p75_ms']:<7.1f} "
-              f"{exposed:>16} {rss:>12} {pss:>7} {arena:>14} {r['loss']:>9.5f}")
+        print(f"{name:<{width}} {r['median_ms']:>9.1f} {r['p25_ms']:>7.1f}-{r['p75_ms']:<7.1f} "
+              f"{exposed:>16} {rss:>12} {pss:>12} {arena:>14} {r['loss']:>9.5f}")
     _print_targets(rows)
 
 
 def _print_zero_accounting(rows: dict[str, Any]) -> None:
     for name, r in rows.items():
         if m := r.get("zero_memory"):
-            print(f"# {name}: params {m['param_bytes'] / MB:.1f} MB, grads "
+            masters = f", fp32 masters {m['master_bytes'] / MB:.1f} MB" if m.get(
+                "master_bytes") else ""
+            print(f"# {name}: params {m['param_bytes'] / MB:.1f} MB{masters}, grads "
                   f"{m['grad_bytes'] / MB:.1f} MB, optimizer state "
                   f"{m['optimizer_state_bytes'] / MB:.1f} MB, "
-                  f"buckets {m['bucket_bytes'] / MB:.1f} MB")
+                  f"buckets/gathered units {m['bucket_bytes'] / MB:.1f} MB")
+
+
+def _print_stage3_targets(rows: dict[str, Any]) -> None:
+    for suffix in ("", "-bf16"):
+        for group in ("pycomm", "gloo"):
+            ours = rows.get(f"parallel.zero3{suffix}-{group}")
+            peer = rows.get(f"torch-fsdp2{suffix}-{group}")
+            if not (ours and peer):
+                continue
+            line = f"# {group}{suffix}: parallel.zero3 / torch-fsdp2: step time " \
+                   f"{ours['median_ms'] / peer['median_ms']:.3f}"
+            for key, what in (("peak_rss_mb", "peak RSS"), ("peak_pss_mb", "peak PSS")):
+                if key in ours and key in peer:
+                    line += f", {what} {ours[key] / peer[key]:.3f}"
+            print(line + " (targets <= 1)")
 
 
 def _print_targets(rows: dict[str, Any]) -> None:
     _print_zero_accounting(rows)
+    _print_stage3_targets(rows)
     ours, gloo, ddp = (rows.get(n) for n in ("parallel.data-pycomm", "ddp-gloo", "ddp-pycomm"))
     if ours and gloo and ours["exposed_ms"] is not None and gloo["exposed_ms"]:
         ratio = ours["exposed_ms"] / gloo["exposed_ms"]
