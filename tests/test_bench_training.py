@@ -56,8 +56,11 @@ def test_zero_runs_stages_and_torch_peers_on_both_backends(tiny, capsys, require
     flags, tmp = tiny
     out = tmp / "zero.json"
     main(["zero", *flags, "--no-memory", "--strategies",
-          "torch-zero1-gloo,parallel.zero1-pycomm,parallel.zero2-gloo", "-o", str(out)])
+          "torch-zero1-gloo,parallel.zero1-pycomm,parallel.zero2-gloo,torch-fsdp2-pycomm,"
+          "parallel.zero3-pycomm,parallel.zero3-bf16-gloo", "-o", str(out)])
     rows = json.loads(out.read_text())["results"]
-    losses = [r["loss"] for r in rows.values()]
-    assert len(rows) == 3 and max(losses) - min(losses) < 1e-4, rows
-    _assert_plot(out, capsys.readouterr().out)
+    losses = [r["loss"] for name, r in rows.items() if "bf16" not in name]
+    assert len(rows) == 6 and max(losses) - min(losses) < 1e-4, rows
+    text = capsys.readouterr().out
+    assert "# pycomm: parallel.zero3 / torch-fsdp2: step time" in text
+    _assert_plot(out, text)
