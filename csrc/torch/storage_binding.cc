@@ -25,7 +25,8 @@ at::Tensor unbound_tensor(const std::vector<int64_t>& sizes, c10::ScalarType dty
 void bind_storage(const at::Tensor& target, const at::Tensor& source) {
   check_cpu_contiguous(target, "the target");
   check_cpu_contiguous(source, "the source");
-  TORCH_CHECK_VALUE(target.storage_offset() == 0, "bind_storage: the target must start its storage");
+  TORCH_CHECK_VALUE(target.storage_offset() == 0,
+                    "bind_storage: the target must start its storage");
   TORCH_CHECK_VALUE(target.scalar_type() == source.scalar_type(), "bind_storage: dtypes differ (",
                     target.scalar_type(), " vs ", source.scalar_type(), ")");
   TORCH_CHECK_VALUE(bytes_of(source) >= bytes_of(target), "bind_storage: source holds ",
@@ -33,8 +34,8 @@ void bind_storage(const at::Tensor& target, const at::Tensor& source) {
   // The DataPtr's context is a reference to the source's storage: the arena slot cannot
   // be freed while a parameter (or a view autograd saved) still points into it.
   auto* keep = new c10::Storage(source.storage());
-  c10::DataPtr data(source.data_ptr(), keep,
-                    [](void* ctx) { delete static_cast<c10::Storage*>(ctx); }, at::kCPU);
+  c10::DataPtr data(
+      source.data_ptr(), keep, [](void* ctx) { delete static_cast<c10::Storage*>(ctx); }, at::kCPU);
   c10::StorageImpl* impl = target.storage().unsafeGetStorageImpl();
   impl->set_data_ptr_noswap(std::move(data));
   impl->set_nbytes(bytes_of(source));
