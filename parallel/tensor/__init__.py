@@ -1,0 +1,45 @@
+"""Megatron-LM tensor parallelism, with sequence parallelism."""
+
+from parallel.tensor.apply import apply_tensor_parallel, gather_tensor_parallel_state_dict
+from parallel.tensor.comms import (
+    copy_to_tp_region,
+    count_comms,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+    scatter_to_tp_region,
+)
+from parallel.tensor.layers import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from parallel.tensor.random import TRACKER, TrackedDropout, checkpoint, model_parallel_seed
+
+__all__ = [
+    "TRACKER",
+    "ColumnParallelLinear",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "RowParallelLinear",
+    "TrackedDropout",
+    "VocabParallelEmbedding",
+    "apply_tensor_parallel",
+    "checkpoint",
+    "copy_to_tp_region",
+    "count_comms",
+    "gather_from_sequence_region",
+    "gather_from_tp_region",
+    "gather_tensor_parallel_state_dict",
+    "model_parallel_seed",
+    "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_region",
+    "scatter_to_sequence_region",
+    "scatter_to_tp_region",
+    "vocab_parallel_cross_entropy",
+]

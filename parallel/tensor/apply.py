@@ -1,0 +1,134 @@
+"""Converting the reference GPT to tensor parallelism in place, and back to a full state.
+
+:func:`apply_tensor_parallel` swaps each block's attention and MLP for their parallel
+versions, the token embedding for a vocab-parallel one and the LM head for a
+column-parallel one, each loaded with this rank's shard of the model's own weights. The
+model's code (``GPT.forward``, ``Block.forward``) is unchanged. With sequence
+parallelism the embedding's output is split along the sequence, so norms, dropout and
+residuals run on ``1/TP`` of the tokens; the parameters those touch (norms, the
+row-parallel biases) get partial gradients on each rank, summed by one all-reduce when
+backward ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.grad_hooks import EndOfBackward
+from parallel.tensor import comms
+from parallel.tensor.comms import Group
+from parallel.tensor.layers import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+_PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
+def _check_gpt_like(model: nn.Module) -> None:
+    missing = [name for name in ("embed", "blocks", "lm_head") if not hasattr(model, name)]
+    if missing or not hasattr(getattr(model, "embed"), "wte"):  # noqa: B009
+        raise TypeError(f"apply_tensor_parallel: expected the reference GPT (embed.wte, "
+                        f"blocks[i].attn / .mlp, lm_head); {type(model).__name__} lacks "
+                        f"{missing or ['embed.wte']}")
+
+
+def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: bool = False,
+                          parallel_output: bool = True, recompute_gather: bool = True
+                          ) -> nn.Module:
+    """Shard ``model`` (the same weights on every rank) across ``group``, in place.
+
+    Args:
+        model: the reference GPT (``parallel.models.GPT``) or one shaped like it.
+        group: the tensor-parallel group.
+        sequence_parallel: split activations between the parallel layers along the
+            sequence (reduce-scatter / all-gather instead of all-reduce).
+        parallel_output: keep the logits split over the vocabulary (use
+            :func:`vocab_parallel_cross_entropy`); ``False`` all-gathers them.
+        recompute_gather: with sequence parallelism, gather a column-parallel layer's
+            input again in backward instead of keeping it.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: heads, hidden sizes or vocabulary not divisible by the group size.
+    """
+    _check_gpt_like(model)
+    gpt: Any = model  # duck-typed: the reference GPT's attribute names
+    sp = sequence_parallel
+    for block in gpt.blocks:
+        block.attn = ParallelSelfAttention.from_dense(block.attn, group, sp,
+                                                      recompute_gather=recompute_gather)
+        block.mlp = ParallelMLP.from_dense(block.mlp, group, sp, recompute_gather=recompute_gather)
+    gpt.embed.wte = VocabParallelEmbedding.from_dense(gpt.embed.wte, group)
+    gpt.lm_head = ColumnParallelLinear.from_dense(
+        gpt.lm_head, group, gather_output=not parallel_output, sequence_parallel=sp,
+        recompute_gather=recompute_gather)
+    if sp:
+        gpt.embed.register_forward_hook(
+            lambda _m, _a, out: comms.scatter_to_sequence_region(out, group))
+        _sum_partial_grads_after_backward(model, group)
+    model.__dict__["tensor_parallel_group"] = group
+    return model
+
+
+def _sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters applied to a rank's part of the sequence: their gradients are partial."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, nn.LayerNorm):
+            out += [p for p in module.parameters(recurse=False) if p.requires_grad]
+        out += [p for p in module.parameters(recurse=False) if getattr(p, "sequence_parallel",
+                                                                        False)]
+    return list(dict.fromkeys(out))
+
+
+def _sum_partial_grads_after_backward(model: nn.Module, group: Group) -> None:
+    params = _sequence_parallel_params(model)
+
+    def sync() -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:  # one all-reduce for all of them, as Megatron's finalize_model_grads
+            flat = comms.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
+
+    end = EndOfBackward(sync)
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _p: end.request())
+
+
+def gather_tensor_parallel_state_dict(model: nn.Module, grads: bool = False
+                                      ) -> dict[str, torch.Tensor]:
+    """The unsharded model's ``state_dict`` (same names and shapes), or with ``grads``
+    the gradients of its parameters under those names; collective over the group
+    :func:`apply_tensor_parallel` used."""
+    out: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, _PARALLEL):
+            prefix = f"{name}." if name else ""
+            for key, value in module.full_state(grads).items():
+                out[prefix + key] = value
+                done.add(prefix + key)
+    for key, value in model.state_dict(keep_vars=True).items():
+        if key in done:
+            continue
+        if not grads:
+            out[key] = value.detach().clone()
+        elif isinstance(value, nn.Parameter):
+            out[key] = value.grad.clone() if value.grad is not None else torch.zeros_like(value)
+    return out
+
+
+def tensor_parallel_group(model: nn.Module) -> Any:
+    """The group ``model`` was sharded over (None if it was not)."""
+    return model.__dict__.get("tensor_parallel_group", dist.group.WORLD)

@@ -1,0 +1,237 @@
+"""The conjugate communication pairs of Megatron-LM tensor (and sequence) parallelism.
+
+Each function is an autograd operation whose backward is the conjugate of its forward,
+so a parallel layer is its local math between two of them. ``f`` and ``g`` in the
+paper are :func:`copy_to_tp_region` and :func:`reduce_from_tp_region`. Sequence
+parallelism replaces the all-reduce of ``g`` by a reduce-scatter along the sequence and
+the identity of ``f`` by an all-gather, so activations between layers (norms, dropout,
+residuals) are split along the sequence too.
+
+Every collective goes through :func:`_record`, so :class:`count_comms` can assert how
+many of each a layer issues.
+
+The sequence dimension is 1 (activations are ``(batch, time, hidden)``), the hidden
+dimension the last.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup | None
+SEQ_DIM = 1
+_counters: list[Counter[str]] = []
+# torch 2.13 renamed the tensor forms (the old names warn); older torch has only those.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+@contextmanager
+def count_comms() -> Iterator[Counter[str]]:
+    """Counts the collectives issued inside, as ``"all_reduce:forward"`` and so on."""
+    counter: Counter[str] = Counter()
+    _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _counters.remove(counter)
+
+
+def _in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward
+    return task is not None and task() != -1
+
+
+def _record(op: str) -> None:
+    if _counters:
+        phase = "backward" if _in_backward() else "forward"
+        for counter in _counters:
+            counter[f"{op}:{phase}"] += 1
+
+
+# -- the primitives, each one collective (or none) -----------------------------------------------
+
+
+def all_reduce(x: torch.Tensor, group: Group, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place on a contiguous ``x`` (which is returned)."""
+    _record("all_reduce")
+    x = x.contiguous()
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """This rank's 1/TP of the last dimension (no communication)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(world, dim=-1)[rank].contiguous()
+
+
+def gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's ``x`` side by side along the last dimension."""
+    return _gather_along(x, x.dim() - 1, group)
+
+
+def split_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[dim] % world:
+        raise ValueError(f"sequence parallel: dimension {dim} of shape {tuple(x.shape)} is not "
+                         f"divisible by the tensor-parallel size {world}")
+    return x.chunk(world, dim=dim)[rank].contiguous()
+
+
+def gather_dim(x: torch.Tensor, dim: int, group: Group, async_op: bool = False) -> Any:
+    return _gather_along(x, dim, group, async_op)
+
+
+def _gather_along(x: torch.Tensor, dim: int, group: Group, async_op: bool = False) -> Any:
+    """All-gather stacks along dim 0; moving ``dim`` there and back keeps it one call.
+    With ``async_op`` returns (work, finish) where ``finish()`` gives the tensor."""
+    _record("all_gather")
+    world = dist.get_world_size(group)
+    local = x.movedim(dim, 0).contiguous()
+    out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
+    work = _all_gather(out, local, group=group, async_op=async_op)
+    finish = lambda: out.movedim(0, dim)  # noqa: E731
+    return (work, finish) if async_op else finish()
+
+
+def reduce_scatter_dim(x: torch.Tensor, dim: int, group: Group, async_op: bool = False) -> Any:
+    """Sum over ranks, each keeping its 1/TP of ``dim``. With ``async_op``: (work, finish)."""
+    _record("reduce_scatter")
+    world = dist.get_world_size(group)
+    if x.shape[dim] % world:
+        raise ValueError(f"sequence parallel: dimension {dim} of shape {tuple(x.shape)} is not "
+                         f"divisible by the tensor-parallel size {world}")
+    full = x.movedim(dim, 0).contiguous()
+    out = torch.empty((full.shape[0] // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
+    work = _reduce_scatter(out, full, group=group, async_op=async_op)
+    finish = lambda: out.movedim(0, dim)  # noqa: E731
+    return (work, finish) if async_op else finish()
+
+
+# -- the conjugate pairs ---------------------------------------------------------------------------
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return split_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return gather_last(grad, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return split_last(grad, ctx.group), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return split_dim(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return gather_dim(grad, SEQ_DIM, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, grad_is_partial: bool) -> torch.Tensor:
+        ctx.group, ctx.grad_is_partial = group, grad_is_partial
+        return gather_dim(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        if ctx.grad_is_partial:  # what follows was tensor-parallel: sum the partial grads
+            return reduce_scatter_dim(grad, SEQ_DIM, ctx.group), None, None
+        return split_dim(grad, SEQ_DIM, ctx.group), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return reduce_scatter_dim(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return gather_dim(grad, SEQ_DIM, ctx.group), None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``f``. Forward: identity (every rank has the whole input). Backward: all-reduce
+    (each rank's gradient covers only its columns' contribution)."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """``g``. Forward: all-reduce (sum the partial outputs of a row-parallel layer).
+    Backward: identity (the sum's gradient is the same for every term)."""
+    return _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Forward: keep this rank's 1/TP of the last dimension. Backward: all-gather it."""
+    return _ScatterToRegion.apply(x, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Forward: all-gather along the last dimension. Backward: keep this rank's part."""
+    return _GatherFromRegion.apply(x, group)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Forward: keep this rank's 1/TP of the sequence. Backward: all-gather the sequence."""
+    return _ScatterToSequence.apply(x, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: Group,
+                                grad_is_partial: bool = True) -> torch.Tensor:
+    """Forward: all-gather the sequence. Backward: reduce-scatter it (the layer after is
+    tensor-parallel, so each rank's gradient is a partial sum), or with
+    ``grad_is_partial=False`` just keep this rank's part."""
+    return _GatherFromSequence.apply(x, group, grad_is_partial)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Forward: reduce-scatter along the sequence (sum the row-parallel partial outputs,
+    each rank keeping its 1/TP of the tokens). Backward: all-gather the sequence."""
+    return _ReduceScatterToSequence.apply(x, group)

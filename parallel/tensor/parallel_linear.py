@@ -1,0 +1,279 @@
+"""Megatron-LM's parallel linear and embedding layers, and the vocab-parallel loss.
+
+A column-parallel linear keeps ``out/TP`` rows of the weight (its output is split along
+the hidden dimension); a row-parallel linear keeps ``in/TP`` columns (its input is split
+and its outputs are partial sums, reduced after it). An MLP or an attention block is a
+column-parallel layer followed by a row-parallel one, so it communicates twice per
+direction: once in ``f`` before it, once in ``g`` after it.
+
+Each layer is built from its dense counterpart with ``from_dense`` (this rank's shard of
+the same weights) and gives its whole weights back with ``full_state`` (collective).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.tensor import comms
+from parallel.tensor.comms import SEQ_DIM, Group
+
+
+def _tp(group: Group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_divisible(what: str, size: int, parts: int, world: int) -> None:
+    if size % (parts * world):
+        raise ValueError(f"{what}: {size} is not divisible by the tensor-parallel size {world}"
+                         + (f" times {parts}" if parts > 1 else ""))
+
+
+def _value(p: nn.Parameter, grads: bool) -> torch.Tensor:
+    """``p``'s values, or its gradient (zeros if it has none)."""
+    if not grads:
+        return p.detach()
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+class _LinearGatherSequence(torch.autograd.Function):
+    """``all_gather_sequence(x) @ W.T + b`` keeping only ``x`` (the rank's part of the
+    sequence) for backward. Backward gathers ``x`` again while it computes the input
+    gradient, then reduce-scatters that while it computes the weight gradient: the
+    recomputation and both collectives hide behind the two matmuls (Megatron-core)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: Group) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(comms.gather_dim(x, SEQ_DIM, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        x, weight = ctx.saved_tensors
+        gather, gathered = comms.gather_dim(x, SEQ_DIM, ctx.group, async_op=True)
+        grad_total = grad.matmul(weight)  # overlaps the gather
+        gather.wait()
+        total = gathered()
+        scatter, scattered = comms.reduce_scatter_dim(grad_total, SEQ_DIM, ctx.group,
+                                                      async_op=True)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))  # overlaps it
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        scatter.wait()
+        return scattered(), grad_weight, grad_bias, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ W.T + b`` with this rank holding ``out_features / TP`` rows of ``W``.
+
+    Args:
+        in_features, out_features: the dense layer's sizes.
+        bias: whether there is a bias (split like the rows).
+        gather_output: all-gather the output's last dimension (otherwise each rank keeps
+            its split output, as the next row-parallel layer wants).
+        group: the tensor-parallel group.
+        sequence_parallel: the input is this rank's part of the sequence; it is gathered
+            here (and, with ``recompute_gather``, gathered again in backward instead of
+            being kept).
+        interleave: the output is ``interleave`` equal blocks, each split across ranks
+            (3 for an attention's fused Q, K, V, so each rank gets whole heads of each).
+        recompute_gather: see ``sequence_parallel``.
+
+    Raises:
+        ValueError: if ``out_features`` is not divisible by ``TP * interleave``, or
+            ``gather_output`` is combined with ``interleave``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 gather_output: bool = False, *, group: Group, sequence_parallel: bool = False,
+                 interleave: int = 1, recompute_gather: bool = True):
+        super().__init__()
+        world, _ = _tp(group)
+        _check_divisible("ColumnParallelLinear out_features", out_features, interleave, world)
+        if gather_output and interleave > 1:
+            raise ValueError("ColumnParallelLinear: gather_output would interleave the blocks")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.group = gather_output, group
+        self.sequence_parallel, self.interleave = sequence_parallel, interleave
+        self.recompute_gather = recompute_gather
+        self.weight = nn.Parameter(torch.empty(out_features // world, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features // world)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's, per shard
+
+    def _shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a dense weight or bias."""
+        world, rank = _tp(self.group)
+        blocks = full.reshape(self.interleave, world, -1, *full.shape[1:])
+        return blocks[:, rank].reshape(-1, *full.shape[1:])
+
+    def _unshard(self, shard: torch.Tensor) -> torch.Tensor:
+        world, _ = _tp(self.group)
+        parts = comms.gather_dim(shard.detach().unsqueeze(0), 0, self.group)  # (world, rows, ...)
+        blocks = parts.reshape(world, self.interleave, -1, *shard.shape[1:]).transpose(0, 1)
+        return blocks.reshape(-1, *shard.shape[1:])
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group: Group, **kwargs: Any) -> ColumnParallelLinear:
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    group=group, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(layer._shard(linear.weight))
+            if layer.bias is not None and linear.bias is not None:
+                layer.bias.copy_(layer._shard(linear.bias))
+        return layer
+
+    def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """The dense layer's ``weight`` (and ``bias``), or their gradients; collective."""
+        out = {"weight": self._unshard(_value(self.weight, grads))}
+        if self.bias is not None:
+            out["bias"] = self._unshard(_value(self.bias, grads))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and self.recompute_gather:
+            y = _LinearGatherSequence.apply(x, self.weight, self.bias, self.group)
+        elif self.sequence_parallel:
+            y = F.linear(comms.gather_from_sequence_region(x, self.group), self.weight, self.bias)
+        else:
+            y = F.linear(comms.copy_to_tp_region(x, self.group), self.weight, self.bias)
+        return comms.gather_from_tp_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        world, _ = _tp(self.group)
+        return (f"in={self.in_features}, out={self.out_features} (/{world}), "
+                f"sequence_parallel={self.sequence_parallel}, interleave={self.interleave}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x @ W.T + b`` with this rank holding ``in_features / TP`` columns of ``W``;
+    the partial outputs are summed (all-reduce, or reduce-scatter along the sequence
+    with ``sequence_parallel``) and the bias, kept whole, is added once after.
+
+    Raises:
+        ValueError: if ``in_features`` is not divisible by TP.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 input_is_parallel: bool = True, *, group: Group,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        world, _ = _tp(group)
+        _check_divisible("RowParallelLinear in_features", in_features, 1, world)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.group = input_is_parallel, group
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // world))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True  # type: ignore[attr-defined]  # grads partial
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, group: Group, **kwargs: Any) -> RowParallelLinear:
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    group=group, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(comms.split_last(linear.weight, group))
+            if layer.bias is not None and linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        out = {"weight": comms.gather_last(_value(self.weight, grads), self.group)}
+        if self.bias is not None:
+            out["bias"] = _value(self.bias, grads).clone()
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = comms.scatter_to_tp_region(x, self.group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = comms.reduce_scatter_to_sequence_region(y, self.group)
+        else:
+            y = comms.reduce_from_tp_region(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        world, _ = _tp(self.group)
+        return (f"in={self.in_features} (/{world}), out={self.out_features}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose rows (the vocabulary) are split across ranks: each rank looks
+    up the tokens in its range, zeros for the rest, and an all-reduce sums them.
+
+    Raises:
+        ValueError: if ``num_embeddings`` is not divisible by TP.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Group):
+        super().__init__()
+        world, rank = _tp(group)
+        _check_divisible("VocabParallelEmbedding num_embeddings", num_embeddings, 1, world)
+        self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        self.per_rank = num_embeddings // world
+        self.start = rank * self.per_rank
+        self.weight = nn.Parameter(torch.randn(self.per_rank, embedding_dim))
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, group: Group) -> VocabParallelEmbedding:
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group)
+        with torch.no_grad():
+            layer.weight.copy_(embedding.weight[layer.start : layer.start + layer.per_rank])
+        return layer
+
+    def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        return {"weight": comms.gather_dim(_value(self.weight, grads), 0, self.group)}
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = (tokens < self.start) | (tokens >= self.start + self.per_rank)
+        local = (tokens - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return comms.reduce_from_tp_region(out, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor,
+                group: Group) -> torch.Tensor:
+        _, rank = _tp(group)
+        per_rank = logits.shape[-1]
+        start = rank * per_rank
+        # 1: the global max, for a stable exp.
+        top = comms.all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        shifted = logits - top.unsqueeze(-1)
+        # 2: the target's logit, from the one rank whose range holds it.
+        outside = (target < start) | (target >= start + per_rank)
+        local = (target - start).masked_fill(outside, 0)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        picked = comms.all_reduce(picked, group)
+        # 3: the softmax denominator.
+        exp = shifted.exp()
+        total = comms.all_reduce(exp.sum(dim=-1), group)
+        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), outside, local)
+        return total.log() - picked
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        softmax, outside, local = ctx.saved_tensors
+        hit = (~outside).to(softmax.dtype).unsqueeze(-1)
+        grad_logits = softmax.scatter_add(-1, local.unsqueeze(-1), -hit)
+        return grad_logits * grad.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 group: Group) -> torch.Tensor:
+    """Per-token cross-entropy of vocab-split ``logits`` (``(..., vocab / TP)``, this
+    rank's range) against ``target`` (``(...)``, global token ids), with three
+    all-reduces of per-token scalars and no full-vocabulary gather. ``.mean()`` of it
+    equals ``F.cross_entropy`` on the gathered logits."""
+    return _VocabParallelCrossEntropy.apply(logits, target, group)
