@@ -19,7 +19,7 @@ def plot(what: str, results: dict[str, Any], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(8, 4))
     if what == "data":
         _data_bars(ax, results)
-    elif what == "zero":
+    elif what in ("zero", "tensor"):
         _zero_bars(ax, results)
     else:
         _bucket_bars(ax, results)
@@ -42,10 +42,11 @@ def _data_bars(ax: Any, rows: dict[str, Any]) -> None:
 
 
 def _zero_bars(ax: Any, rows: dict[str, Any]) -> None:
-    """Step time per strategy, each bar labelled with its PSS (memory) when measured."""
+    """Step time per strategy, each bar labelled with its peak PSS (memory) if measured."""
     names = list(rows)
     bars = ax.barh(names, [r["median_ms"] for r in rows.values()])
-    labels = [f"{r['pss_mb']:.0f} MB PSS" if "pss_mb" in r else "" for r in rows.values()]
+    labels = [f"{r['peak_pss_mb']:.0f} MB peak PSS" if "peak_pss_mb" in r else ""
+              for r in rows.values()]
     ax.bar_label(bars, labels=labels, padding=3, fontsize=8)
     ax.set_xlabel("step time (ms, median of the slowest rank)")
     ax.invert_yaxis()

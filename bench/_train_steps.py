@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bench._tensor_wrap import local_numel
 from parallel.data import DataParallel
 from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
 
@@ -52,7 +53,15 @@ MIXED_STRATEGIES = {
         ("parallel.zero3-bf16", "zero3", "zero3-bf16"),
     )
 }
-ALL_STRATEGIES = {**STRATEGIES, **ZERO_STRATEGIES, **MIXED_STRATEGIES}
+# Tensor parallelism: every rank of the group sees the same batch.
+TENSOR_STRATEGIES = {
+    "unsharded": ("none", "sgd", "none"),  # the whole model on each rank, no communication
+    **{f"{name}-{group}": (wrap, "sgd", group)
+       for group in ("pycomm", "gloo")
+       for name, wrap in (("dtensor-tp", "dtensor"), ("dtensor-tp-sp", "dtensor-sp"),
+                          ("parallel.tensor", "tp"), ("parallel.tensor-sp", "tp-sp"))},
+}
+ALL_STRATEGIES = {**STRATEGIES, **ZERO_STRATEGIES, **MIXED_STRATEGIES, **TENSOR_STRATEGIES}
 
 
 @dataclass
@@ -76,6 +85,11 @@ def _wrap(kind: str, group: dist.ProcessGroup | None, net: nn.Module, cap_mb: fl
         from parallel.zero import shard_model
 
         return shard_model(net, group)
+    if kind.startswith(("dtensor", "tp")):
+        from bench._tensor_wrap import dtensor_tp, parallel_tp
+
+        wrap = dtensor_tp if kind.startswith("dtensor") else parallel_tp
+        return wrap(net, group, sp=kind.endswith("-sp"))
     return net
 
 
@@ -117,12 +131,14 @@ def build(name: str, setup: Setup, groups: dict[str, Any]) -> tuple[nn.Module, C
     net = _wrap(kind, groups.get(group), GPT(setup.cfg), setup.bucket_cap_mb)
     opt = _optimizer(optim, net, groups.get(group), setup.bucket_cap_mb)
     net.zero_optimizer = opt if hasattr(opt, "memory_stats") else None  # for peak_memory
-    rank = dist.get_rank()
+    # Tensor-parallel ranks share one batch; data-parallel ones each have their own.
+    rank = 0 if name in TENSOR_STRATEGIES else dist.get_rank()
+    loss_fn = net.__dict__.get("loss_fn", lm_loss)
 
     def step(i: int) -> float:
         x, y = synthetic_batch(setup.cfg, setup.batch, seed=1000 * rank + i)
         opt.zero_grad()
-        loss = lm_loss(net(x).float(), y)
+        loss = loss_fn(net(x).float(), y)
         _sample_memory()
         loss.backward()
         _sample_memory()
@@ -172,7 +188,7 @@ def peak_memory(name: str, setup: Setup) -> dict[str, Any]:
     _PEAK_PSS[0] = 0
     for i in range(3):
         step(i)
-    param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    param_bytes = sum(local_numel(p) * p.element_size() for p in net.parameters())
     own = net.comm_stats()["reserved_bytes"] if isinstance(net, DataParallel) else None
     zero = getattr(net, "zero_optimizer", None)
     return {

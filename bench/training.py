@@ -36,6 +36,7 @@ from bench._bucket_bench import time_bucketing
 from bench._train_steps import (
     MIXED_STRATEGIES,
     STRATEGIES,
+    TENSOR_STRATEGIES,
     ZERO_STRATEGIES,
     Setup,
     peak_memory,
@@ -47,15 +48,19 @@ from pycomm.testing import run_ranks
 MODELS = {
     "bench": GPTConfig(vocab_size=8192, block_size=64, n_layer=8, n_head=6, n_embd=384),
     "tiny": GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=2, n_embd=32),
+    # As "bench", with 8 heads so that TP = 2 and 4 both split them evenly.
+    "tp": GPTConfig(vocab_size=8192, block_size=64, n_layer=8, n_head=8, n_embd=384),
+    "tiny-tp": GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32),
 }
 MB = 1e6
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["data", "buckets", "zero"])
+    p.add_argument("what", choices=["data", "buckets", "zero", "tensor"])
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--model", choices=sorted(MODELS), default="bench")
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help="default: 'tp' for tensor (heads divisible by 4), else 'bench'")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--steps", type=int, default=5, help="timed steps per strategy per round")
     p.add_argument("--rounds", type=int, default=4)
@@ -66,8 +71,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-o", "--out", type=Path, default=None, help="JSON path (PNG beside it)")
     args = p.parse_args(argv)
     args.out = args.out or Path("bench/results") / f"training_{args.what}_{args.nproc}ranks.json"
-    default = ZERO_STRATEGIES if args.what == "zero" else STRATEGIES
-    known = {**default, **MIXED_STRATEGIES} if args.what == "zero" else STRATEGIES
+    args.model = args.model or ("tp" if args.what == "tensor" else "bench")
+    default = {"zero": ZERO_STRATEGIES, "tensor": TENSOR_STRATEGIES}.get(args.what, STRATEGIES)
+    known = {**default, **MIXED_STRATEGIES} if args.what == "zero" else default
     args.strategies = args.strategies.split(",") if args.strategies else list(default)
     if unknown := set(args.strategies) - set(known):
         p.error(f"unknown strategies {sorted(unknown)}; choose from {list(known)}")
@@ -112,20 +118,24 @@ def run_data(args: argparse.Namespace) -> dict[str, Any]:
 def print_data(args: argparse.Namespace, rows: dict[str, Any]) -> None:
     cfg = MODELS[args.model]
     optim = "AdamW" if args.what == "zero" else "SGD momentum"
+    if args.what == "tensor":
+        optim = "SGD momentum; every rank of the TP group the same batch"
     print(f"# bench.training {args.what}: {args.nproc} ranks, GPT {cfg}, {args.batch} sequences "
           f"of {cfg.block_size} tokens per rank, {optim}, bucket cap {args.bucket_cap_mb} MB; "
           f"{args.rounds} rounds x {args.steps} steps per strategy, interleaved; "
           "time = slowest rank per step, median (p25-p75)")
     width = max(22, *(len(n) for n in rows))
     print(f"{'strategy':<{width}} {'step ms':>9} {'p25-p75 ms':>15} {'exposed comm ms':>16} "
-          f"{'peak RSS MB':>12} {'peak PSS MB':>12} {'grad arena MB':>14} {'loss':>9}")
+          f"{'peak RSS MB':>12} {'peak PSS MB':>12} {'param MB':>9} {'grad arena MB':>14} "
+          f"{'loss':>9}")
     for name, r in rows.items():
         rss = f"{r['peak_rss_mb']:.0f}" if "peak_rss_mb" in r else "-"
         pss = f"{r['peak_pss_mb']:.0f}" if "peak_pss_mb" in r else "-"
         arena = f"{r['grad_arena_mb']:.1f}" if r.get("grad_arena_mb") else "-"
         exposed = f"{r['exposed_ms']:.1f}" if r["exposed_ms"] is not None else "-"
+        params = f"{r['param_mb']:.1f}" if "param_mb" in r else "-"
         print(f"{name:<{width}} {r['median_ms']:>9.1f} {r['p25_ms']:>7.1f}-{r['p75_ms']:<7.1f} "
-              f"{exposed:>16} {rss:>12} {pss:>12} {arena:>14} {r['loss']:>9.5f}")
+              f"{exposed:>16} {rss:>12} {pss:>12} {params:>9} {arena:>14} {r['loss']:>9.5f}")
     _print_targets(rows)
 
 
@@ -155,9 +165,22 @@ def _print_stage3_targets(rows: dict[str, Any]) -> None:
             print(line + " (targets <= 1)")
 
 
+def _print_tensor_targets(rows: dict[str, Any]) -> None:
+    peer = rows.get("dtensor-tp-gloo")
+    for name in ("parallel.tensor-pycomm", "parallel.tensor-sp-pycomm"):
+        if (ours := rows.get(name)) and peer:
+            ratio = ours["median_ms"] / peer["median_ms"]
+            print(f"# step time, {name} / dtensor-tp-gloo: {ratio:.3f} (target < 1)")
+    whole = rows.get("unsharded", {}).get("param_mb")
+    for name, r in rows.items():
+        if whole and name != "unsharded" and "param_mb" in r:
+            print(f"# parameters per rank, {name} / unsharded: {r['param_mb'] / whole:.3f}")
+
+
 def _print_targets(rows: dict[str, Any]) -> None:
     _print_zero_accounting(rows)
     _print_stage3_targets(rows)
+    _print_tensor_targets(rows)
     ours, gloo, ddp = (rows.get(n) for n in ("parallel.data-pycomm", "ddp-gloo", "ddp-pycomm"))
     if ours and gloo and ours["exposed_ms"] is not None and gloo["exposed_ms"]:
         ratio = ours["exposed_ms"] / gloo["exposed_ms"]
@@ -204,7 +227,7 @@ def write_outputs(args: argparse.Namespace, results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.what in ("data", "zero"):
+    if args.what in ("data", "zero", "tensor"):
         rows = run_data(args)
         write_outputs(args, rows)
         print_data(args, rows)
