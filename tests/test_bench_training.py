@@ -64,3 +64,18 @@ def test_zero_runs_stages_and_torch_peers_on_both_backends(tiny, capsys, require
     text = capsys.readouterr().out
     assert "# pycomm: parallel.zero3 / torch-fsdp2: step time" in text
     _assert_plot(out, text)
+
+
+def test_tensor_runs_dtensor_and_parallel_tensor_and_they_agree(tiny, capsys, require_pycomm):
+    flags, tmp = tiny
+    out = tmp / "tensor.json"
+    flags = [f if f != "tiny" else "tiny-tp" for f in flags]
+    main(["tensor", *flags, "--no-memory", "--strategies",
+          "unsharded,dtensor-tp-gloo,dtensor-tp-sp-pycomm,parallel.tensor-pycomm,"
+          "parallel.tensor-sp-gloo", "-o", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    losses = [r["loss"] for r in rows.values()]
+    assert len(rows) == 5 and max(losses) - min(losses) < 1e-4, rows
+    text = capsys.readouterr().out
+    assert "# step time, parallel.tensor-pycomm / dtensor-tp-gloo:" in text
+    _assert_plot(out, text)

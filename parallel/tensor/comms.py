@@ -66,6 +66,12 @@ def all_reduce(x: torch.Tensor, group: Group, op: Any = dist.ReduceOp.SUM) -> to
     return x
 
 
+def all_reduce_async(x: torch.Tensor, group: Group) -> Any:
+    """Start summing the contiguous ``x`` in place; returns the Work to wait on."""
+    _record("all_reduce")
+    return dist.all_reduce(x, group=group, async_op=True)
+
+
 def split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     """This rank's 1/TP of the last dimension (no communication)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -70,6 +70,30 @@ class _LinearGatherSequence(torch.autograd.Function):
         return scattered(), grad_weight, grad_bias, None
 
 
+class _LinearAllReduceGradInput(torch.autograd.Function):
+    """``x @ W.T + b`` after ``f``: forward the identity, backward the all-reduce of the
+    input gradient, started asynchronously and overlapped with the weight-gradient
+    matmul (Megatron-LM's async tensor-parallel all-reduce)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: Group) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        x, weight = ctx.saved_tensors
+        grad_input = grad.matmul(weight)
+        reduce = comms.all_reduce_async(grad_input, ctx.group)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_2d.t().matmul(x.reshape(-1, x.shape[-1]))  # overlaps it
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        reduce.wait()
+        return grad_input, grad_weight, grad_bias, None
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x @ W.T + b`` with this rank holding ``out_features / TP`` rows of ``W``.
 
@@ -141,8 +165,8 @@ class ColumnParallelLinear(nn.Module):
             y = _LinearGatherSequence.apply(x, self.weight, self.bias, self.group)
         elif self.sequence_parallel:
             y = F.linear(comms.gather_from_sequence_region(x, self.group), self.weight, self.bias)
-        else:
-            y = F.linear(comms.copy_to_tp_region(x, self.group), self.weight, self.bias)
+        else:  # copy_to_tp_region's all-reduce, fused into the layer to overlap it
+            y = _LinearAllReduceGradInput.apply(x, self.weight, self.bias, self.group)
         return comms.gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
