@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._bucket_bench import time_bucketing
+from bench._pipeline_bench import PIPE_STRATEGIES
 from bench._train_steps import (
     MIXED_STRATEGIES,
     STRATEGIES,
@@ -57,7 +58,7 @@ MB = 1e6
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["data", "buckets", "zero", "tensor"])
+    p.add_argument("what", choices=["data", "buckets", "zero", "tensor", "pipeline"])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--model", choices=sorted(MODELS), default=None,
                    help="default: 'tp' for tensor (heads divisible by 4), else 'bench'")
@@ -69,10 +70,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--strategies", default=None, help="default: every strategy of `what`")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS runs")
     p.add_argument("-o", "--out", type=Path, default=None, help="JSON path (PNG beside it)")
+    p.add_argument("--width", type=int, default=1024, help="pipeline: the MLP's width")
+    p.add_argument("--layers", type=int, default=8, help="pipeline: Linear + GELU pairs")
+    p.add_argument("--rows", type=int, default=64, help="pipeline: rows per mini-batch")
+    p.add_argument("--chunks", type=int, default=8, help="pipeline: micro-batches")
     args = p.parse_args(argv)
     args.out = args.out or Path("bench/results") / f"training_{args.what}_{args.nproc}ranks.json"
     args.model = args.model or ("tp" if args.what == "tensor" else "bench")
-    default = {"zero": ZERO_STRATEGIES, "tensor": TENSOR_STRATEGIES}.get(args.what, STRATEGIES)
+    default = {"zero": ZERO_STRATEGIES, "tensor": TENSOR_STRATEGIES,
+               "pipeline": dict.fromkeys(PIPE_STRATEGIES)}.get(args.what, STRATEGIES)
     known = {**default, **MIXED_STRATEGIES} if args.what == "zero" else default
     args.strategies = args.strategies.split(",") if args.strategies else list(default)
     if unknown := set(args.strategies) - set(known):
@@ -227,7 +233,13 @@ def write_outputs(args: argparse.Namespace, results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.what in ("data", "zero", "tensor"):
+    if args.what == "pipeline":
+        from bench._pipeline_report import print_pipeline, run_pipeline, write_pipeline
+
+        res = run_pipeline(args)
+        write_pipeline(args, res)
+        print_pipeline(args, res)
+    elif args.what in ("data", "zero", "tensor"):
         rows = run_data(args)
         write_outputs(args, rows)
         print_data(args, rows)

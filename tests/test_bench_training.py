@@ -79,3 +79,23 @@ def test_tensor_runs_dtensor_and_parallel_tensor_and_they_agree(tiny, capsys, re
     text = capsys.readouterr().out
     assert "# step time, parallel.tensor-pycomm / dtensor-tp-gloo:" in text
     _assert_plot(out, text)
+
+
+def test_pipeline_runs_torch_and_ours_and_reports_bubble_and_memory(tmp_path, capsys,
+                                                                      require_pycomm):
+    out = tmp_path / "pipeline.json"
+    main(["pipeline", "--width", "32", "--layers", "4", "--rows", "16", "--chunks", "4",
+          "--steps", "2", "--rounds", "1", "--warmup", "1", "--no-memory", "--strategies",
+          "torch-gpipe-gloo,parallel.pipeline-gpipe-pycomm,parallel.pipeline-1f1b-gloo",
+          "-o", str(out)])
+    res = json.loads(out.read_text())["results"]
+    assert set(res["strategies"]) == {"torch-gpipe-gloo", "parallel.pipeline-gpipe-pycomm",
+                                      "parallel.pipeline-1f1b-gloo"}
+    assert set(res["bubble"]) == {"1", "4", "16"}
+    # the last stage also keeps the loss's inputs, so it holds something in every mode
+    never, always = (res["activation_bytes"][-1][f"gpipe/{m}"] for m in ("never", "always"))
+    assert 0 < always < never
+    text = capsys.readouterr().out
+    assert "# gpipe: parallel.pipeline-pycomm / torch-gloo: throughput" in text
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "pipeline_timeline.png").stat().st_size > 0
