@@ -16,6 +16,7 @@ from torch import nn
 
 from parallel.pipeline import ActivationMeter, Pipeline, idle_fractions, plot_timeline
 
+BUBBLE_ROWS = 16
 PIPE_STRATEGIES = [f"{impl}-{sched}-{group}" for group in ("pycomm", "gloo")
                    for impl in ("torch", "parallel.pipeline") for sched in ("gpipe", "1f1b")]
 
@@ -53,9 +54,11 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-def build(name: str, setup: PipeSetup, groups: dict[str, Any],
-          checkpoint: str = "never") -> tuple[Callable[[int], None], Any]:
-    """One training step of strategy ``name`` (and its Pipeline, for ours)."""
+def build(name: str, setup: PipeSetup, groups: dict[str, Any], checkpoint: str = "never",
+          input_grad: bool = False) -> tuple[Callable[[int], None], Any]:
+    """One training step of strategy ``name`` (and its Pipeline, for ours). With
+    ``input_grad`` the first stage also computes its input's gradient, as every other
+    stage does, so equal layers make equal stages."""
     impl, sched, group_name = name.rsplit("-", 2)
     group = groups[group_name]
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -89,6 +92,7 @@ def build(name: str, setup: PipeSetup, groups: dict[str, Any],
 
     def our_step(i: int) -> None:
         x, y = _batch(setup, i)
+        x.requires_grad_(input_grad)
         opt.zero_grad()
         pipe.step(x if pipe.is_first else None, y if pipe.is_last else None, _loss)
         opt.step()
@@ -128,14 +132,18 @@ def peak_rss(name: str, setup: PipeSetup) -> int:
 
 
 def bubbles(setup: PipeSetup, micro: list[int], png: str | None) -> dict[int, dict[int, float]]:
-    """Idle fraction per stage (GPipe, equal stages) for each M; rank 0 draws M = 4."""
+    """Idle fraction per stage (GPipe, equal stages) for each M; rank 0 draws M = 4.
+    Micro-batches have ``BUBBLE_ROWS`` rows whatever M, so a stage's time per micro-batch
+    is the same at every M, as the formula assumes (with 4-row micro-batches the fixed
+    cost per message and per step would be counted as bubble)."""
     torch.set_num_threads(1)
     out = {}
     for m in micro:
-        pipe_setup = PipeSetup(**{**setup.__dict__, "chunks": m, "rows": max(setup.rows, m)})
-        step, pipe = build("parallel.pipeline-gpipe-pycomm", pipe_setup, {"pycomm": None})
+        pipe_setup = PipeSetup(**{**setup.__dict__, "chunks": m, "rows": BUBBLE_ROWS * m})
+        step, pipe = build("parallel.pipeline-gpipe-pycomm", pipe_setup, {"pycomm": None},
+                           input_grad=True)
         fractions = []
-        for i in range(setup.warmup + 5):
+        for i in range(setup.warmup + 10):
             step(i)
             if i >= setup.warmup:
                 fractions.append(idle_fractions(pipe.gather_trace()))
