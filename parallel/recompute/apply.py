@@ -1,0 +1,54 @@
+"""Checkpointing chosen blocks of an unchanged model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from parallel.recompute.arena import CheckpointArena
+from parallel.recompute.checkpoint import checkpoint
+from parallel.zero.units import default_unit_modules
+
+Policy = str | int | type | tuple[type, ...] | Callable[[str, nn.Module], bool]
+
+
+def _chosen(model: nn.Module, policy: Policy) -> list[nn.Module]:
+    if isinstance(policy, str):
+        if policy != "every":
+            raise ValueError(f"apply_activation_checkpointing: unknown policy {policy!r}; "
+                             "use 'every', an int k, module types, or a callable")
+        return default_unit_modules(model)
+    if isinstance(policy, int) and not isinstance(policy, bool):
+        if policy < 1:
+            raise ValueError(f"apply_activation_checkpointing: every k-th block needs k >= 1, "
+                             f"got {policy}")
+        return default_unit_modules(model)[::policy]
+    if isinstance(policy, type) or (isinstance(policy, tuple)
+                                    and all(isinstance(t, type) for t in policy)):
+        return [m for m in model.modules() if isinstance(m, policy) and m is not model]
+    if callable(policy):
+        return [m for name, m in model.named_modules() if m is not model and policy(name, m)]
+    raise TypeError(f"apply_activation_checkpointing: cannot use {policy!r} as a policy")
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: Policy = "every",
+                                   partition_group: Any = None, offload: bool = False,
+                                   arena: CheckpointArena | None = None) -> list[nn.Module]:
+    """Checkpoint the modules ``policy`` picks (their ``forward`` is wrapped; the model's
+    code is unchanged). ``policy``: ``"every"`` block (each child of an ``nn.ModuleList``),
+    an int ``k`` (every k-th block), module types, or ``fn(name, module) -> bool``.
+    Returns the wrapped modules."""
+    chosen = _chosen(model, policy)
+    for module in chosen:
+        forward = module.forward
+
+        def checkpointed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+            if kwargs:
+                raise TypeError("a checkpointed module takes positional arguments only")
+            return checkpoint(_forward, *args, partition_group=partition_group,
+                              offload=offload, arena=arena)
+
+        module.forward = checkpointed
+    return chosen
