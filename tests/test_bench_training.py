@@ -99,3 +99,15 @@ def test_pipeline_runs_torch_and_ours_and_reports_bubble_and_memory(tmp_path, ca
     assert "# gpipe: parallel.pipeline-pycomm / torch-gloo: throughput" in text
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "pipeline_timeline.png").stat().st_size > 0
+
+
+def test_recompute_bench_shows_p_a_halving_the_checkpointed_inputs(tmp_path, capsys,
+                                                                    require_pycomm):
+    from bench.recompute import main as recompute_main
+
+    out = tmp_path / "recompute.json"
+    recompute_main(["--tiny", "--rounds", "1", "--steps", "1", "-o", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert rows["checkpoint+P_a"]["arena_mb"] * 2 == pytest.approx(rows["checkpoint"]["arena_mb"])
+    assert rows["checkpoint"]["saved_mb"] < rows["plain"]["saved_mb"]
+    assert "# recompute overhead" in capsys.readouterr().out
