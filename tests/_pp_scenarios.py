@@ -70,6 +70,31 @@ def one_step(group: Any, micro: int, schedule: str, mode: str, dropout: float = 
             "all_events": len(pipe.gather_trace())}
 
 
+ROW_SEQUENCE = (10, 10, 8, 10)  # the third step's shapes differ: no stale pre-posted receive
+
+
+def reference_repeated() -> dict[str, Any]:
+    """Gradients summed over steps on the first ``rows`` of the data, per ROW_SEQUENCE."""
+    net = model()
+    x, y = data()
+    for rows in ROW_SEQUENCE:
+        loss_fn(net(x[:rows]), y[:rows]).backward()
+    return {"grads": {n: p.grad.clone() for n, p in net.named_parameters()}}
+
+
+def repeated(group: Any, schedule: str) -> dict[str, Any]:
+    """Several steps on one Pipeline (receives posted ahead from the second on)."""
+    net = model()
+    pipe = Pipeline(net, even_balance(len(net), dist.get_world_size(group)), 4,
+                    schedule=schedule, process_group=group)
+    x, y = data()
+    for rows in ROW_SEQUENCE:
+        pipe.step(x[:rows] if pipe.is_first else None, y[:rows] if pipe.is_last else None,
+                  loss_fn)
+    return {"grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
+            "receives": pipe.receive_stats(), "first": pipe.is_first, "last": pipe.is_last}
+
+
 def _error(call: Any) -> str:
     try:
         call()
@@ -108,5 +133,8 @@ def run_all(world: int) -> dict[Any, Any]:
     for mode in ("never", "always"):
         out[("dropout", mode)] = one_step(groups["pycomm"], 4, "gpipe", mode, dropout=0.3)
     out["dict"] = one_step(groups["pycomm"], 4, "1f1b", "always", dict_input=True)
+    for name, group in groups.items():
+        for schedule in SCHEDULES:
+            out[("repeated", name, schedule)] = repeated(group, schedule)
     out["bad"] = bad_input(groups["pycomm"])
     return out

@@ -103,6 +103,28 @@ def test_gloo_gives_the_same(pipe, single, micro, schedule):
     _check(ranks, ("gloo", micro, schedule, "except_last"), single)
 
 
+@pytest.mark.parametrize("group", ["pycomm", "gloo"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_repeated_steps_with_receives_posted_ahead_accumulate_exactly(pipe, group, schedule):
+    from _pp_scenarios import reference_repeated
+
+    _, ranks = pipe
+    single = reference_repeated()
+    grads = {}
+    for r in ranks:
+        grads.update(r[("repeated", group, schedule)]["grads"])
+    for name, grad in single["grads"].items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    for r in ranks:  # 4 micro-batches a step, from each neighbour the stage has
+        run = r[("repeated", group, schedule)]
+        neighbours = (not run["first"]) + (not run["last"])
+        # the first step and the one with new shapes receive when needed, the others
+        # had their receives posted ahead
+        assert run["receives"] == {"posted_ahead": 2 * 4 * neighbours,
+                                   "received_now": 2 * 4 * neighbours}, run["receives"]
+
+
 def test_dict_micro_batches_with_a_plain_value_reach_the_first_layer(pipe):
     _, ranks = pipe
     _check(ranks, "dict", reference(dict_input=True))

@@ -12,6 +12,7 @@ tuple or dict of them), as ``nn.Sequential`` passes it.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -27,6 +28,25 @@ def batch_size(batch: Any) -> int | None:
             if (rows := batch_size(item)) is not None:
                 return rows
     return None
+
+
+def shape_signature(batch: Any) -> int:
+    """A number that is equal for batches whose tensors have equal shapes and dtypes."""
+    parts: list[str] = []
+
+    def visit(item: Any) -> None:
+        if torch.is_tensor(item):
+            parts.append(f"{tuple(item.shape)}{item.dtype}")
+        elif isinstance(item, (tuple, list)):
+            for x in item:
+                visit(x)
+        elif isinstance(item, dict):
+            for k in sorted(item, key=str):
+                parts.append(str(k))
+                visit(item[k])
+
+    visit(batch)
+    return zlib.crc32(";".join(parts).encode())
 
 
 def split_batch(batch: Any, chunks: int) -> list[Any]:

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as rematerialize
 
-from parallel.pipeline.microbatch import batch_size, split_batch
-from parallel.pipeline.p2p import PendingSend, recv_tensor, send_tensor
+from parallel.pipeline.microbatch import batch_size, shape_signature, split_batch
+from parallel.pipeline.p2p import PendingSend, Receiver, send_tensor
 from parallel.pipeline.schedule import SCHEDULES, Step
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -59,6 +59,8 @@ class _StepState:
     micro: dict[int, _Micro] = field(default_factory=dict)
     sends: list[PendingSend] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)  # the last stage's weighted losses
+    order: dict[str, list[Any]] = field(default_factory=dict)  # message keys per direction
+    received: dict[str, int] = field(default_factory=lambda: {"F": 0, "B": 0})
 
 
 class Pipeline:
@@ -89,6 +91,10 @@ class Pipeline:
         layers = list(module)[self.first_layer : self.first_layer + balance[self.stage_id]]
         self.stage = nn.Sequential(*layers)
         self._events: list[Event] = []
+        # activations from the previous stage, gradients from the next
+        self._from_prev = Receiver(self.stage_id - 1, process_group) if self.stage_id else None
+        self._from_next = (Receiver(self.stage_id + 1, process_group)
+                           if self.stage_id < self.num_stages - 1 else None)
 
     @property
     def is_first(self) -> bool:
@@ -121,13 +127,17 @@ class Pipeline:
             ValueError: on every rank, if the first stage's batch has fewer rows than
                 ``chunks`` or the last stage's targets do not have the same rows.
         """
-        rows = self._agree_on_rows(inputs, targets)
+        rows, signature = self._agree_on_rows(inputs, targets)
         state = _StepState(self.chunks)
         ins = split_batch(inputs, self.chunks) if self.is_first else None
         tgts = split_batch(targets, self.chunks) if self.is_last else None
         weights = [t.shape[0] / rows for t in split_batch(torch.empty(rows), self.chunks)]
         self._events = []
         steps = SCHEDULES[self.schedule](self.chunks, self.num_stages)[self.stage_id]
+        state.order = {kind: [(signature, s.micro) for s in steps if s.kind == kind]
+                       for kind in "FB"}
+        self._prepost("F", state, 0)
+        self._prepost("B", state, 0)
         for step in steps:
             if step.kind == "F":
                 self._forward(step, state, ins, tgts, loss_fn, weights)
@@ -143,7 +153,7 @@ class Pipeline:
         if ins is not None:  # the first layer gets the micro-batch as it is (tuple, dict...)
             stage_input = ins[m]
         else:
-            received = recv_tensor(self.stage_id - 1, self.group)
+            received = self._receive("F", state)
             micro.inputs = received.requires_grad_(received.is_floating_point())
             stage_input = micro.inputs
         start = time.perf_counter()
@@ -166,7 +176,7 @@ class Pipeline:
             start = time.perf_counter()
             micro.loss.backward()
         else:
-            grad = recv_tensor(self.stage_id + 1, self.group)
+            grad = self._receive("B", state)
             start = time.perf_counter()
             assert micro.output is not None
             torch.autograd.backward(micro.output, grad)
@@ -177,18 +187,36 @@ class Pipeline:
             state.sends.append(send_tensor(grad_in, self.stage_id - 1, self.group))
         self._events.append(Event(self.stage_id, "B", step.micro, start, time.perf_counter()))
 
+    def _receive(self, kind: str, state: _StepState) -> torch.Tensor:
+        """The next activation ("F") or gradient ("B"), and the one after posted."""
+        receiver = self._from_prev if kind == "F" else self._from_next
+        assert receiver is not None
+        i = state.received[kind]
+        state.received[kind] += 1
+        out = receiver.take(state.order[kind][i])
+        self._prepost(kind, state, i + 1)
+        return out
+
+    def _prepost(self, kind: str, state: _StepState, i: int) -> None:
+        receiver = self._from_prev if kind == "F" else self._from_next
+        if receiver is not None and i < len(state.order[kind]):
+            receiver.prepost(state.order[kind][i])
+
     def _rematerialize(self, m: int) -> bool:
         return self.checkpoint == "always" or (self.checkpoint == "except_last"
                                                and m != self.chunks - 1)
 
     # -- agreement and results -------------------------------------------------------------------
 
-    def _agree_on_rows(self, inputs: Any, targets: Any) -> int:
+    def _agree_on_rows(self, inputs: Any, targets: Any) -> tuple[int, int]:
         """The first stage's rows, checked against ``chunks`` and the targets' rows on
-        every rank at once (so a bad batch raises everywhere instead of hanging)."""
-        info = torch.zeros(3, dtype=torch.int64)  # rows (first stage), target rows, bad
+        every rank at once (so a bad batch raises everywhere instead of hanging), and a
+        signature of the inputs' shapes (messages of equal signatures have equal shapes,
+        so their receives can be posted ahead)."""
+        info = torch.zeros(3, dtype=torch.int64)  # rows (first stage), target rows, signature
         if self.is_first:
             info[0] = batch_size(inputs) or 0
+            info[2] = shape_signature(inputs)
         if self.is_last:
             info[1] = batch_size(targets) or 0
         dist.all_reduce(info, group=self.group)
@@ -199,7 +227,7 @@ class Pipeline:
         if target_rows != rows:
             raise ValueError(f"Pipeline.step: the first stage's inputs have {rows} rows but "
                              f"the last stage's targets {target_rows}")
-        return rows
+        return rows, int(info[2])
 
     def _total_loss(self, state: _StepState) -> torch.Tensor:
         total = torch.zeros(1, dtype=torch.float64)
@@ -209,6 +237,12 @@ class Pipeline:
         dist.broadcast(total, src=dist.get_global_rank(self.group, src)
                        if self.group is not None else src, group=self.group)
         return total[0].to(torch.float32)
+
+    def receive_stats(self) -> dict[str, int]:
+        """Messages received so far whose receive was posted ahead, and the others."""
+        receivers = [r for r in (self._from_prev, self._from_next) if r is not None]
+        return {"posted_ahead": sum(r.posted_ahead for r in receivers),
+                "received_now": sum(r.received_now for r in receivers)}
 
     def trace(self) -> list[Event]:
         """This stage's events in the last step."""
