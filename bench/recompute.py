@@ -95,9 +95,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
+    p.add_argument("--kernels-only", action="store_true",
+                   help="only the fused-kernel table (one process)")
     p.add_argument("-o", "--out", type=Path, default=Path("bench/results/recompute.json"))
     args = p.parse_args(argv)
     cfg = TINY if args.tiny else CFG
+    shapes = [(2, 16, 64)] if args.tiny else [(4, 64, 1536), (8, 128, 1536), (8, 128, 6144)]
+    kernels = kernel_table(shapes)
+    print_kernel_table(kernels)
+    if args.kernels_only:
+        return
     per_rank = run_ranks(time_modes, args.tp, args.rows, args.rounds, args.steps, cfg,
                          timeout_s=1800.0)
     rows = {}
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                       "peak_rss_mb": max(rss) / MB}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                    "results": rows}, indent=1))
+                                    "results": rows, "kernels": kernels}, indent=1))
     print(f"# bench.recompute: GPT {cfg}, TP={args.tp} (parallel.tensor), {args.rows} "
           f"sequences of {cfg.block_size} tokens, SGD; {args.rounds} rounds x {args.steps} "
           "steps interleaved, slowest rank, median; memory per rank (rank 0)")
@@ -127,6 +134,53 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# P_a: checkpointed inputs per rank {pa:.3f} MB against {full:.3f} MB "
           f"({pa / full:.3f}; 1/TP = {1 / args.tp:.3f})")
     print(f"# wrote {args.out}")
+
+
+
+def kernel_table(shapes: list[tuple[int, ...]], repeats: int = 20) -> list[dict[str, Any]]:
+    """Forward + backward time and saved bytes, fused against unfused, one process."""
+    import torch.nn.functional as F
+
+    from parallel.recompute import fused_bias_dropout_add, fused_bias_gelu
+
+    ops = {
+        "bias+gelu": (lambda x, b, r: F.gelu(x + b), lambda x, b, r: fused_bias_gelu(x, b)),
+        "bias+dropout(0.1)+add": (lambda x, b, r: F.dropout(x + b, 0.1, True) + r,
+                                  lambda x, b, r: fused_bias_dropout_add(x, b, r, 0.1, True)),
+    }
+    rows = []
+    for shape in shapes:
+        x = torch.randn(shape, requires_grad=True)
+        b = torch.randn(shape[-1], requires_grad=True)
+        r = torch.randn(shape, requires_grad=True)
+        g = torch.randn(shape)
+        for name, (unfused, fused) in ops.items():
+            row: dict[str, Any] = {"op": name, "shape": list(shape)}
+            for label, fn in (("unfused", unfused), ("fused", fused)):
+                meter = ActivationMeter()
+                with meter.measure(exclude=(x, b, r)):  # the inputs exist anyway
+                    out = fn(x, b, r)
+                out.backward(g)
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    fn(x, b, r).backward(g)
+                    times.append(time.perf_counter() - start)
+                row[f"{label}_ms"] = statistics.median(times) * 1e3
+                row[f"{label}_saved_mb"] = meter.peak_bytes / MB
+            rows.append(row)
+    return rows
+
+
+def print_kernel_table(rows: list[dict[str, Any]]) -> None:
+    print(f"# fused recompute kernels: forward + backward, median of 20, {torch.get_num_threads()}"
+          " threads; saved = bytes the op keeps for backward beyond its inputs")
+    print(f"{'op':<24} {'shape':<16} {'unfused ms':>11} {'fused ms':>9} {'speed-up':>9} "
+          f"{'unfused saved MB':>17} {'fused saved MB':>15}")
+    for r in rows:
+        print(f"{r['op']:<24} {tuple(r['shape'])!s:<16} {r['unfused_ms']:>11.2f} "
+              f"{r['fused_ms']:>9.2f} {r['unfused_ms'] / r['fused_ms']:>8.2f}x "
+              f"{r['unfused_saved_mb']:>17.2f} {r['fused_saved_mb']:>15.2f}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "errors.h"
+#include "float16.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PYCOMM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -19,27 +20,6 @@
 
 namespace pycomm {
 namespace {
-
-// ---- 16-bit float conversions ------------------------------------------------------
-
-PYCOMM_INLINE float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Round to nearest even; NaN stays NaN (quiet).
-PYCOMM_INLINE uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);
-  bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  return static_cast<uint16_t>(nan ? ((u >> 16) | 0x40u) : (rounded >> 16));
-}
-
-PYCOMM_INLINE float f16_to_float(_Float16 h) { return static_cast<float>(h); }
-PYCOMM_INLINE _Float16 float_to_f16(float f) { return static_cast<_Float16>(f); }
 
 // ---- element ops --------------------------------------------------------------------
 

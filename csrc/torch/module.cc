@@ -13,6 +13,7 @@
 #include "../core/reduce.h"
 #include "../core/shm_segment.h"
 #include "backend.h"
+#include "fused.h"
 #include "storage_binding.h"
 #include "tensor_args.h"
 
@@ -103,6 +104,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Point target's storage (and every view of it) at source's memory.");
   m.def("unbind_storage", &pycomm_torch::unbind_storage, py::arg("target"),
         "Make target's storage hold no memory again.");
+  m.def("fused_bias_gelu", &pycomm_torch::fused_bias_gelu, py::arg("x"), py::arg("bias"),
+        py::call_guard<py::gil_scoped_release>(), "gelu(x + bias), one pass.");
+  m.def("fused_bias_gelu_backward", &pycomm_torch::fused_bias_gelu_backward, py::arg("grad"),
+        py::arg("x"), py::arg("bias"), py::call_guard<py::gil_scoped_release>(),
+        "grad * gelu'(x + bias), recomputing x + bias in the same pass.");
+  m.def("fused_bias_dropout_add", &pycomm_torch::fused_bias_dropout_add, py::arg("x"),
+        py::arg("bias"), py::arg("residual"), py::arg("p"), py::arg("seed"),
+        py::call_guard<py::gil_scoped_release>(),
+        "dropout(x + bias) + residual, the mask drawn from the seed.");
+  m.def("fused_dropout_backward", &pycomm_torch::fused_dropout_backward, py::arg("grad"),
+        py::arg("p"), py::arg("seed"), py::call_guard<py::gil_scoped_release>(),
+        "grad * mask(seed) / (1 - p), the mask recomputed from the seed.");
   m.def("in_arena", &in_arena, py::arg("tensor"), "Whether the tensor's data lies in the arena.");
   m.def("cuda_built", [] { return false; }, "Whether the CUDA path was compiled in.");
   m.def(

@@ -11,7 +11,7 @@ micro-batches'.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,8 +37,11 @@ class ActivationMeter:
         self._refs: dict[int, int] = {}  # storage pointer -> saved tensors holding it
 
     @contextmanager
-    def measure(self, module: nn.Module) -> Iterator[ActivationMeter]:
-        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    def measure(self, module: nn.Module | None = None,
+                exclude: Iterable[torch.Tensor] = ()) -> Iterator[ActivationMeter]:
+        """Count while inside; ``module``'s parameters and ``exclude`` are not counted."""
+        owned = [*module.parameters()] if module is not None else []
+        params = {t.untyped_storage().data_ptr() for t in [*owned, *exclude]}
 
         def pack(t: torch.Tensor) -> Any:
             ptr = t.untyped_storage().data_ptr()
