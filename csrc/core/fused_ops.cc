@@ -33,7 +33,7 @@ struct BF16 {
 // approximation Eigen and XLA vectorise, a few ulp from libm's erff, no branches, so the
 // loops below vectorise where a call to erff would not.
 inline float fast_erf(float a) {
-  const float x = std::fmin(std::fmax(a, -4.0f), 4.0f);
+  const float x = a < -4.0f ? -4.0f : (a > 4.0f ? 4.0f : a);
   const float x2 = x * x;
   float p = -2.72614225801306e-10f;
   p = p * x2 + 2.77068142495902e-08f;
@@ -52,7 +52,7 @@ inline float fast_erf(float a) {
 
 // exp(x) = 2^n * 2^f, n = round(x log2 e), |f| <= 1/2, 2^f by Cephes' exp2f polynomial.
 inline float fast_exp(float x) {
-  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
   const float t = x * 1.44269504088896341f;
   const float n = std::floor(t + 0.5f);
   const float f = t - n;
