@@ -4,6 +4,7 @@ from parallel.recompute.apply import apply_activation_checkpointing
 from parallel.recompute.arena import CheckpointArena
 from parallel.recompute.checkpoint import checkpoint, default_arena
 from parallel.recompute.fused import fused_bias_dropout_add, fused_bias_gelu
+from parallel.recompute.fused_blocks import apply_fused_kernels
 
-__all__ = ["CheckpointArena", "apply_activation_checkpointing", "checkpoint", "default_arena",
-           "fused_bias_dropout_add", "fused_bias_gelu"]
+__all__ = ["CheckpointArena", "apply_activation_checkpointing", "apply_fused_kernels",
+           "checkpoint", "default_arena", "fused_bias_dropout_add", "fused_bias_gelu"]
