@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _errors import error_message as _error
 from torch import nn
 
 from parallel.pipeline import Pipeline
@@ -94,13 +95,6 @@ def repeated(group: Any, schedule: str) -> dict[str, Any]:
     return {"grads": {n: p.grad.clone() for n, p in pipe.named_parameters()},
             "receives": pipe.receive_stats(), "first": pipe.is_first, "last": pipe.is_last}
 
-
-def _error(call: Any) -> str:
-    try:
-        call()
-    except (ValueError, TypeError) as exc:
-        return str(exc)
-    return ""
 
 
 def bad_input(group: Any) -> dict[str, str]:

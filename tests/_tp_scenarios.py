@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _errors import error_message
 from torch import nn
 
 from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
@@ -172,11 +173,7 @@ def rng(group: Any) -> dict[str, Any]:
 
 
 def _error(call: Any) -> str:
-    try:
-        call()
-    except (ValueError, TypeError, KeyError) as exc:
-        return str(exc)
-    return ""
+    return error_message(call, (ValueError, TypeError, KeyError))
 
 
 def bad_input(group: Any) -> dict[str, str]:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _dp_scenarios import batch, model
+from _errors import error_message as _error
 from torch import nn
 
 from parallel.models import lm_loss
@@ -143,13 +144,6 @@ def memory_only(world: int) -> dict[Any, Any]:
         out[("pycomm", stage, "mixed_memory")] = mixed(dist.group.WORLD, stage, None, 0)
     return out
 
-
-def _error(call: Any) -> str:
-    try:
-        call()
-    except (ValueError, TypeError) as exc:
-        return str(exc)
-    return ""
 
 
 def bad_input(group: Any) -> dict[str, str]:

@@ -55,7 +55,6 @@ class Event:
 
 @dataclass
 class _StepState:
-    num_micro: int
     micro: dict[int, _Micro] = field(default_factory=dict)
     sends: list[PendingSend] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)  # the last stage's weighted losses
@@ -128,7 +127,7 @@ class Pipeline:
                 ``chunks`` or the last stage's targets do not have the same rows.
         """
         rows, signature = self._agree_on_rows(inputs, targets)
-        state = _StepState(self.chunks)
+        state = _StepState()
         ins = split_batch(inputs, self.chunks) if self.is_first else None
         tgts = split_batch(targets, self.chunks) if self.is_last else None
         weights = [t.shape[0] / rows for t in split_batch(torch.empty(rows), self.chunks)]

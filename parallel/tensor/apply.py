@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from parallel.grad_hooks import EndOfBackward
@@ -76,7 +75,6 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
         gpt.embed.register_forward_hook(
             lambda _m, _a, out: comms.scatter_to_sequence_region(out, group))
         _sum_partial_grads_after_backward(model, group)
-    model.__dict__["tensor_parallel_group"] = group
     return model
 
 
@@ -127,8 +125,3 @@ def gather_tensor_parallel_state_dict(model: nn.Module, grads: bool = False
         elif isinstance(value, nn.Parameter):
             out[key] = value.grad.clone() if value.grad is not None else torch.zeros_like(value)
     return out
-
-
-def tensor_parallel_group(model: nn.Module) -> Any:
-    """The group ``model`` was sharded over (None if it was not)."""
-    return model.__dict__.get("tensor_parallel_group", dist.group.WORLD)

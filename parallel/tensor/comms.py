@@ -80,7 +80,7 @@ def split_last(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Every rank's ``x`` side by side along the last dimension."""
-    return _gather_along(x, x.dim() - 1, group)
+    return gather_dim(x, x.dim() - 1, group)
 
 
 def split_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -92,10 +92,6 @@ def split_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 
 def gather_dim(x: torch.Tensor, dim: int, group: Group, async_op: bool = False) -> Any:
-    return _gather_along(x, dim, group, async_op)
-
-
-def _gather_along(x: torch.Tensor, dim: int, group: Group, async_op: bool = False) -> Any:
     """All-gather stacks along dim 0; moving ``dim`` there and back keeps it one call.
     With ``async_op`` returns (work, finish) where ``finish()`` gives the tensor."""
     _record("all_gather")

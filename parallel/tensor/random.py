@@ -7,7 +7,8 @@ rank's part of the sequence) must drop independently on each rank, or the ranks 
 one mask. So, as Megatron-LM's RNG tracker: besides torch's default generator, named
 streams, ``"replicated"`` seeded alike on every TP rank and ``"tensor-parallel"`` seeded
 per TP rank, and :meth:`RNGTracker.fork` runs a region on one of them. :func:`checkpoint`
-saves every stream with its inputs, so the recomputation in backward draws the same
+saves every stream with its inputs (it is :func:`parallel.recompute.checkpoint`), so the
+recomputation in backward draws the same
 masks as the forward did.
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -98,29 +98,11 @@ class TrackedDropout(nn.Module):
         return f"p={self.p}, stream={self.stream!r}"
 
 
-class _Checkpoint(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
-        ctx.fn, ctx.snapshot = fn, TRACKER.snapshot()
-        ctx.save_for_backward(*args)
-        with torch.no_grad():
-            return fn(*args)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
-        after = TRACKER.snapshot()
-        TRACKER.restore(ctx.snapshot)  # the same masks as the forward drew
-        try:
-            with torch.enable_grad():
-                out = ctx.fn(*inputs)
-        finally:
-            TRACKER.restore(after)
-        torch.autograd.backward(out, grad)
-        return (None, *(t.grad if t.requires_grad else None for t in inputs))
-
-
 def checkpoint(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
     """``fn(*args)`` without keeping its activations; backward recomputes them with every
-    random stream (torch's and the tracker's) as they were in the forward."""
-    return _Checkpoint.apply(fn, *args)
+    random stream (torch's and the tracker's) as they were in the forward. The same as
+    :func:`parallel.recompute.checkpoint`, which also partitions or offloads inputs."""
+    # imported here: parallel.recompute imports this module for TRACKER
+    from parallel.recompute.checkpoint import checkpoint as recompute_checkpoint
+
+    return recompute_checkpoint(fn, *args)
