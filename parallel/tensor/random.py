@@ -8,8 +8,7 @@ one mask. So, as Megatron-LM's RNG tracker: besides torch's default generator, n
 streams, ``"replicated"`` seeded alike on every TP rank and ``"tensor-parallel"`` seeded
 per TP rank, and :meth:`RNGTracker.fork` runs a region on one of them. :func:`checkpoint`
 saves every stream with its inputs (it is :func:`parallel.recompute.checkpoint`), so the
-recomputation in backward draws the same
-masks as the forward did.
+recomputation in backward draws the same masks as the forward did.
 """
 
 from __future__ import annotations
