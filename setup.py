@@ -1,7 +1,8 @@
 """Builds pycomm._C: the torch-free core (csrc/core) and the c10d glue (csrc/torch).
 
-CUDA sources (csrc/cuda/*.cu) join the build only when the installed torch has CUDA and
-nvcc is found; otherwise the build is CPU-only and says so.
+CUDA sources (the kernels csrc/cuda/*.cu and their torch glue csrc/torch/*.cu) join the
+build only when the installed torch has CUDA and nvcc is found; otherwise the build is
+CPU-only and says so.
 Build with `pip install --no-build-isolation .` so the torch you run is the torch we
 compile against (the C++ ABI of c10d must match exactly).
 """
@@ -30,6 +31,18 @@ def cuda_wanted() -> bool:
     return bool(cu) and torch.version.cuda is not None and has_nvcc
 
 
+def nvcc_flags() -> list[str]:
+    """sm_80 and sm_90 code unless PYCOMM_CUDA_ARCH says otherwise ("90", "80;90");
+    PYCOMM_PTXAS_VERBOSE=1 prints each kernel's registers and spills."""
+    archs = os.environ.get("PYCOMM_CUDA_ARCH", "80;90").replace(",", ";").split(";")
+    flags = ["-O3", "-DPYCOMM_CUDA"]  # (torch adds its -std, c++20 for its headers)
+    for arch in filter(None, (a.strip() for a in archs)):
+        flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    if os.environ.get("PYCOMM_PTXAS_VERBOSE") == "1":
+        flags += ["-Xptxas", "-v"]
+    return flags
+
+
 def extension():
     # -fno-trapping-math: nothing here relies on floating-point exceptions, and without
     # it GCC will not turn the clamps of the fused kernels' erf and exp into vector code.
@@ -40,8 +53,8 @@ def extension():
         print("pycomm: building with CUDA")
         return cpp_extension.CUDAExtension(
             "pycomm._C",
-            srcs + sources("csrc/cuda/*.cu"),
-            extra_compile_args={"cxx": cxx_flags + ["-DPYCOMM_CUDA"], "nvcc": ["-O3"]},
+            srcs + sources("csrc/cuda/*.cu") + sources("csrc/torch/*.cu"),
+            extra_compile_args={"cxx": cxx_flags + ["-DPYCOMM_CUDA"], "nvcc": nvcc_flags()},
         )
     print("pycomm: building the CPU-only extension (no CUDA torch or nvcc, or no CUDA sources)")
     return cpp_extension.CppExtension("pycomm._C", srcs, extra_compile_args={"cxx": cxx_flags},

@@ -1,6 +1,7 @@
 """Command line of the collective benchmark: nccl-tests' flags plus backends and ops."""
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
@@ -119,8 +120,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="JSON path; the PNG goes beside it",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--local-size",
+        type=int,
+        default=None,
+        help="simulate hosts: every N consecutive ranks form one island (sets "
+        "PYCOMM_LOCAL_SIZE for the ranks); pycomm then runs shared memory inside an island "
+        "and gloo between islands",
+    )
     args = p.parse_args(argv)
     args.notes = []
+    if args.local_size is not None:
+        if args.local_size <= 0:
+            p.error(f"--local-size must be positive, got {args.local_size}")
+        os.environ["PYCOMM_LOCAL_SIZE"] = str(args.local_size)  # inherited by the ranks
+        args.notes.append(f"pycomm on simulated islands of {args.local_size} ranks "
+                          "(PYCOMM_LOCAL_SIZE): shared memory inside, gloo between")
     args.backends = _labels(_backends(args, args.notes))
     args.ops = [o for o in args.ops.split(",") if o]
     bad = [o for o in args.ops if o not in OPS]

@@ -12,6 +12,7 @@ import os
 from types import ModuleType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 BACKEND_NAME = "pycomm"
@@ -63,14 +64,27 @@ def _timeout_seconds(timeout: datetime.timedelta | float | None) -> float:
 def _create_backend(
     store: dist.Store, group_rank: int, group_size: int, timeout: datetime.timedelta
 ) -> Any:
-    """Called by torch for every process group created with backend "pycomm"."""
-    return _extension().ProcessGroupPycomm(
-        store, group_rank, group_size, _timeout_seconds(timeout)
-    )
+    """Called by torch for every process group created with backend "pycomm".
+
+    Ranks on one host (one island) get the shared-memory backend itself; a group
+    spanning islands gets ProcessGroupIslands (see pycomm/islands.py).
+    """
+    from pycomm import islands
+
+    seconds = _timeout_seconds(timeout)
+    ext = _extension()
+    ids = islands.island_ids(store, group_rank, group_size)
+    islands.log_choice(group_rank, group_size, ids)
+    if max(ids) == 0:
+        return ext.ProcessGroupPycomm(store, group_rank, group_size, seconds)
+    return islands.create(store, group_rank, group_size, seconds, ids, ext)
 
 
 def register() -> None:
-    """Registers "pycomm" for CPU tensors (idempotent)."""
+    """Registers "pycomm" for CPU tensors, and CUDA ones under a CUDA torch (idempotent)."""
     if BACKEND_NAME in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu"])
+    # With a CUDA build of torch the group takes CUDA tensors too: a CUDA build of
+    # pycomm._C runs them on its CUDA-IPC ring, a CPU-only one refuses them by name.
+    devices = ["cpu", "cuda"] if torch.version.cuda else ["cpu"]
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=devices)

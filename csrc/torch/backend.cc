@@ -7,28 +7,12 @@
 #include <map>
 #include <string>
 
+#include "store_rendezvous.h"
 #include "tensor_args.h"
 #include "work.h"
 
 namespace pycomm_torch {
-namespace {
-
-class StoreRendezvous : public pycomm::Rendezvous {
- public:
-  explicit StoreRendezvous(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
-  void set(const std::string& key, const std::string& value) override {
-    store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
-  }
-  std::string get(const std::string& key) override {
-    auto v = store_->get(key);
-    return std::string(v.begin(), v.end());
-  }
-
- private:
-  c10::intrusive_ptr<c10d::Store> store_;
-};
-
-}  // namespace
+namespace {}  // namespace
 
 void Leftovers::park(c10::intrusive_ptr<c10d::Work> work, std::function<void()> body,
                      std::shared_ptr<void> extra) {
@@ -54,6 +38,9 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
   });
   p2p_ = std::make_unique<pycomm::P2PEngine>(comm_->shared(), comm_->logger(), timeout);
   worker_ = std::make_unique<pycomm::Worker>();
+#ifdef PYCOMM_CUDA
+  cuda_ = std::make_unique<CudaCollectives>(store, rank, size, timeout);
+#endif
 }
 
 ProcessGroupPycomm::~ProcessGroupPycomm() { shutdown(); }
@@ -61,11 +48,17 @@ ProcessGroupPycomm::~ProcessGroupPycomm() { shutdown(); }
 void ProcessGroupPycomm::setTimeout(std::chrono::milliseconds timeout) {
   if (comm_) comm_->set_timeout(timeout);
   if (p2p_) p2p_->set_timeout(timeout);
+#ifdef PYCOMM_CUDA
+  if (cuda_) cuda_->set_timeout(timeout);
+#endif
 }
 
 // Finishes what is queued (each op is bounded by its timeout), then releases the
 // threads and the segment.
 void ProcessGroupPycomm::shutdown() {
+#ifdef PYCOMM_CUDA
+  cuda_.reset();  // waits for the GPU, then unmaps the peers' windows
+#endif
   if (worker_) worker_->stop();
   worker_.reset();
   p2p_.reset();

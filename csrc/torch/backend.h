@@ -14,6 +14,7 @@
 #include "../core/communicator.h"
 #include "../core/p2p_engine.h"
 #include "../core/worker.h"
+#include "cuda_collectives.h"  // empty unless PYCOMM_CUDA
 
 namespace pycomm_torch {
 
@@ -105,6 +106,11 @@ class ProcessGroupPycomm : public c10d::Backend {
 
   // Bytes of shared memory this group's segment takes (for logs and tests).
   size_t segment_bytes() const { return comm_ ? comm_->segment_bytes() : 0; }
+  // Marks the group failed with `msg` (an islands group whose other half failed):
+  // ranks waiting in a collective raise it at once, as they do after a timeout.
+  void fail_with(const std::string& msg) {
+    if (comm_) comm_->shared().set_abort(msg);
+  }
 
  private:
   // Runs `body` in call order and completes the Work: on the collective worker, or
@@ -117,6 +123,9 @@ class ProcessGroupPycomm : public c10d::Backend {
   void check_peer(int peer, const char* op) const;
 
   Leftovers leftovers_;  // declared first: destroyed after the threads that park in it
+#ifdef PYCOMM_CUDA
+  std::unique_ptr<CudaCollectives> cuda_;  // CUDA tensors: the CUDA-IPC ring
+#endif
   std::unique_ptr<pycomm::Communicator> comm_;
   std::unique_ptr<pycomm::P2PEngine> p2p_;
   std::unique_ptr<pycomm::Worker> worker_;

@@ -44,6 +44,9 @@ void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Tensor>& tensors,
                                                              const c10d::AllreduceOptions& opts) {
   at::Tensor t = single(tensors, "all_reduce", getRank());
+#ifdef PYCOMM_CUDA
+  if (t.defined() && t.is_cuda()) return cuda_->all_reduce(t, opts.reduceOp);
+#endif
   pycomm::DType dt = checked_dtype(t, "all_reduce", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "all_reduce", getRank());
   return enqueue(c10d::OpType::ALLREDUCE, "pycomm:all_reduce", {t}, opts.asyncOp,
@@ -58,6 +61,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK_VALUE(!tensors.empty(), "pycomm: all_reduce_coalesced got no tensors");
+#ifdef PYCOMM_CUDA
+  if (any_cuda(tensors)) return cuda_->all_reduce_coalesced(tensors, opts.reduceOp);
+#endif
   pycomm::DType dt = checked_dtype(tensors[0], "all_reduce_coalesced", getRank());
   for (const auto& t : tensors) {
     checked_dtype(t, "all_reduce_coalesced", getRank());
@@ -76,6 +82,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Tensor>& tensors,
                                                              const c10d::BroadcastOptions& opts) {
   at::Tensor t = single(tensors, "broadcast", getRank());
+#ifdef PYCOMM_CUDA
+  if (t.defined() && t.is_cuda()) return cuda_->broadcast(t, static_cast<int>(opts.rootRank));
+#endif
   pycomm::DType dt = checked_dtype(t, "broadcast", getRank());
   int root = static_cast<int>(opts.rootRank);
   return enqueue(c10d::OpType::BROADCAST, "pycomm:broadcast", {t}, opts.asyncOp,
@@ -105,6 +114,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   at::Tensor in = single(inputs, "all_gather", getRank());
+#ifdef PYCOMM_CUDA
+  if (in.defined() && in.is_cuda()) {
+    TORCH_CHECK_VALUE(outputs.size() == 1, "pycomm: all_gather takes one output list per rank");
+    return cuda_->all_gather(outputs[0], in);
+  }
+#endif
   pycomm::DType dt = checked_dtype(in, "all_gather", getRank());
   TORCH_CHECK_VALUE(outputs.size() == 1, "pycomm: all_gather takes one output list per rank");
   std::vector<at::Tensor> outs = outputs[0];
@@ -120,6 +135,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+#ifdef PYCOMM_CUDA
+  if (input.defined() && input.is_cuda()) return cuda_->all_gather_base(output, input);
+#endif
   pycomm::DType dt = checked_dtype(input, "all_gather_into_tensor", getRank());
   checked_dtype(output, "all_gather_into_tensor", getRank());
   check_same_dtype(input, output, "all_gather_into_tensor", getRank());
@@ -239,6 +257,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   at::Tensor out = single(outputs, "reduce_scatter", getRank());
+#ifdef PYCOMM_CUDA
+  if (out.defined() && out.is_cuda()) {
+    TORCH_CHECK_VALUE(inputs.size() == 1, "pycomm: reduce_scatter takes one input list per rank");
+    return cuda_->reduce_scatter(out, inputs[0], opts.reduceOp);
+  }
+#endif
   pycomm::DType dt = checked_dtype(out, "reduce_scatter", getRank());
   TORCH_CHECK_VALUE(inputs.size() == 1, "pycomm: reduce_scatter takes one input list per rank");
   std::vector<at::Tensor> ins = inputs[0];
@@ -256,6 +280,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+#ifdef PYCOMM_CUDA
+  if (input.defined() && input.is_cuda())
+    return cuda_->reduce_scatter_base(output, input, opts.reduceOp);
+#endif
   const char* name = "reduce_scatter_tensor";
   pycomm::DType dt = checked_dtype(input, name, getRank());
   checked_dtype(output, name, getRank());

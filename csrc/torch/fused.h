@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <pybind11/pybind11.h>
 
 #include <cstdint>
 
@@ -13,5 +14,9 @@ at::Tensor fused_bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x,
 at::Tensor fused_bias_dropout_add(const at::Tensor& x, const at::Tensor& bias,
                                   const at::Tensor& residual, double p, int64_t seed);
 at::Tensor fused_dropout_backward(const at::Tensor& grad, double p, int64_t seed);
+
+// CUDA builds only (fused_cuda.cu): adds fused_*_cuda, the same ops on CUDA tensors with
+// the kernels of csrc/cuda/fused_kernels.
+void register_fused_cuda(pybind11::module_& m);
 
 }  // namespace pycomm_torch

@@ -13,7 +13,9 @@
 #include "../core/reduce.h"
 #include "../core/shm_segment.h"
 #include "backend.h"
+#include "cuda_host.h"
 #include "fused.h"
+#include "islands.h"
 #include "storage_binding.h"
 #include "tensor_args.h"
 
@@ -77,6 +79,8 @@ c10::intrusive_ptr<pycomm_torch::ProcessGroupPycomm> create(
 
 }  // namespace
 
+void register_islands(py::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pycomm's C++ core: the shared-memory torch.distributed backend";
   // Backend is registered by torch; deriving from it lets torch attach ours to a ProcessGroup.
@@ -92,6 +96,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("barrier_now", &pycomm_torch::ProcessGroupPycomm::barrier_now,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("segment_bytes", &pycomm_torch::ProcessGroupPycomm::segment_bytes);
+  register_islands(m);
   m.def("arena_empty", &arena_empty, py::arg("sizes"), py::arg("dtype"),
         "An uninitialised CPU tensor in the shared-memory arena.");
   m.def("arena_stats", &arena_stats, "Bytes reserved, live and peak in this process's arena.");
@@ -116,8 +121,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_dropout_backward", &pycomm_torch::fused_dropout_backward, py::arg("grad"),
         py::arg("p"), py::arg("seed"), py::call_guard<py::gil_scoped_release>(),
         "grad * mask(seed) / (1 - p), the mask recomputed from the seed.");
+  pycomm_torch::register_cuda_host(m);
+#ifdef PYCOMM_CUDA
+  pycomm_torch::register_fused_cuda(m);  // fused_*_cuda
+#endif
   m.def("in_arena", &in_arena, py::arg("tensor"), "Whether the tensor's data lies in the arena.");
-  m.def("cuda_built", [] { return false; }, "Whether the CUDA path was compiled in.");
+#ifdef PYCOMM_CUDA
+  constexpr bool kCudaBuilt = true;
+#else
+  constexpr bool kCudaBuilt = false;
+#endif
+  m.def("cuda_built", [] { return kCudaBuilt; }, "Whether the CUDA path was compiled in.");
   m.def(
       "_probe_segment",
       [](size_t bytes) {

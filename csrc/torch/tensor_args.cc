@@ -29,7 +29,13 @@ at::Tensor single(const std::vector<at::Tensor>& tensors, const char* op, int ra
 pycomm::DType checked_dtype(const at::Tensor& t, const char* op, int rank) {
   TORCH_CHECK_VALUE(t.defined(), who(op, rank), ": got an undefined tensor");
   TORCH_CHECK_VALUE(t.device().is_cpu(), who(op, rank), ": got a tensor on ", t.device(),
-                    "; this build of pycomm handles CPU tensors only (no CUDA path is built)");
+                    "; this path takes CPU tensors only (CUDA tensors need a CUDA build of "
+                    "pycomm._C and every rank of the group on one host)");
+  return dense_dtype(t, op, rank);
+}
+
+pycomm::DType dense_dtype(const at::Tensor& t, const char* op, int rank) {
+  TORCH_CHECK_VALUE(t.defined(), who(op, rank), ": got an undefined tensor");
   TORCH_CHECK_VALUE(t.layout() == c10::kStrided, who(op, rank), ": got a ", t.layout(),
                     " tensor; only dense (strided) tensors are supported");
   switch (t.scalar_type()) {

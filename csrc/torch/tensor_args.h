@@ -22,6 +22,8 @@ struct ReduceSpec {
 at::Tensor single(const std::vector<at::Tensor>& tensors, const char* op, int rank);
 // CPU, dense, a supported dtype: its core dtype. Otherwise a ValueError naming it.
 pycomm::DType checked_dtype(const at::Tensor& t, const char* op, int rank);
+// The same checks without the device (the CUDA path checks that itself).
+pycomm::DType dense_dtype(const at::Tensor& t, const char* op, int rank);
 ReduceSpec reduce_spec(const c10d::ReduceOp& op, pycomm::DType dtype, const char* what, int rank);
 void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op, int rank);
 // numel(big) == factor * numel(small), or a ValueError with both shapes.

@@ -1,0 +1,46 @@
+// The steps of the CUDA-IPC ring, planned on the host and torch-free, so the schedule the
+// GPU walks is the one the CPU simulator (ring_sim.cc) checks in CI without a GPU.
+//
+// Each rank owns a window of `slots` chunks that its ring successor reads directly (peer
+// reads over NVLink, or within one GPU). A step reads the local input and/or the
+// predecessor's window slot, reduces or copies, and writes this rank's window slot and/or
+// the output. Every rank's plan for one call has the same number of steps, so a step's
+// position numbers it identically on all ranks (slot = step % slots).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pycomm {
+
+enum class RingKind { ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST };
+
+struct RingStep {
+  bool reads_local = false;  // input[in_offset, +count)
+  size_t in_offset = 0;
+  bool reads_prev = false;  // the predecessor's window as written at its step `prev_step`
+  int64_t prev_step = -1;
+  bool writes_window = false;  // this rank's window slot of this step
+  bool writes_out = false;     // output[out_offset, +count)
+  size_t out_offset = 0;
+  size_t count = 0;    // elements (0: the step only keeps the numbering)
+  bool final = false;  // the last reduction of an element: AVG's scale goes here
+};
+
+// `count`: all_reduce and broadcast: elements of the tensor; reduce_scatter: elements of
+// each rank's output (its input holds nranks * count); all_gather: elements of each
+// rank's input (its output holds nranks * count). `chunk_elems` bounds a step's count.
+std::vector<RingStep> plan_ring(RingKind kind, size_t count, int rank, int nranks, int root,
+                                size_t chunk_elems);
+
+const char* ring_kind_name(RingKind kind);
+
+// How a chunk size is chosen for a message (bytes per window slot): the message split
+// so every rank's part takes at least `min_rounds` rounds to pipeline, within
+// [min_chunk, max_chunk] bytes, a multiple of 16 (the kernels' vector width).
+size_t ring_chunk_bytes(size_t message_bytes, int nranks, size_t min_chunk, size_t max_chunk,
+                        int min_rounds);
+
+}  // namespace pycomm

@@ -1,0 +1,60 @@
+// The CUDA half of ProcessGroupPycomm (built only with PYCOMM_CUDA): collectives on CUDA
+// tensors through the CUDA-IPC ring (csrc/cuda/ipc_ring), on the caller's current stream.
+// Each returns a Work that is complete once enqueued, like NCCL's: wait() makes the
+// current stream wait for the op, and the future is marked complete with CUDA events.
+#pragma once
+
+#ifdef PYCOMM_CUDA
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <memory>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <vector>
+
+namespace pycomm {
+namespace cuda {
+class IpcRing;
+}
+}  // namespace pycomm
+
+namespace pycomm_torch {
+
+class CudaCollectives {
+ public:
+  CudaCollectives(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                  std::chrono::milliseconds timeout);
+  ~CudaCollectives();
+
+  c10::intrusive_ptr<c10d::Work> all_reduce(at::Tensor& t, const c10d::ReduceOp& op);
+  // Flattened into one buffer, reduced, copied back (all on the stream, so ordered).
+  c10::intrusive_ptr<c10d::Work> all_reduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                      const c10d::ReduceOp& op);
+  c10::intrusive_ptr<c10d::Work> broadcast(at::Tensor& t, int root);
+  c10::intrusive_ptr<c10d::Work> all_gather_base(at::Tensor& out, at::Tensor& in);
+  c10::intrusive_ptr<c10d::Work> all_gather(std::vector<at::Tensor>& outs, at::Tensor& in);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                     const c10d::ReduceOp& op);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& ins,
+                                                const c10d::ReduceOp& op);
+  void set_timeout(std::chrono::milliseconds t);
+  void abort(const std::string& why);
+
+ private:
+  pycomm::cuda::IpcRing& ring(const at::Tensor& t, const char* op);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_, size_;
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<pycomm::cuda::IpcRing> ring_;
+};
+
+// Whether any of the tensors is on a CUDA device (then all must be: checked by the op).
+bool any_cuda(const std::vector<at::Tensor>& tensors);
+
+}  // namespace pycomm_torch
+
+#endif  // PYCOMM_CUDA

@@ -1,0 +1,28 @@
+// The core's Rendezvous over the c10d::Store torch hands a backend (a PrefixStore per
+// group), so the core never sees torch types.
+#pragma once
+
+#include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <vector>
+
+#include "../core/rendezvous.h"
+
+namespace pycomm_torch {
+
+class StoreRendezvous : public pycomm::Rendezvous {
+ public:
+  explicit StoreRendezvous(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::string& value) override {
+    store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+  std::string get(const std::string& key) override {
+    auto v = store_->get(key);
+    return std::string(v.begin(), v.end());
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+}  // namespace pycomm_torch

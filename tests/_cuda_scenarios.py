@@ -1,0 +1,122 @@
+"""What each rank runs in tests/test_cuda_collectives.py: every collective on CUDA
+tensors against a float64 reference computed on the CPU, then a DDP step. All ranks use
+``cuda:0`` (a single-GPU machine runs every rank on the one GPU, through CUDA IPC)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64")
+COUNTS = (0, 1, 7, 4096, 1_000_003)  # odd, and large enough to use several chunks
+TOLERANCE = {"float32": 1e-5, "float64": 1e-12, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def _device() -> torch.device:
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
+
+
+def _input(rank: int, count: int, dtype: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + count)
+    if dtype.startswith("int"):
+        return torch.randint(-50, 50, (count,), generator=g, dtype=getattr(torch, dtype))
+    return torch.randn(count, generator=g, dtype=torch.float64).to(getattr(torch, dtype))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: str, what: str) -> str:
+    got64, want64 = got.cpu().double(), want.double()
+    if dtype.startswith("int"):
+        ok = torch.equal(got64, want64)
+    else:
+        tol = TOLERANCE[dtype] * max(1.0, float(want64.abs().max()) if want64.numel() else 1.0)
+        ok = bool(torch.allclose(got64, want64, rtol=TOLERANCE[dtype], atol=tol))
+    return "" if ok else f"{what}: max error {float((got64 - want64).abs().max())}"
+
+
+def every_collective() -> list[str]:
+    """Every collective x dtype x count; returns the failures (empty when all match)."""
+    dev, rank, n = _device(), dist.get_rank(), dist.get_world_size()
+    failures = []
+    for dtype in DTYPES:
+        for count in COUNTS:
+            ins = [_input(r, count, dtype) for r in range(n)]
+            ref = torch.stack([x.double() for x in ins]).sum(0) if count else ins[0].double()
+            t = ins[rank].to(dev)
+            dist.all_reduce(t)
+            failures.append(_close(t, ref, dtype, f"all_reduce SUM {dtype}[{count}]"))
+            if not dtype.startswith("int"):
+                t = ins[rank].to(dev)
+                dist.all_reduce(t, op=dist.ReduceOp.AVG)
+                failures.append(_close(t, ref / n, dtype, f"all_reduce AVG {dtype}[{count}]"))
+            t = ins[rank].to(dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            want = torch.stack([x.double() for x in ins]).amax(0) if count else ref
+            failures.append(_close(t, want, dtype, f"all_reduce MAX {dtype}[{count}]"))
+            out = torch.empty(count * n, dtype=t.dtype, device=dev)
+            dist.all_gather_into_tensor(out, ins[rank].to(dev))
+            failures.append(_close(out, torch.cat([x.double() for x in ins]), dtype,
+                                   f"all_gather {dtype}[{count}]"))
+            big = [_input(r, count * n, dtype) for r in range(n)]
+            shard = torch.empty(count, dtype=t.dtype, device=dev)
+            dist.reduce_scatter_tensor(shard, big[rank].to(dev))
+            total = torch.stack([x.double() for x in big]).sum(0)
+            failures.append(_close(shard, total[rank * count:(rank + 1) * count], dtype,
+                                   f"reduce_scatter {dtype}[{count}]"))
+            root = n - 1
+            t = ins[rank].to(dev)
+            dist.broadcast(t, src=root)
+            failures.append(_close(t, ins[root].double(), dtype, f"broadcast {dtype}[{count}]"))
+    torch.cuda.synchronize()
+    return [f for f in failures if f]
+
+
+def async_and_streams() -> list[str]:
+    """async_op works, and ops on a side stream are ordered by wait()."""
+    dev, n = _device(), dist.get_world_size()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        t = torch.ones(1 << 20, device=dev)
+        work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    value = float(t[0].item())
+    return [] if value == n else [f"side-stream all_reduce gave {value}, expected {n}"]
+
+
+def ddp_step_matches_single_process() -> float:
+    """One DDP step on pycomm with CUDA tensors; the largest parameter difference from a
+    single-process step on the concatenated batch."""
+    dev, rank, n = _device(), dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).to(dev)
+    reference = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).to(dev)
+    reference.load_state_dict(model.state_dict())
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4 * n, 32, generator=g).to(dev)
+    y = torch.randn(4 * n, 8, generator=g).to(dev)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    nn.functional.mse_loss(ddp(x[4 * rank:4 * rank + 4]), y[4 * rank:4 * rank + 4]).backward()
+    opt.step()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    nn.functional.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    return max(float((a - b).abs().max()) for a, b in zip(model.parameters(),
+                                                          reference.parameters(), strict=True))
+
+
+def cupy_all_reduce() -> str:
+    """A CuPy array all-reduced through torch.from_dlpack, without a copy."""
+    import cupy  # type: ignore[import-not-found]
+
+    _device()
+    arr = cupy.full(1000, dist.get_rank() + 1, dtype=cupy.float32)
+    t = torch.from_dlpack(arr)
+    if t.data_ptr() != arr.data.ptr:
+        return "torch.from_dlpack copied the CuPy array"
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    n = dist.get_world_size()
+    want = n * (n + 1) / 2
+    return "" if float(arr[0]) == want and float(arr[-1]) == want else f"got {arr[:3]}"

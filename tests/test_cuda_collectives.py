@@ -1,0 +1,53 @@
+"""The pycomm backend on CUDA tensors (``pytest -m gpu``): 2 and 4 ranks sharing one GPU
+through the CUDA-IPC ring, every collective x dtype against the CPU reference, async
+ops on side streams, a DDP step, and a CuPy array via DLPack. Skipped without a GPU or
+without a CUDA build of pycomm._C."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pycomm.testing import RankPool
+from tests import _cuda_scenarios as sc
+
+
+def _cuda_unavailable() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    try:
+        from pycomm import _C  # type: ignore[attr-defined]
+    except ImportError:
+        return "pycomm._C is not built"
+    return "" if _C.cuda_built() else "pycomm._C was built without CUDA"
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(bool(_cuda_unavailable()), reason=_cuda_unavailable() or "-")]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
+def pool(request):
+    with RankPool(request.param, backend="pycomm", pg_timeout_s=60.0) as p:
+        yield p
+
+
+def test_every_collective_matches_the_cpu_reference(pool):
+    for rank, failures in enumerate(pool.run(sc.every_collective, timeout_s=300)):
+        assert failures == [], f"rank {rank}: {failures}"
+
+
+def test_async_op_on_a_side_stream(pool):
+    for rank, failures in enumerate(pool.run(sc.async_and_streams)):
+        assert failures == [], f"rank {rank}: {failures}"
+
+
+def test_ddp_step_on_cuda_matches_one_process(pool):
+    for rank, diff in enumerate(pool.run(sc.ddp_step_matches_single_process)):
+        assert diff < 1e-5, f"rank {rank}: parameters differ by {diff}"
+
+
+def test_cupy_array_through_dlpack(pool):
+    pytest.importorskip("cupy")
+    for rank, failure in enumerate(pool.run(sc.cupy_all_reduce)):
+        assert failure == "", f"rank {rank}: {failure}"
