@@ -8,6 +8,7 @@ as the bytes each rank writes to its sockets (/proc/self/io), against the theory
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -153,7 +154,9 @@ def test_two_hosts_in_network_namespaces(tmp_path: Path):
     """Two namespaces joined by a veth pair (10.77.0.1/2, nothing routed): two hosts."""
     if reason := _netns_unavailable():
         pytest.skip(reason)
-    ns, sh = ("pycomm-a", "pycomm-b"), lambda *a: subprocess.run(a, check=True)
+    # Unique names: a namespace left by a killed run, or a concurrent run, cannot clash.
+    ns = (f"pycomm-{os.getpid()}-a", f"pycomm-{os.getpid()}-b")
+    sh = lambda *a: subprocess.run(a, check=True)  # noqa: E731
     script = tmp_path / "rank.py"
     script.write_text(NETNS_SCRIPT)
     try:
