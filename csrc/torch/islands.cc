@@ -114,7 +114,8 @@ ProcessGroupIslands::ProcessGroupIslands(const c10::intrusive_ptr<c10d::Store>& 
       engines_(std::move(engines)) {
   TORCH_CHECK_VALUE(static_cast<int>(island_of.size()) == size,
                     "pycomm: islands: ", island_of.size(), " island ids for a group of ", size);
-  TORCH_CHECK_VALUE(local_ && local_->getSize() == layout_.members[island()].size() &&
+  TORCH_CHECK_VALUE(local_ &&
+                        local_->getSize() == static_cast<int>(layout_.members[island()].size()) &&
                         local_->getRank() == local_rank(),
                     "pycomm: islands: rank ", rank, ": the island group does not match the layout");
   TORCH_CHECK_VALUE(engines_.world, "pycomm: islands: no inter-island engine for all ranks");
