@@ -40,6 +40,9 @@ Config Config::from_env() {
   c.spin_us = static_cast<uint32_t>(env_uint("PYCOMM_SPIN_US", c.spin_us, 0, 1u << 30));
   c.yield_us = static_cast<uint32_t>(env_uint("PYCOMM_YIELD_US", c.yield_us, 0, 1u << 30));
   c.zero_copy = env_uint("PYCOMM_ZERO_COPY", 1, 0, 1) == 1;
+  c.cuda_chunk_bytes =
+      env_uint("PYCOMM_CUDA_CHUNK_BYTES", c.cuda_chunk_bytes, 16, 1ull << 40) / 16 * 16;
+  c.cuda_slots = static_cast<uint32_t>(env_uint("PYCOMM_CUDA_SLOTS", c.cuda_slots, 2, 64));
   std::string algo = env_str("PYCOMM_ALGO", "AUTO");
   if (algo == "AUTO")
     c.algo = Algo::AUTO;

@@ -24,6 +24,9 @@ struct Config {
   uint32_t spin_us = 20;     // PYCOMM_SPIN_US (default 0 when ranks > cores)
   uint32_t yield_us = 1000;  // PYCOMM_YIELD_US
   bool zero_copy = true;     // PYCOMM_ZERO_COPY=0 turns off in-place reads of arena tensors
+  // The CUDA-IPC ring (csrc/cuda): bytes per window slot (16-byte multiple) and slots.
+  size_t cuda_chunk_bytes = size_t{4} << 20;  // PYCOMM_CUDA_CHUNK_BYTES
+  uint32_t cuda_slots = 4;                    // PYCOMM_CUDA_SLOTS (>= 2)
 
   // Reads the PYCOMM_* variables; a malformed value throws InvalidArgument naming it.
   static Config from_env();

@@ -174,7 +174,7 @@ size_t ring_chunk_bytes(size_t message_bytes, int nranks, size_t min_chunk, size
                         int min_rounds) {
   size_t part = message_bytes / std::max(1, nranks);
   size_t want = part / std::max(1, min_rounds);
-  size_t chunk = std::clamp(want, min_chunk, max_chunk);
+  size_t chunk = std::clamp(want, std::min(min_chunk, max_chunk), max_chunk);
   return std::max<size_t>(16, chunk / 16 * 16);
 }
 

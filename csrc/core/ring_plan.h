@@ -39,7 +39,8 @@ const char* ring_kind_name(RingKind kind);
 
 // How a chunk size is chosen for a message (bytes per window slot): the message split
 // so every rank's part takes at least `min_rounds` rounds to pipeline, within
-// [min_chunk, max_chunk] bytes, a multiple of 16 (the kernels' vector width).
+// [min_chunk, max_chunk] bytes (max_chunk wins when they cross), a multiple of 16 (the
+// kernels' vector width).
 size_t ring_chunk_bytes(size_t message_bytes, int nranks, size_t min_chunk, size_t max_chunk,
                         int min_rounds);
 

@@ -3,11 +3,10 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <iostream>
-#include <new>
 
+#include "../core/config.h"
 #include "../core/errors.h"
+#include "../core/log.h"
 #include "ipc_ring.cuh"
 #include "reduce_kernels.cuh"
 
@@ -28,17 +27,6 @@ struct HostCounters {
 
 namespace {
 
-size_t env_size(const char* name, size_t fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  char* end = nullptr;
-  unsigned long long x = std::strtoull(v, &end, 10);
-  if (*end != '\0' || x == 0) {
-    throw InvalidArgument(std::string("pycomm: ") + name + "=" + v + " is not a positive integer");
-  }
-  return static_cast<size_t>(x);
-}
-
 size_t counters_bytes(int size) { return sizeof(HostCounters) + size * sizeof(RankLine); }
 
 std::string key(int rank, const char* what) {
@@ -50,16 +38,11 @@ float scale_for(RedOp op, int size) { return op == RedOp::AVG ? 1.0f / size : 1.
 }  // namespace
 
 RingOptions RingOptions::from_env(std::chrono::milliseconds timeout) {
+  Config c = Config::from_env();  // validates PYCOMM_CUDA_* and PYCOMM_DEBUG
   RingOptions o;
-  o.slot_bytes = env_size("PYCOMM_CUDA_CHUNK_BYTES", o.slot_bytes) / 16 * 16;
-  o.slots = static_cast<int>(env_size("PYCOMM_CUDA_SLOTS", o.slots));
-  if (o.slot_bytes < 16 || o.slots < 2) {
-    throw InvalidArgument(
-        "pycomm: the CUDA ring needs PYCOMM_CUDA_CHUNK_BYTES >= 16 and "
-        "PYCOMM_CUDA_SLOTS >= 2");
-  }
-  const char* dbg = std::getenv("PYCOMM_DEBUG");
-  o.log_info = dbg && (std::string(dbg) == "INFO" || std::string(dbg) == "TRACE");
+  o.slot_bytes = c.cuda_chunk_bytes;
+  o.slots = static_cast<int>(c.cuda_slots);
+  o.log = c.log;
   o.timeout = timeout;
   return o;
 }
@@ -214,13 +197,15 @@ void IpcRing::run(RingKind kind, size_t count, DType t, RedOp op, int root, void
   const size_t esize = dtype_size(t);
   size_t message = count * esize *
                    (kind == RingKind::ALL_GATHER || kind == RingKind::REDUCE_SCATTER ? size_ : 1);
+  // At least 4 rounds per part to pipeline, chunks of 256 KiB or more (never above a slot).
   size_t chunk_bytes = ring_chunk_bytes(message, size_, 256 << 10, opts_.slot_bytes, 4);
   size_t chunk_elems = std::max<size_t>(1, chunk_bytes / esize);
   std::vector<RingStep> plan = plan_ring(kind, count, rank_, size_, root, chunk_elems);
-  if (opts_.log_info) {
-    std::cerr << "pycomm[" << rank_ << "/" << size_ << "] " << current_op_ << ": CUDA ring, "
-              << plan.size() << " steps of <= " << chunk_elems * esize << " B, " << opts_.slots
-              << " slots\n";
+  Logger log(opts_.log, rank_, size_);
+  if (log.enabled(LogLevel::INFO)) {
+    log.log(LogLevel::INFO, current_op_ + ": CUDA ring, " + std::to_string(plan.size()) +
+                                " steps of <= " + std::to_string(chunk_elems * esize) + " B, " +
+                                std::to_string(opts_.slots) + " slots");
   }
   const float scale = scale_for(op, size_);
   const uint64_t base = steps_;

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "../core/config.h"
 #include "../core/ipc_handles.h"
 #include "../core/rendezvous.h"
 #include "../core/ring_plan.h"
@@ -31,10 +32,10 @@ namespace pycomm {
 namespace cuda {
 
 struct RingOptions {
-  size_t slot_bytes = size_t{4} << 20;  // PYCOMM_CUDA_CHUNK_BYTES
-  int slots = 4;                        // PYCOMM_CUDA_SLOTS
+  size_t slot_bytes = size_t{4} << 20;  // Config::cuda_chunk_bytes
+  int slots = 4;                        // Config::cuda_slots
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
-  bool log_info = false;  // PYCOMM_DEBUG=INFO: one line per op
+  LogLevel log = LogLevel::WARN;  // PYCOMM_DEBUG=INFO: one line per op
   static RingOptions from_env(std::chrono::milliseconds timeout);
 };
 

@@ -7,39 +7,6 @@
 #include "tensor_args.h"
 
 namespace pycomm_torch {
-namespace {
-
-// Flattens `tensors` (same dtype) into one new contiguous buffer.
-at::Tensor flat_copy(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> views;
-  views.reserve(tensors.size());
-  for (const auto& t : tensors) views.push_back(t.reshape({-1}));
-  return at::cat(views);
-}
-
-// Copies consecutive slices of `flat` back into `tensors`.
-void unflatten_into(const at::Tensor& flat, std::vector<at::Tensor>& tensors) {
-  int64_t off = 0;
-  for (auto& t : tensors) {
-    t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
-    off += t.numel();
-  }
-}
-
-void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int64_t n,
-                const char* op, const char* what, int rank) {
-  TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == n, "pycomm: ", op, " on rank ", rank, ": ",
-                    what, " has ", list.size(), " tensors, expected one per rank (", n, ")");
-  for (const auto& t : list) {
-    checked_dtype(t, op, rank);
-    check_same_dtype(like, t, op, rank);
-    TORCH_CHECK_VALUE(t.numel() == like.numel(), "pycomm: ", op, " on rank ", rank, ": ", what,
-                      " holds a tensor of shape ", shape_str(t), " but the input has shape ",
-                      shape_str(like));
-  }
-}
-
-}  // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Tensor>& tensors,
                                                              const c10d::AllreduceOptions& opts) {
@@ -337,27 +304,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall_base(
   const int n = getSize();
   // Split sizes count rows (dim 0); empty means equal splits.
   auto counts = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* which) {
-    int64_t rows = t.dim() > 0 ? t.size(0) : 1;
-    int64_t row_elems = rows > 0 ? t.numel() / rows : 0;
-    std::vector<size_t> c(n);
-    if (splits.empty()) {
-      TORCH_CHECK_VALUE(rows % n == 0, "pycomm: ", name, " on rank ", getRank(), ": ", which,
-                        " of shape ", shape_str(t), " has ", rows,
-                        " rows, not divisible by the world size ", n, "; pass split sizes");
-      for (auto& x : c) x = static_cast<size_t>(rows / n * row_elems);
-      return c;
-    }
-    TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == n, "pycomm: ", name, ": ", which,
-                      " split sizes have ", splits.size(), " entries, expected ", n);
-    int64_t total = 0;
-    for (int i = 0; i < n; ++i) {
-      TORCH_CHECK_VALUE(splits[i] >= 0, "pycomm: ", name, ": negative split size");
-      c[i] = static_cast<size_t>(splits[i] * row_elems);
-      total += splits[i];
-    }
-    TORCH_CHECK_VALUE(total == rows, "pycomm: ", name, " on rank ", getRank(), ": ", which,
-                      " split sizes add up to ", total, " rows but the tensor has ", rows);
-    return c;
+    auto elems = split_elems(t, splits, n, name, which, getRank());
+    return std::vector<size_t>(elems.begin(), elems.end());
   };
   pycomm::AllToAllArgs args;
   args.dtype = dt;
@@ -385,18 +333,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::alltoall(std::vector<at::Tens
                                                             const c10d::AllToAllOptions& opts) {
   const char* name = "all_to_all";
   const int n = getSize();
-  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == n && static_cast<int>(outputs.size()) == n,
-                    "pycomm: ", name, " on rank ", getRank(), ": needs ", n,
-                    " input and output tensors, got ", inputs.size(), " and ", outputs.size());
+  check_all_to_all_lists(inputs, outputs, n, name, getRank());
   pycomm::DType dt = checked_dtype(inputs[0], name, getRank());
   pycomm::AllToAllArgs args;
   args.dtype = dt;
   size_t soff = 0, roff = 0;
   for (int i = 0; i < n; ++i) {
-    checked_dtype(inputs[i], name, getRank());
-    checked_dtype(outputs[i], name, getRank());
-    check_same_dtype(inputs[0], inputs[i], name, getRank());
-    check_same_dtype(inputs[0], outputs[i], name, getRank());
     args.send_counts.push_back(inputs[i].numel());
     args.send_offsets.push_back(soff);
     soff += inputs[i].numel();

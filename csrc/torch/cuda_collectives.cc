@@ -132,19 +132,13 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::all_reduce(at::Tensor& t,
 
 c10::intrusive_ptr<c10d::Work> CudaCollectives::all_reduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {
-  std::vector<at::Tensor> flat_parts;
   for (auto& t : tensors) {
     cuda_dtype(t, "all_reduce_coalesced", rank_);
     check_same_dtype(tensors[0], t, "all_reduce_coalesced", rank_);
-    flat_parts.push_back(t.reshape({-1}));
   }
-  at::Tensor flat = at::cat(flat_parts);
+  at::Tensor flat = flat_copy(tensors);
   auto work = all_reduce(flat, op);
-  int64_t offset = 0;
-  for (auto& t : tensors) {
-    t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-    offset += t.numel();
-  }
+  unflatten_into(flat, tensors);
   return work;
 }
 
@@ -183,9 +177,7 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::all_gather(std::vector<at::Tenso
   }
   at::Tensor flat = at::empty({in.numel() * size_}, in.options());
   auto work = all_gather_base(flat, in);
-  for (int r = 0; r < size_; ++r) {
-    outs[r].copy_(flat.narrow(0, r * in.numel(), in.numel()).view(outs[r].sizes()));
-  }
+  unflatten_into(flat, outs);
   return work;
 }
 
@@ -214,9 +206,7 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::reduce_scatter(at::Tensor& out,
     TORCH_CHECK_VALUE(i.numel() == out.numel(), who("reduce_scatter", rank_), ": input ",
                       shape_str(i), " and output ", shape_str(out), " differ in size");
   }
-  std::vector<at::Tensor> flat_parts;
-  for (auto& i : ins) flat_parts.push_back(i.reshape({-1}));
-  at::Tensor flat = at::cat(flat_parts);
+  at::Tensor flat = flat_copy(ins);
   return reduce_scatter_base(out, flat, op);
 }
 

@@ -14,6 +14,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "../cuda/reduce_kernels.cuh"
+#include "tensor_args.h"
 #endif
 
 namespace py = pybind11;
@@ -97,10 +98,10 @@ pycomm::IpcWindowInfo info_from(const py::dict& d) {
 void cuda_copy_reduce(at::Tensor& out, const std::vector<at::Tensor>& srcs, const std::string& op,
                       double scale) {
   TORCH_CHECK_VALUE(out.is_cuda() && out.is_contiguous(), "out must be a contiguous CUDA tensor");
-  pycomm::DType t = out.scalar_type() == at::kFloat      ? pycomm::DType::F32
-                    : out.scalar_type() == at::kBFloat16 ? pycomm::DType::BF16
-                    : out.scalar_type() == at::kHalf     ? pycomm::DType::F16
-                                                         : pycomm::DType::F64;
+  pycomm::DType t = dense_dtype(out, "_cuda_copy_reduce", 0);
+  TORCH_CHECK_VALUE(!srcs.empty() && srcs.size() <= pycomm::cuda::kMaxSources,
+                    "_cuda_copy_reduce takes 1 to ", pycomm::cuda::kMaxSources, " sources, got ",
+                    srcs.size());
   std::vector<const void*> ptrs;
   for (const auto& s : srcs) {
     TORCH_CHECK_VALUE(s.is_cuda() && s.is_contiguous() && s.numel() == out.numel() &&
@@ -109,6 +110,8 @@ void cuda_copy_reduce(at::Tensor& out, const std::vector<at::Tensor>& srcs, cons
     ptrs.push_back(s.data_ptr());
   }
   pycomm::RedOp r = op == "max" ? pycomm::RedOp::MAX : pycomm::RedOp::SUM;
+  TORCH_CHECK_VALUE(pycomm::cuda::reduce_supported(t, r), "_cuda_copy_reduce: no kernel for ",
+                    pycomm::redop_name(r), " on ", pycomm::dtype_name(t));
   void* dst = out.data_ptr();
   auto stream = c10::cuda::getCurrentCUDAStream(out.device().index()).stream();
   cudaError_t e =

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include "../core/fused_ops.h"
+#include "fused_checks.h"
 
 namespace pycomm_torch {
 namespace {
@@ -19,32 +20,11 @@ pycomm::FusedDType fused_dtype(const at::Tensor& t, const char* op) {
   return pycomm::FusedDType::BF16;
 }
 
-void check_like(const at::Tensor& a, const at::Tensor& b, const char* op, const char* what) {
-  TORCH_CHECK_VALUE(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(), op, ": ", what,
-                    " is ", b.sizes(), " ", b.scalar_type(), ", the input ", a.sizes(), " ",
-                    a.scalar_type());
-  fused_dtype(b, op);
-}
-
-size_t checked_cols(const at::Tensor& x, const at::Tensor& bias, const char* op) {
-  TORCH_CHECK_VALUE(x.dim() >= 1 && bias.dim() == 1 && bias.size(0) == x.size(-1), op,
-                    ": bias of shape ", bias.sizes(), " does not match the last dimension of ",
-                    x.sizes());
-  TORCH_CHECK_VALUE(bias.scalar_type() == x.scalar_type(), op, ": bias is ", bias.scalar_type(),
-                    ", the input ", x.scalar_type());
-  fused_dtype(bias, op);
-  return static_cast<size_t>(bias.size(0));
-}
-
 template <typename F>
 void over_elements(const at::Tensor& t, F&& fn) {
   at::parallel_for(0, t.numel(), kGrain, [&](int64_t begin, int64_t end) {
     fn(static_cast<size_t>(begin), static_cast<size_t>(end));
   });
-}
-
-void check_p(double p, const char* op) {
-  TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, op, ": dropout probability must be in [0, 1), got ", p);
 }
 
 }  // namespace

@@ -30,35 +30,6 @@ Reduction reduction(const c10d::ReduceOp& op, const at::Tensor& t, const char* n
   return r;
 }
 
-at::Tensor flat_copy(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> views;
-  for (const auto& t : tensors) views.push_back(t.reshape({-1}));
-  return at::cat(views);
-}
-
-void unflatten_into(const at::Tensor& flat, std::vector<at::Tensor>& tensors) {
-  int64_t off = 0;
-  for (auto& t : tensors) {
-    t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
-    off += t.numel();
-  }
-}
-
-at::Tensor as_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
-
-void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int64_t n,
-                const char* op, const char* what, int rank) {
-  TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == n, "pycomm: ", op, " on rank ", rank, ": ",
-                    what, " has ", list.size(), " tensors, expected one per rank (", n, ")");
-  for (const auto& t : list) {
-    checked_dtype(t, op, rank);
-    check_same_dtype(like, t, op, rank);
-    TORCH_CHECK_VALUE(t.numel() == like.numel(), "pycomm: ", op, " on rank ", rank, ": ", what,
-                      " holds a tensor of shape ", shape_str(t), " but the input has shape ",
-                      shape_str(like));
-  }
-}
-
 std::vector<at::Tensor> one(const at::Tensor& t) { return {t}; }
 
 // Options for a step of the island's own group: synchronous, so it runs inline on the

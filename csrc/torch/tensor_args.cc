@@ -155,4 +155,73 @@ std::exception_ptr translate_exception(std::exception_ptr error) {
   }
 }
 
+void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int64_t n,
+                const char* op, const char* what, int rank) {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == n, who(op, rank), ": ", what, " has ",
+                    list.size(), " tensors, expected one per rank (", n, ")");
+  for (const auto& t : list) {
+    checked_dtype(t, op, rank);
+    check_same_dtype(like, t, op, rank);
+    TORCH_CHECK_VALUE(t.numel() == like.numel(), who(op, rank), ": ", what,
+                      " holds a tensor of shape ", shape_str(t), " but the input has shape ",
+                      shape_str(like));
+  }
+}
+
+void check_all_to_all_lists(const std::vector<at::Tensor>& inputs,
+                            const std::vector<at::Tensor>& outputs, int n, const char* op,
+                            int rank) {
+  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == n && static_cast<int>(outputs.size()) == n,
+                    who(op, rank), ": needs ", n, " input and output tensors, got ", inputs.size(),
+                    " and ", outputs.size());
+  for (int i = 0; i < n; ++i) {
+    checked_dtype(inputs[i], op, rank);
+    checked_dtype(outputs[i], op, rank);
+    check_same_dtype(inputs[0], inputs[i], op, rank);
+    check_same_dtype(inputs[0], outputs[i], op, rank);
+  }
+}
+
+std::vector<int64_t> split_elems(const at::Tensor& t, const std::vector<int64_t>& splits, int n,
+                                 const char* op, const char* which, int rank) {
+  int64_t rows = t.dim() > 0 ? t.size(0) : 1;
+  int64_t row_elems = rows > 0 ? t.numel() / rows : 0;
+  std::vector<int64_t> c(n);
+  if (splits.empty()) {
+    TORCH_CHECK_VALUE(rows % n == 0, who(op, rank), ": ", which, " of shape ", shape_str(t),
+                      " has ", rows, " rows, not divisible by the world size ", n,
+                      "; pass split sizes");
+    for (auto& x : c) x = rows / n * row_elems;
+    return c;
+  }
+  TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == n, who(op, rank), ": ", which,
+                    " split sizes have ", splits.size(), " entries, expected ", n);
+  int64_t total = 0;
+  for (int i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(splits[i] >= 0, who(op, rank), ": negative split size");
+    c[i] = splits[i] * row_elems;
+    total += splits[i];
+  }
+  TORCH_CHECK_VALUE(total == rows, who(op, rank), ": ", which, " split sizes add up to ", total,
+                    " rows but the tensor has ", rows);
+  return c;
+}
+
+at::Tensor flat_copy(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> views;
+  views.reserve(tensors.size());
+  for (const auto& t : tensors) views.push_back(t.reshape({-1}));
+  return at::cat(views);
+}
+
+void unflatten_into(const at::Tensor& flat, std::vector<at::Tensor>& tensors) {
+  int64_t off = 0;
+  for (auto& t : tensors) {
+    t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+    off += t.numel();
+  }
+}
+
+at::Tensor as_bytes(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
+
 }  // namespace pycomm_torch

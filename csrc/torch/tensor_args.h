@@ -31,6 +31,26 @@ void check_numel_ratio(const at::Tensor& big, const at::Tensor& small, int64_t f
                        const char* op, const char* big_name, const char* small_name, int rank);
 std::string shape_str(const at::Tensor& t);
 
+// `n` tensors (one per rank) like `like`: CPU, its dtype, its number of elements.
+void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int64_t n,
+                const char* op, const char* what, int rank);
+// all_to_all's lists: `n` inputs and `n` outputs, CPU, all of the first input's dtype.
+void check_all_to_all_lists(const std::vector<at::Tensor>& inputs,
+                            const std::vector<at::Tensor>& outputs, int n, const char* op,
+                            int rank);
+// all_to_all_single: the elements of each peer's block of `t`, from split sizes in rows
+// (dim 0; empty: equal splits). `which` names the tensor ("input", "output").
+std::vector<int64_t> split_elems(const at::Tensor& t, const std::vector<int64_t>& splits, int n,
+                                 const char* op, const char* which, int rank);
+
+// Flattens `tensors` (same dtype) into one new contiguous buffer.
+at::Tensor flat_copy(const std::vector<at::Tensor>& tensors);
+// Copies consecutive slices of `flat` back into `tensors`.
+void unflatten_into(const at::Tensor& flat, std::vector<at::Tensor>& tensors);
+// A contiguous tensor's bytes as a flat uint8 tensor: data movement is dtype-blind, so
+// an engine sees one dtype it surely supports.
+at::Tensor as_bytes(const at::Tensor& t);
+
 // A contiguous stand-in for a tensor an op writes: the tensor itself when it is already
 // contiguous, else a contiguous copy that commit() writes back.
 class Staged {
