@@ -200,3 +200,32 @@ def time_memcpy(nbytes: int, iters: int, group) -> list[float]:
         if i:
             times.append(time.perf_counter() - start)
     return times
+
+
+def time_dispatch_floor(group_world, calls: int = 20000) -> float | None:
+    """Microseconds per ``dist.all_reduce`` of two floats on a backend that does no work
+    at all (torch's FakeProcessGroup): torch's Python wrapper, ProcessGroup and
+    dispatcher, no communication. No backend reached through ``dist.all_reduce`` can be
+    faster. Collective (every rank creates the group); rank 0 times it while the others
+    sleep in a barrier, so oversubscription does not inflate it. None on other ranks, or
+    when this torch has no fake backend."""
+    try:
+        import torch.testing._internal.distributed.fake_pg  # registers the "fake" backend
+    except ImportError:
+        return None
+    fake = dist.new_group(backend="fake")
+    floor = None
+    if dist.get_rank() == 0:
+        x = torch.ones(2)
+        batch = max(1, calls // 7)
+        for _ in range(batch):
+            dist.all_reduce(x, group=fake)
+        per_call = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for _ in range(batch):
+                dist.all_reduce(x, group=fake)
+            per_call.append((time.perf_counter() - start) / batch * 1e6)
+        floor = sorted(per_call)[3]
+    dist.barrier(group=group_world)
+    return floor

@@ -14,6 +14,7 @@ Example::
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -22,7 +23,14 @@ import torch.distributed as dist
 from bench import _mpi, _report
 from bench._cli import DTYPES, parse_args
 from bench._launch import launch
-from bench._timing import NativeComm, TorchComm, time_case, time_memcpy, total_count
+from bench._timing import (
+    NativeComm,
+    TorchComm,
+    time_case,
+    time_dispatch_floor,
+    time_memcpy,
+    total_count,
+)
 
 
 def _registered_alloc():
@@ -123,7 +131,8 @@ def report(
 ) -> None:
     """Rank 0: summarise every rank's timings, print the tables, write JSON and the plot.
 
-    ``gathered[r]`` is rank r's (case results, memcpy times) as sent by :func:`worker`.
+    ``gathered[r]`` is rank r's (case results, memcpy times, dispatch floor in µs or
+    None) as sent by :func:`worker`.
     """
     world = len(gathered)
     rows = [
@@ -151,6 +160,14 @@ def report(
         f"# memcpy limit: {limit:.3f} GB/s per rank ({world} ranks copying "
         f"{args.sizes[-1]} B at once)"
     )
+    floors = [g[2] for g in gathered if g[2] is not None]
+    floor_us = statistics.median(floors) if floors else None  # rank 0's alone
+    if floor_us is not None:
+        print(
+            f"# dispatch floor: {floor_us:.2f} us per dist.all_reduce on a backend that does "
+            "nothing (torch's FakeProcessGroup, timed on rank 0): no backend reached "
+            "through dist.all_reduce is faster"
+        )
     meta = {
         **vars(args),
         "requested": args.backends,
@@ -159,6 +176,7 @@ def report(
         "nproc": world,
         "torch": torch.__version__,
         "schedule": "interleaved per size, one job",
+        "dispatch_floor_us": floor_us,
     }
     _report.write_json(args.out, meta, rows, {"bytes": args.sizes[-1], "gbs_per_rank": limit})
     plot = args.out.with_suffix(".png")
@@ -176,8 +194,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     groups, skipped = make_groups(args.backends)
     results, cannot = measure(args, groups)
     memcpy = time_memcpy(args.sizes[-1], args.iters, dist.group.WORLD)
+    floor = time_dispatch_floor(dist.group.WORLD) if args.sizes[0] <= 4096 else None
     gathered = [None] * world if rank == 0 else None
-    dist.gather_object((results, memcpy), gathered, dst=0)
+    dist.gather_object((results, memcpy, floor), gathered, dst=0)
     if rank == 0 and groups:
         report(args, list(groups), gathered, skipped, cannot)
     elif rank == 0:

@@ -129,45 +129,6 @@ PYCOMM_INT_PAIR_KERNEL(pair_u8, uint8_t, uint8_t)
 PYCOMM_INT_PAIR_KERNEL(pair_i32, int32_t, uint32_t)
 PYCOMM_INT_PAIR_KERNEL(pair_i64, int64_t, uint64_t)
 
-// ---- many sources, 16-bit floats: accumulate a block in float32, round once ----------
-
-constexpr size_t kBlock = 512;
-
-#define PYCOMM_HALF_MANY_KERNEL(NAME, T, LOAD, STORE)                                         \
-  PYCOMM_CLONES void NAME(RedOp op, T* dst, const T* const* srcs, int k, size_t n, float s) { \
-    using A = Arith<float>;                                                                   \
-    float acc[kBlock];                                                                        \
-    for (size_t base = 0; base < n; base += kBlock) {                                         \
-      size_t m = n - base < kBlock ? n - base : kBlock;                                       \
-      const T* s0 = srcs[0] + base;                                                           \
-      for (size_t i = 0; i < m; ++i) acc[i] = LOAD(s0[i]);                                    \
-      for (int j = 1; j < k; ++j) {                                                           \
-        const T* sj = srcs[j] + base;                                                         \
-        switch (op) {                                                                         \
-          case RedOp::SUM:                                                                    \
-            for (size_t i = 0; i < m; ++i) acc[i] = A::sum(acc[i], LOAD(sj[i]));              \
-            break;                                                                            \
-          case RedOp::PROD:                                                                   \
-            for (size_t i = 0; i < m; ++i) acc[i] = A::prod(acc[i], LOAD(sj[i]));             \
-            break;                                                                            \
-          case RedOp::MIN:                                                                    \
-            for (size_t i = 0; i < m; ++i) acc[i] = A::min(acc[i], LOAD(sj[i]));              \
-            break;                                                                            \
-          case RedOp::MAX:                                                                    \
-            for (size_t i = 0; i < m; ++i) acc[i] = A::max(acc[i], LOAD(sj[i]));              \
-            break;                                                                            \
-          default:                                                                            \
-            break;                                                                            \
-        }                                                                                     \
-      }                                                                                       \
-      T* d = dst + base;                                                                      \
-      for (size_t i = 0; i < m; ++i) d[i] = STORE(s * acc[i]);                                \
-    }                                                                                         \
-  }
-
-PYCOMM_HALF_MANY_KERNEL(many_bf16, uint16_t, bf16_to_float, float_to_bf16)
-PYCOMM_HALF_MANY_KERNEL(many_f16, _Float16, f16_to_float, float_to_f16)
-
 PYCOMM_CLONES void scale_f32(float* dst, const float* src, size_t n, float s) {
   for (size_t i = 0; i < n; ++i) dst[i] = s * src[i];
 }
@@ -248,24 +209,16 @@ void reduce_pair(DType t, RedOp op, void* dst, const void* a, const void* b, siz
 
 void reduce_many(DType t, RedOp op, void* dst, const void* const* srcs, int k, size_t n,
                  double scale) {
-  if (t == DType::BF16) {
-    return many_bf16(op, as<uint16_t>(dst), reinterpret_cast<const uint16_t* const*>(srcs), k, n,
-                     float(scale));
-  }
-  if (t == DType::F16) {
-    return many_f16(op, as<_Float16>(dst), reinterpret_cast<const _Float16* const*>(srcs), k, n,
-                    float(scale));
-  }
-  // Wider types lose nothing by rounding per step: fold pairwise into dst.
   if (k == 1) {
-    std::memcpy(dst, srcs[0], n * dtype_size(t));
+    if (dst != srcs[0]) std::memcpy(dst, srcs[0], n * dtype_size(t));
     if (scale != 1.0) scale_copy(t, dst, dst, n, scale);
     return;
   }
-  for (int j = 1; j < k; ++j) {
-    const void* left = j == 1 ? srcs[0] : dst;
-    reduce_pair(t, op, dst, left, srcs[j], n, j == k - 1 ? scale : 1.0);
-  }
+  // Two wide sources: the pair loop streams straight from both into dst. Otherwise one
+  // pass through an L1 accumulator (16-bit floats must accumulate in float32 anyway).
+  bool wide = t != DType::BF16 && t != DType::F16;
+  if (k == 2 && wide) return reduce_pair(t, op, dst, srcs[0], srcs[1], n, scale);
+  reduce_copy(t, op, &dst, 1, srcs, k, n, scale);
 }
 
 void scale_copy(DType t, void* dst, const void* src, size_t n, double scale) {

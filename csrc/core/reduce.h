@@ -22,9 +22,17 @@ void reduce_pair(DType t, RedOp op, void* dst, const void* a, const void* b, siz
 
 // dst[i] = scale * (srcs[0][i] op ... op srcs[k-1][i]), in source order, so every rank
 // that runs it on the same sources gets bit-identical results. 16-bit floats
-// accumulate in float32 and round once. dst may alias srcs[0], no other source.
+// accumulate in float32 and round once. dst may be a source at the same address; no
+// other overlap.
 void reduce_many(DType t, RedOp op, void* dst, const void* const* srcs, int k, size_t n,
                  double scale = 1.0);
+
+// Every dsts[d][i] = scale * (srcs[0][i] op ... op srcs[k-1][i]), in one pass: each
+// source read once, the result written to all nd destinations (reduce_copy.cc). Source
+// order and rounding as reduce_many. A destination may be a source at the same address;
+// no other overlap.
+void reduce_copy(DType t, RedOp op, void* const* dsts, int nd, const void* const* srcs, int k,
+                 size_t n, double scale = 1.0);
 
 // dst[i] = scale * src[i] for floating types (used by AVG on one rank, PREMUL_SUM).
 void scale_copy(DType t, void* dst, const void* src, size_t n, double scale);

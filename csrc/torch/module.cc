@@ -48,21 +48,49 @@ py::dict arena_stats() {
   return d;
 }
 
-// dst = a op b with the core's kernels, for micro-benchmarks and kernel tests.
-void reduce_into(at::Tensor dst, const at::Tensor& a, const at::Tensor& b, const std::string& op) {
-  static const std::map<std::string, pycomm::RedOp> ops = {{"sum", pycomm::RedOp::SUM},
-                                                           {"prod", pycomm::RedOp::PROD},
-                                                           {"min", pycomm::RedOp::MIN},
-                                                           {"max", pycomm::RedOp::MAX}};
+pycomm::RedOp parse_op(const std::string& op) {
+  static const std::map<std::string, pycomm::RedOp> ops = {
+      {"sum", pycomm::RedOp::SUM},  {"prod", pycomm::RedOp::PROD}, {"min", pycomm::RedOp::MIN},
+      {"max", pycomm::RedOp::MAX},  {"band", pycomm::RedOp::BAND}, {"bor", pycomm::RedOp::BOR},
+      {"bxor", pycomm::RedOp::BXOR}};
   auto it = ops.find(op);
   TORCH_CHECK_VALUE(it != ops.end(), "unknown op ", op);
+  return it->second;
+}
+
+// dst = a op b with the core's kernels, for micro-benchmarks and kernel tests.
+void reduce_into(at::Tensor dst, const at::Tensor& a, const at::Tensor& b, const std::string& op) {
+  pycomm::RedOp rop = parse_op(op);
   TORCH_CHECK_VALUE(dst.is_contiguous() && a.is_contiguous() && b.is_contiguous() &&
                         dst.numel() == a.numel() && a.numel() == b.numel() &&
                         dst.scalar_type() == a.scalar_type() && a.scalar_type() == b.scalar_type(),
                     "reduce_into: three contiguous tensors of one dtype and size");
   pycomm::DType dt = pycomm_torch::checked_dtype(dst, "reduce_into", 0);
-  pycomm::reduce_pair(dt, pycomm::kernel_op(dt, it->second), dst.data_ptr(), a.data_ptr(),
-                      b.data_ptr(), static_cast<size_t>(dst.numel()));
+  pycomm::reduce_pair(dt, pycomm::kernel_op(dt, rop), dst.data_ptr(), a.data_ptr(), b.data_ptr(),
+                      static_cast<size_t>(dst.numel()));
+}
+
+// Every dst = op over srcs, in one pass (reduce_copy), for kernel tests and benchmarks.
+void reduce_copy_into(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs,
+                      const std::string& op) {
+  TORCH_CHECK_VALUE(!dsts.empty() && !srcs.empty(), "reduce_copy: need a source and a destination");
+  const at::Tensor& first = srcs[0];
+  std::vector<void*> dp;
+  std::vector<const void*> sp;
+  for (const auto* list : {&dsts, &srcs}) {
+    for (const at::Tensor& x : *list) {
+      TORCH_CHECK_VALUE(
+          x.is_contiguous() && x.numel() == first.numel() && x.scalar_type() == first.scalar_type(),
+          "reduce_copy: contiguous tensors of one dtype and size");
+    }
+  }
+  for (const at::Tensor& x : dsts) dp.push_back(x.data_ptr());
+  for (const at::Tensor& x : srcs) sp.push_back(x.data_ptr());
+  pycomm::DType dt = pycomm_torch::checked_dtype(first, "reduce_copy", 0);
+  pycomm::RedOp rop = parse_op(op);
+  pycomm::check_reduction(dt, rop);
+  pycomm::reduce_copy(dt, pycomm::kernel_op(dt, rop), dp.data(), static_cast<int>(dp.size()),
+                      sp.data(), static_cast<int>(sp.size()), static_cast<size_t>(first.numel()));
 }
 
 bool in_arena(const at::Tensor& t) {
@@ -103,6 +131,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_reduce_into", &reduce_into, py::arg("dst"), py::arg("a"), py::arg("b"),
         py::arg("op") = "sum", py::call_guard<py::gil_scoped_release>(),
         "dst = a op b with pycomm's reduction kernels (benchmarks and tests).");
+  m.def("_reduce_copy", &reduce_copy_into, py::arg("dsts"), py::arg("srcs"), py::arg("op") = "sum",
+        py::call_guard<py::gil_scoped_release>(),
+        "Every dst = op over srcs in one pass (pycomm's reduce_copy kernel).");
   m.def("unbound_tensor", &pycomm_torch::unbound_tensor, py::arg("sizes"), py::arg("dtype"),
         "A contiguous CPU tensor of that shape whose storage holds no memory yet.");
   m.def("bind_storage", &pycomm_torch::bind_storage, py::arg("target"), py::arg("source"),

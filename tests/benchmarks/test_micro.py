@@ -33,6 +33,18 @@ def test_sum_kernel(benchmark, dtype):
     benchmark.extra_info["GB/s"] = 3 * ELEMENTS * a.element_size() / benchmark.stats["median"] / 1e9
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_reduce_copy_kernel(benchmark, ranks):
+    """The zero-copy all_reduce's kernel: `ranks` buffers of 1M float32, each reduced
+    and written back over all of them in one pass; bytes moved = 2 x ranks x 4 MB."""
+    from pycomm import _C
+
+    bufs = [torch.ones(ELEMENTS) for _ in range(ranks)]
+    benchmark(_C._reduce_copy, bufs, bufs, "max")  # max keeps the values bounded
+    assert all(bool((b == 1).all()) for b in bufs)
+    benchmark.extra_info["GB/s"] = 2 * ranks * ELEMENTS * 4 / benchmark.stats["median"] / 1e9
+
+
 @pytest.mark.parametrize("op", ["max", "prod"])
 def test_other_ops_float32(benchmark, op):
     from pycomm import _C
