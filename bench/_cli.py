@@ -91,6 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="extra mpirun flags for the re-execution (default '--bind-to none': ranks "
         "float as spawned ranks do, so pycomm and gloo run as they would without mpi)",
     )
+    p.add_argument(
+        "--bind",
+        choices=["auto", "core", "none"],
+        default="auto",
+        help="pin each local rank to one CPU (rank modulo the CPUs this process may use), "
+        "for every backend alike. auto (default): pin when ranks <= CPUs, as mpirun binds to "
+        "cores by default; float when oversubscribed",
+    )
     p.add_argument("--ops", default="all_reduce", help=f"comma list of {','.join(OPS)}")
     p.add_argument(
         "--nproc",

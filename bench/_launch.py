@@ -63,3 +63,22 @@ def _spawn(worker: Worker, args: argparse.Namespace) -> None:
 def _rank(rank: int, worker: Worker, world: int, args: argparse.Namespace) -> None:
     """mp.spawn's entry: its index first, then our arguments."""
     worker(rank, world, args)
+
+
+def bind_rank(rank: int, world: int, mode: str) -> int | None:
+    """Pin this rank to one CPU per ``--bind``; returns the CPU, or None when left to float.
+
+    Unpinned, the scheduler sometimes runs both ranks of a 2-rank job on one CPU for a
+    while, and every small op then costs two context switches (see bench/README.md).
+    The local rank picks the CPU: LOCAL_RANK (torchrun), Open MPI's local rank, or the
+    rank itself."""
+    cpus = sorted(os.sched_getaffinity(0))
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", rank)))
+    local_world = int(
+        os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", world))
+    )
+    if mode == "none" or (mode == "auto" and local_world > len(cpus)):
+        return None
+    cpu = cpus[local % len(cpus)]
+    os.sched_setaffinity(0, {cpu})
+    return cpu

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from bench import _mpi, _report
 from bench._cli import DTYPES, parse_args
-from bench._launch import launch
+from bench._launch import bind_rank, launch
 from bench._timing import (
     NativeComm,
     TorchComm,
@@ -190,6 +190,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         # As torchrun does: one intra-op thread per rank. Idle OpenMP workers spin, and
         # with several ranks per core that spinning steals the cores the ranks need.
         torch.set_num_threads(1)
+    if bind_rank(rank, world, args.bind) is not None:
+        args.notes.append(f"each rank pinned to one CPU (--bind {args.bind})")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     groups, skipped = make_groups(args.backends)
     results, cannot = measure(args, groups)
