@@ -74,6 +74,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=8, help="pipeline: Linear + GELU pairs")
     p.add_argument("--rows", type=int, default=64, help="pipeline: rows per mini-batch")
     p.add_argument("--chunks", type=int, default=8, help="pipeline: micro-batches")
+    p.add_argument("--memory-jobs", type=int, default=3,
+                   help="pipeline: fresh jobs measuring each strategy's peak RSS; the median "
+                   "of their largest rank is reported")
+    p.add_argument("--bubble-jobs", type=int, default=5,
+                   help="pipeline: fresh jobs measuring the bubble; the median is reported "
+                   "(where the OS puts each stage varies per job, not per step)")
     args = p.parse_args(argv)
     args.out = args.out or Path("bench/results") / f"training_{args.what}_{args.nproc}ranks.json"
     args.model = args.model or ("tp" if args.what == "tensor" else "bench")

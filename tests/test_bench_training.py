@@ -85,13 +85,18 @@ def test_pipeline_runs_torch_and_ours_and_reports_bubble_and_memory(tmp_path, ca
                                                                       require_pycomm):
     out = tmp_path / "pipeline.json"
     main(["pipeline", "--width", "32", "--layers", "4", "--rows", "16", "--chunks", "4",
-          "--steps", "2", "--rounds", "1", "--warmup", "1", "--no-memory", "--strategies",
+          "--steps", "2", "--rounds", "1", "--warmup", "1", "--no-memory", "--bubble-jobs", "2",
+          "--strategies",
           "torch-gpipe-gloo,parallel.pipeline-gpipe-pycomm,parallel.pipeline-1f1b-gloo",
           "-o", str(out)])
     res = json.loads(out.read_text())["results"]
     assert set(res["strategies"]) == {"torch-gpipe-gloo", "parallel.pipeline-gpipe-pycomm",
                                       "parallel.pipeline-1f1b-gloo"}
     assert set(res["bubble"]) == {"1", "4", "16"}
+    for m, stages in res["bubble"].items():  # the median of the two jobs' idle shares
+        for s, share in stages.items():
+            per_job = res["bubble_jobs"][m][s]
+            assert len(per_job) == 2 and min(per_job) <= share <= max(per_job)
     # the last stage also keeps the loss's inputs, so it holds something in every mode
     never, always = (res["activation_bytes"][-1][f"gpipe/{m}"] for m in ("never", "always"))
     assert 0 < always < never
