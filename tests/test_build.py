@@ -37,7 +37,11 @@ def _disassembly(symbol: str, clone: str) -> str:
         ("pair_f32", "arch_x86_64_v4", r"vaddps\s+.*%zmm"),   # AVX-512: 16 per add
         ("pair_bf16", "arch_x86_64_v3", r"vaddps\s+.*%ymm"),  # bf16 widened, added as f32
         ("pair_bf16", "arch_x86_64_v4", r"vaddps\s+.*%zmm"),
-        ("many_bf16", "arch_x86_64_v4", r"vaddps\s+.*%zmm"),
+        ("pair_f16", "arch_x86_64_v3", r"vaddps\s+.*%ymm"),  # half as bits, widened in lanes
+        ("pair_f16", "arch_x86_64_v4", r"vaddps\s+.*%zmm"),
+        ("rc_f32", "arch_x86_64_v4", r"vaddps\s+.*%zmm"),  # reduce_copy: k sources, n dsts
+        ("rc_bf16", "arch_x86_64_v4", r"vaddps\s+.*%zmm"),
+        ("rc_f16", "arch_x86_64_v4", r"vaddps\s+.*%zmm"),
     ],
 )
 def test_sum_kernels_are_vectorised(symbol, clone, instruction):

@@ -92,3 +92,24 @@ def test_reduce_copy_rejects_bad_input():
         _C._reduce_copy([a], [a, torch.ones(4, dtype=torch.float64)], "sum")
     with pytest.raises(ValueError, match="bitwise"):
         _C._reduce_copy([a], [a, a], "bxor")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_floats_round_like_torch_over_every_value(dtype):
+    """Every non-NaN 16-bit pattern (subnormals, the largest finite values, infinities),
+    each added to a shuffled partner: the sums hit overflow to infinity, subnormal
+    results and ties, and must round exactly as torch's float -> 16-bit conversion."""
+    from pycomm import _C
+
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    every = every[~torch.isnan(every)]
+    partner = every[torch.randperm(len(every), generator=torch.Generator().manual_seed(0))]
+    for a, b in ((every, partner), (every, every), (every, -every)):
+        out = torch.empty_like(a)
+        _C._reduce_copy([out], [a, b], "sum")
+        expected = (a.float() + b.float()).to(dtype)
+        same = (out.view(torch.int16) == expected.view(torch.int16)) | (
+            torch.isnan(out) & torch.isnan(expected))
+        assert bool(same.all()), (dtype, a[~same][:4], b[~same][:4], out[~same][:4])
+        _C._reduce_into(out, a, b, "max")  # the pair kernel converts the same way
+        assert torch.equal(out, torch.maximum(a, b))

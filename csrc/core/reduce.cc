@@ -73,7 +73,7 @@ struct Arith {  // T is the computing type (float, double, or an unsigned int fo
 PYCOMM_FLOAT_PAIR_KERNEL(pair_f32, float, float, PYCOMM_ID, PYCOMM_ID)
 PYCOMM_FLOAT_PAIR_KERNEL(pair_f64, double, double, PYCOMM_ID, PYCOMM_ID)
 PYCOMM_FLOAT_PAIR_KERNEL(pair_bf16, uint16_t, float, bf16_to_float, float_to_bf16)
-PYCOMM_FLOAT_PAIR_KERNEL(pair_f16, _Float16, float, f16_to_float, float_to_f16)
+PYCOMM_FLOAT_PAIR_KERNEL(pair_f16, uint16_t, float, f16_to_float, float_to_f16)
 
 // Integers compute in the unsigned type of the same width: wraparound, no UB.
 template <typename U>
@@ -138,7 +138,7 @@ PYCOMM_CLONES void scale_f64(double* dst, const double* src, size_t n, double s)
 PYCOMM_CLONES void scale_bf16(uint16_t* dst, const uint16_t* src, size_t n, float s) {
   for (size_t i = 0; i < n; ++i) dst[i] = float_to_bf16(s * bf16_to_float(src[i]));
 }
-PYCOMM_CLONES void scale_f16(_Float16* dst, const _Float16* src, size_t n, float s) {
+PYCOMM_CLONES void scale_f16(uint16_t* dst, const uint16_t* src, size_t n, float s) {
   for (size_t i = 0; i < n; ++i) dst[i] = float_to_f16(s * f16_to_float(src[i]));
 }
 
@@ -194,7 +194,7 @@ void reduce_pair(DType t, RedOp op, void* dst, const void* a, const void* b, siz
     case DType::BF16:
       return pair_bf16(op, as<uint16_t>(dst), as<uint16_t>(a), as<uint16_t>(b), n, float(scale));
     case DType::F16:
-      return pair_f16(op, as<_Float16>(dst), as<_Float16>(a), as<_Float16>(b), n, float(scale));
+      return pair_f16(op, as<uint16_t>(dst), as<uint16_t>(a), as<uint16_t>(b), n, float(scale));
     case DType::I8:
       return pair_i8(op, as<int8_t>(dst), as<int8_t>(a), as<int8_t>(b), n);
     case DType::U8:
@@ -230,7 +230,7 @@ void scale_copy(DType t, void* dst, const void* src, size_t n, double scale) {
     case DType::BF16:
       return scale_bf16(as<uint16_t>(dst), as<uint16_t>(src), n, float(scale));
     case DType::F16:
-      return scale_f16(as<_Float16>(dst), as<_Float16>(src), n, float(scale));
+      return scale_f16(as<uint16_t>(dst), as<uint16_t>(src), n, float(scale));
     default:
       if (dst != src) std::memcpy(dst, src, n * dtype_size(t));
   }

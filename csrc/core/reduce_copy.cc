@@ -45,10 +45,10 @@ struct Bf16Elem {
 };
 
 struct F16Elem {
-  using Store = _Float16;
+  using Store = uint16_t;  // the half's bits (float16.h)
   using Compute = float;
-  static PYCOMM_INLINE float load(_Float16 x) { return f16_to_float(x); }
-  static PYCOMM_INLINE _Float16 store(float x) { return float_to_f16(x); }
+  static PYCOMM_INLINE float load(uint16_t x) { return f16_to_float(x); }
+  static PYCOMM_INLINE uint16_t store(float x) { return float_to_f16(x); }
   static PYCOMM_INLINE bool less(float a, float b) { return a < b; }
 };
 
