@@ -114,7 +114,8 @@ def test_every_collective_on_arena_tensors(pool, count, dtype, who):
 
 
 def _zero_copy_chosen() -> str:
-    """The INFO log of one large all_reduce of arena tensors, in a new group."""
+    """The INFO log of large all_reduces and broadcasts, of arena tensors and of ordinary
+    ones, in a new group."""
     os.environ["PYCOMM_DEBUG"] = "INFO"
     group = dist.new_group(backend="pycomm")
     del os.environ["PYCOMM_DEBUG"]
@@ -124,6 +125,8 @@ def _zero_copy_chosen() -> str:
         try:
             dist.all_reduce(pycomm.zeros(1 << 18), group=group)
             dist.all_reduce(torch.zeros(1 << 18), group=group)
+            dist.broadcast(pycomm.zeros(1 << 18), 0, group=group)
+            dist.broadcast(torch.zeros(1 << 18), 0, group=group)
         finally:
             os.dup2(saved, 2)
             os.close(saved)
@@ -136,3 +139,7 @@ def test_debug_log_names_zero_copy_and_fallback(pool):
     for text in pool.run(_zero_copy_chosen):
         assert "zero-copy (every rank's buffer is in the arena)" in text, text
         assert "ring (not every rank's buffer is in the arena)" in text, text
+        lines = [line for line in text.splitlines() if "broadcast" in line]
+        assert len(lines) == 2, text
+        assert "zero-copy (every rank's buffer is in the arena)" in lines[0], text
+        assert "chain (not every rank's buffer is in the arena)" in lines[1], text

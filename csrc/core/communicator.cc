@@ -154,13 +154,15 @@ void Communicator::finish(const OpCall& op) {
     if (r != rank_) shared_->ring(r, COLL);
 }
 
-std::vector<char*> Communicator::negotiate(const OpCall& op, const void* mine, size_t bytes) {
+std::vector<char*> Communicator::negotiate(const OpCall& op, const void* mine, size_t bytes,
+                                           const char* fallback) {
   auto bufs = negotiate_zero_copy(*transport_, *peers_, op, mine, bytes);
   if (log_.enabled(LogLevel::INFO)) {
-    log_.log(LogLevel::INFO,
-             "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) +
-                 (bufs.empty() ? ": ring (not every rank's buffer is in the arena)"
-                               : ": zero-copy (every rank's buffer is in the arena)"));
+    log_.log(
+        LogLevel::INFO,
+        "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) + ": " +
+            (bufs.empty() ? std::string(fallback) + " (not every rank's buffer is in the arena)"
+                          : "zero-copy (every rank's buffer is in the arena)"));
   }
   return bufs;
 }
@@ -227,7 +229,7 @@ void Communicator::run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAl
     return run(c, "ring", direct_reason(bytes), [&] { algos.ring(*transport_, c, a); });
   }
   run(c, nullptr, "", [&] {
-    auto bufs = negotiate(c, a.in, bytes);
+    auto bufs = negotiate(c, a.in, bytes, "ring");
     if (bufs.empty())
       algos.ring(*transport_, c, a);
     else
@@ -282,7 +284,15 @@ void Communicator::broadcast(void* data, size_t count, DType dtype, int root) {
   if (world_ == 1 || count == 0) return run(c, "local", "", [] {});
   if (use_direct(bytes))
     return run(c, "direct", direct_reason(bytes), [&] { broadcast_direct(*transport_, c, a); });
-  run(c, "chain", direct_reason(bytes), [&] { broadcast_chain(*transport_, c, a); });
+  if (!try_zero_copy())
+    return run(c, "chain", direct_reason(bytes), [&] { broadcast_chain(*transport_, c, a); });
+  run(c, nullptr, "", [&] {
+    auto bufs = negotiate(c, a.out, bytes, "chain");
+    if (bufs.empty())
+      broadcast_chain(*transport_, c, a);
+    else
+      broadcast_zero_copy(*transport_, c, a, bufs);
+  });
 }
 
 void Communicator::reduce(const void* in, void* out, size_t count, DType dtype, RedOp op,

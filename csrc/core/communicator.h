@@ -70,8 +70,10 @@ class Communicator {
   void run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos);
   bool use_direct(size_t bytes) const;
   bool try_zero_copy() const { return cfg_.zero_copy && cfg_.algo == Algo::AUTO; }
-  // Finds out with the other ranks whether every buffer is in the arena; logs the choice.
-  std::vector<char*> negotiate(const OpCall& op, const void* mine, size_t bytes);
+  // Finds out with the other ranks whether every buffer is in the arena; logs the choice
+  // (zero-copy, or `fallback`: the algorithm used otherwise).
+  std::vector<char*> negotiate(const OpCall& op, const void* mine, size_t bytes,
+                               const char* fallback);
   std::string direct_reason(size_t bytes) const;
   Args reduction_args(DType dtype, RedOp op) const;
   void check_root(int root, const char* what) const;

@@ -90,4 +90,14 @@ void all_gather_zero_copy(Transport& t, const OpCall& op, const Args& a,
   t.wait_stage(op, 1);
 }
 
+// One copy per receiver, all reading the root's buffer at once, instead of the chain's
+// copy into a slot and out of it at every hop. The wait keeps the root from returning
+// (and changing its tensor) while a receiver still reads it.
+void broadcast_zero_copy(Transport& t, const OpCall& op, const Args& a,
+                         const std::vector<char*>& bufs) {
+  if (t.rank() != a.root) std::memcpy(a.out, bufs[a.root], a.count * dtype_size(a.dtype));
+  t.post_stage(op, 1);
+  t.wait_stage(op, 1);
+}
+
 }  // namespace pycomm
