@@ -144,6 +144,9 @@ class MpiComm:
             "all_gather": lambda: comm.Allgather(work, out),
             "reduce_scatter": lambda: comm.Reduce_scatter_block(work, out, op=red),
             "broadcast": lambda: comm.Bcast(work, root=ROOT),
+            "reduce": lambda: comm.Reduce(
+                MPI.IN_PLACE if self.rank == ROOT else work, work, op=red, root=ROOT
+            ),
             "all_to_all": lambda: comm.Alltoall(work, out),
         }
         call = calls[op]

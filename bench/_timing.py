@@ -12,15 +12,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
-REDUCING = ("all_reduce", "reduce_scatter")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all")
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+IN_PLACE = ("all_reduce", "broadcast", "reduce")  # as DDP and torch's API use them
 REDOPS = {
     "sum": dist.ReduceOp.SUM,
     "avg": dist.ReduceOp.AVG,
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-ROOT = 0  # broadcast root
+ROOT = 0  # broadcast and reduce root
 Alloc = Callable[..., torch.Tensor]  # (count, dtype=...) -> tensor: torch.empty, pycomm.empty
 
 
@@ -28,7 +29,7 @@ def busbw_factor(op: str, world: int) -> float:
     """nccl-tests' bus-bandwidth factor: what each rank's link must carry, per byte of S."""
     if op == "all_reduce":
         return 2 * (world - 1) / world
-    if op == "broadcast":
+    if op in ("broadcast", "reduce"):
         return 1.0
     return (world - 1) / world
 
@@ -36,7 +37,7 @@ def busbw_factor(op: str, world: int) -> float:
 def total_count(op: str, nbytes: int, elsize: int, world: int) -> int:
     """Elements of S for a sweep size: rounded down so every rank's share is whole."""
     count = nbytes // elsize
-    return count if op in ("all_reduce", "broadcast") else count - count % world
+    return count if op in IN_PLACE else count - count % world
 
 
 def rank_input(rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -75,7 +76,7 @@ def make_buffers(
     src = rank_input(rank, in_count, dtype)
     work = alloc(in_count, dtype=dtype)
     work.copy_(src)
-    if op in ("all_reduce", "broadcast"):  # in place, as DDP and torch's API use them
+    if op in IN_PLACE:
         return Buffers(src, work, None)
     out_count = count // world if op == "reduce_scatter" else count
     return Buffers(src, work, alloc(out_count, dtype=dtype))
@@ -107,6 +108,7 @@ class TorchComm:
                 bufs.out, bufs.work, op=red, group=group
             ),
             "broadcast": lambda: dist.broadcast(bufs.work, group_src=ROOT, group=group),
+            "reduce": lambda: dist.reduce(bufs.work, group_dst=ROOT, op=red, group=group),
             "all_to_all": lambda: dist.all_to_all_single(bufs.out, bufs.work, group=group),
         }
         return calls[op]
@@ -182,7 +184,9 @@ def time_case(op: str, count: int, dtype: torch.dtype, comm, args) -> dict:
         if i >= args.warmup_iters:
             times.append(time.perf_counter() - start)
     wrong = -1
-    if args.check:
+    if args.check and op == "reduce" and comm.rank != ROOT:
+        wrong = 0  # only the root's buffer holds a result
+    elif args.check:
         ref = expected(op, count, dtype, comm.rank, comm.world, args.redop)
         wrong = count_wrong(bufs.result(), ref, args.redop)
     return {"times": times, "wrong": wrong}

@@ -96,6 +96,15 @@ def _every_collective(count: int, dtype: torch.dtype, who: str) -> list[str]:
     if not torch.equal(b.double(), _ref(count, n - 1, torch.float64)):
         bad.append("broadcast")
 
+    for root in (0, n - 1):  # every rank reduces its part into the root's buffer
+        r_in = _arena(_ref(count, rank, dtype), reg)
+        mine_before = r_in.clone()
+        dist.reduce(r_in, root)
+        if rank == root and not torch.equal(r_in.double(), total):
+            bad.append(f"reduce to {root}")
+        if rank != root and not torch.equal(r_in, mine_before):
+            bad.append(f"reduce to {root} changed a non-root input")
+
     a2a_in = _arena(_ref(count * n, rank, dtype), reg)
     a2a_out = _arena(torch.empty(count * n, dtype=dtype), reg)
     dist.all_to_all_single(a2a_out, a2a_in)
@@ -127,6 +136,7 @@ def _zero_copy_chosen() -> str:
             dist.all_reduce(torch.zeros(1 << 18), group=group)
             dist.broadcast(pycomm.zeros(1 << 18), 0, group=group)
             dist.broadcast(torch.zeros(1 << 18), 0, group=group)
+            dist.reduce(pycomm.zeros(1 << 18), 0, group=group)
         finally:
             os.dup2(saved, 2)
             os.close(saved)
@@ -143,3 +153,5 @@ def test_debug_log_names_zero_copy_and_fallback(pool):
         assert len(lines) == 2, text
         assert "zero-copy (every rank's buffer is in the arena)" in lines[0], text
         assert "chain (not every rank's buffer is in the arena)" in lines[1], text
+        reduce = [line for line in text.splitlines() if " reduce " in f" {line} "]
+        assert len(reduce) == 1 and "zero-copy" in reduce[0], text

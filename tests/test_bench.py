@@ -33,6 +33,7 @@ def test_repeated_backend_gets_its_own_label():
         ("all_reduce", 4, 1.5),
         ("all_gather", 4, 0.75),
         ("broadcast", 4, 1.0),
+        ("reduce", 4, 1.0),
         ("all_to_all", 2, 0.5),
     ],
 )
@@ -50,6 +51,7 @@ def _simulate(op: str, count: int, dtype: torch.dtype, rank: int, world: int) ->
         "reduce_scatter": lambda: sum(ins[1:], ins[0])[mine],
         "all_gather": lambda: torch.cat(ins),
         "broadcast": lambda: ins[_timing.ROOT],
+        "reduce": lambda: sum(ins[1:], ins[0]),  # the root's result
         "all_to_all": lambda: torch.cat([x[mine] for x in ins]),
     }[op]()
 

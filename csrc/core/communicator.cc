@@ -308,7 +308,18 @@ void Communicator::reduce(const void* in, void* out, size_t count, DType dtype, 
   if (world_ == 1 || count == 0) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
   if (use_direct(bytes))
     return run(c, "direct", direct_reason(bytes), [&] { reduce_direct(*transport_, c, a); });
-  run(c, "chain", direct_reason(bytes), [&] { reduce_chain(*transport_, c, a); });
+  if (!try_zero_copy())
+    return run(c, "chain", direct_reason(bytes), [&] { reduce_chain(*transport_, c, a); });
+  run(c, nullptr, "", [&] {
+    // Peers write the result into the root's buffer, so the root offers it only when
+    // it is also the input (torch's reduce is in place); otherwise all take the chain.
+    const void* offered = rank_ == root && in != out ? nullptr : in;
+    auto bufs = negotiate(c, offered, bytes, "chain");
+    if (bufs.empty())
+      reduce_chain(*transport_, c, a);
+    else
+      reduce_zero_copy(*transport_, c, a, bufs);
+  });
 }
 
 void Communicator::all_to_all(const AllToAllArgs& args) {

@@ -24,12 +24,21 @@ std::vector<const void*> at_offset(const std::vector<char*>& bufs, size_t offset
   return srcs;
 }
 
+// Rank r's contiguous part of `count` elements: an n-th, rounded up to whole cache
+// lines so that no two ranks write one line.
+Piece own_part(size_t count, int n, int r, size_t es) {
+  const size_t line = std::max<size_t>(1, 64 / es);
+  const size_t per_rank = ((count + n - 1) / n + line - 1) / line * line;
+  const size_t begin = std::min(count, r * per_rank);
+  return {begin, std::min(count, begin + per_rank) - begin};
+}
+
 }  // namespace
 
 std::vector<char*> negotiate_zero_copy(Transport& t, PeerMemory& peers, const OpCall& op,
                                        const void* mine, size_t bytes) {
   auto* offer = static_cast<Offer*>(t.direct_buffer(op));
-  offer->in_arena = Arena::instance().locate(mine, bytes, &offer->where) ? 1 : 0;
+  offer->in_arena = mine != nullptr && Arena::instance().locate(mine, bytes, &offer->where);
   t.post_direct(op);
   std::vector<char*> bufs(t.world(), nullptr);
   bool all = true;
@@ -52,18 +61,30 @@ std::vector<char*> negotiate_zero_copy(Transport& t, PeerMemory& peers, const Op
 // reduce then copy the peers' results, reads each byte twice: about 1.5x the work.)
 void all_reduce_zero_copy(Transport& t, const OpCall& op, const Args& a,
                           const std::vector<char*>& bufs) {
-  const int n = t.world(), r = t.rank();
+  const int n = t.world();
   const size_t es = dtype_size(a.dtype);
-  const size_t line = std::max<size_t>(1, 64 / es);
-  const size_t part = (a.count + n - 1) / n;
-  const size_t per_rank = (part + line - 1) / line * line;
-  const size_t begin = std::min(a.count, r * per_rank);
-  const size_t count = std::min(a.count, begin + per_rank) - begin;
-  if (count > 0) {
-    std::vector<const void*> srcs = at_offset(bufs, begin * es);
+  Piece mine = own_part(a.count, n, t.rank(), es);
+  if (mine.count > 0) {
+    std::vector<const void*> srcs = at_offset(bufs, mine.offset * es);
     std::vector<void*> dsts(n);
-    for (int q = 0; q < n; ++q) dsts[q] = bufs[q] + begin * es;
-    reduce_copy(a.dtype, a.op, dsts.data(), n, srcs.data(), n, count, a.scale);
+    for (int q = 0; q < n; ++q) dsts[q] = bufs[q] + mine.offset * es;
+    reduce_copy(a.dtype, a.op, dsts.data(), n, srcs.data(), n, mine.count, a.scale);
+  }
+  t.post_stage(op, 1);
+  t.wait_stage(op, 1);
+}
+
+// As all_reduce, with one destination: every rank reduces its part straight into the
+// root's buffer, so the root does 1/n of the work rather than all of it. bufs[root] is
+// the root's tensor, input and output at once (the caller only offers it then).
+void reduce_zero_copy(Transport& t, const OpCall& op, const Args& a,
+                      const std::vector<char*>& bufs) {
+  const size_t es = dtype_size(a.dtype);
+  Piece mine = own_part(a.count, t.world(), t.rank(), es);
+  if (mine.count > 0) {
+    std::vector<const void*> srcs = at_offset(bufs, mine.offset * es);
+    void* dst = bufs[a.root] + mine.offset * es;
+    reduce_copy(a.dtype, a.op, &dst, 1, srcs.data(), t.world(), mine.count, a.scale);
   }
   t.post_stage(op, 1);
   t.wait_stage(op, 1);

@@ -27,6 +27,9 @@ void reduce_scatter_zero_copy(Transport& t, const OpCall& op, const Args& a,
                               const std::vector<char*>& bufs);
 void all_gather_zero_copy(Transport& t, const OpCall& op, const Args& a,
                           const std::vector<char*>& bufs);
+// Every rank reduces its n-th of all buffers into the root's (a.in == a.out there).
+void reduce_zero_copy(Transport& t, const OpCall& op, const Args& a,
+                      const std::vector<char*>& bufs);
 // Every rank but the root copies the root's buffer into its own (a.out), once.
 void broadcast_zero_copy(Transport& t, const OpCall& op, const Args& a,
                          const std::vector<char*>& bufs);
