@@ -4,6 +4,7 @@ references."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 
@@ -137,6 +138,8 @@ def _zero_copy_chosen() -> str:
             dist.broadcast(pycomm.zeros(1 << 18), 0, group=group)
             dist.broadcast(torch.zeros(1 << 18), 0, group=group)
             dist.reduce(pycomm.zeros(1 << 18), 0, group=group)
+            n = dist.get_world_size()
+            dist.all_to_all_single(torch.empty(n * 8), pycomm.zeros(n * 8), group=group)
         finally:
             os.dup2(saved, 2)
             os.close(saved)
@@ -155,3 +158,31 @@ def test_debug_log_names_zero_copy_and_fallback(pool):
         assert "chain (not every rank's buffer is in the arena)" in lines[1], text
         reduce = [line for line in text.splitlines() if " reduce " in f" {line} "]
         assert len(reduce) == 1 and "zero-copy" in reduce[0], text
+        peers = pool.world_size - 1
+        assert f"pairwise, {peers} of {peers} peers read in place" in text, text
+
+
+def _all_to_all_pull_mismatch() -> str:
+    """Rank 1 expects one element more from rank 0 than rank 0, whose input is in the
+    arena (so rank 1 reads it in place), sends it. Run in its own group: the failure
+    aborts that group, not the pool's."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(backend="pycomm", timeout=datetime.timedelta(seconds=5))
+    send = [4] * n
+    recv = [4] * n
+    if rank == 1:
+        recv[0] = 5
+    x = pycomm.zeros(4 * n) if rank == 0 else torch.zeros(4 * n)
+    out = torch.empty(sum(recv))
+    try:
+        dist.all_to_all_single(out, x, recv, send, group=group)
+    except Exception as e:  # the message is what the test checks
+        return str(e)
+    finally:
+        dist.destroy_process_group(group)
+    return ""
+
+
+def test_all_to_all_size_mismatch_on_a_pulled_block_names_both_ranks(pool):
+    for rank, message in enumerate(pool.run(_all_to_all_pull_mismatch)):
+        assert "rank 1 expects 5 elements from rank 0, which sends it 4" in message, (rank, message)

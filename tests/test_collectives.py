@@ -293,9 +293,19 @@ def _pair_size(src: int, dst: int, base: int, uneven: bool) -> int:
     return base + ((3 * src + 5 * dst) % 7 if uneven else 0)
 
 
+def _all_to_all_input(x: torch.Tensor, form: str, rank: int) -> torch.Tensor:
+    """The input as given: in the arena on even ranks for the "arena" forms (their peers
+    then read it in place, the odd ranks' through the channels), else a plain copy."""
+    if form.endswith("arena") and rank % 2 == 0:
+        import pycomm
+
+        return pycomm.empty(x.shape, dtype=x.dtype).copy_(x)
+    return x.clone()
+
+
 def _all_to_all_case(form: str, dtype_name: str) -> None:
     dtype, n, r = getattr(torch, dtype_name), dist.get_world_size(), dist.get_rank()
-    uneven = form.endswith("uneven")
+    uneven = "uneven" in form
     for base in COUNTS if not uneven else COUNTS[:4]:
         key = f"all_to_all/{form}/{dtype_name}/{base}"
         sizes = [[_pair_size(s, d, base, uneven) for d in range(n)] for s in range(n)]
@@ -308,11 +318,12 @@ def _all_to_all_case(form: str, dtype_name: str) -> None:
             out = torch.cat(outs)
         else:
             out = torch.empty(sum(recv_sizes), dtype=dtype)
-            dist.all_to_all_single(out, xs[r].clone(), recv_sizes, sizes[r])
+            dist.all_to_all_single(out, _all_to_all_input(xs[r], form, r), recv_sizes, sizes[r])
         _equal(out, want, key)
 
 
-@pytest.mark.parametrize("form", ["single_even", "single_uneven", "list_even", "list_uneven"])
+@pytest.mark.parametrize("form", ["single_even", "single_uneven", "list_even", "list_uneven",
+                                  "single_even_arena", "single_uneven_arena"])
 @pytest.mark.parametrize("dtype", ["float32", "int64"])
 def test_all_to_all(pool, backend, form, dtype):
     if form == "list_uneven" and pool.world_size > 1:

@@ -324,7 +324,19 @@ void Communicator::reduce(const void* in, void* out, size_t count, DType dtype, 
 
 void Communicator::all_to_all(const AllToAllArgs& args) {
   OpCall c = begin(OpKind::ALL_TO_ALL, args.dtype, 0, RedOp::NONE, -1);
-  run(c, "pairwise", "", [&] { all_to_all_pairwise(*transport_, c, args); });
+  // Whether to post offers is decided on what every rank knows alike (settings, world),
+  // never on its own sizes: uneven splits differ between ranks.
+  if (!try_zero_copy() || all_to_all_offer_bytes(world_) > shared_->header()->direct_bytes)
+    return run(c, "pairwise", "", [&] { all_to_all_pairwise(*transport_, c, args); });
+  run(c, nullptr, "", [&] {
+    int pulled = all_to_all_pull(*transport_, *peers_, c, args, true);
+    if (log_.enabled(LogLevel::INFO)) {
+      log_.log(LogLevel::INFO, "seq " + std::to_string(c.desc.seq) + " " + describe(c.desc) +
+                                   ": pairwise, " + std::to_string(pulled) + " of " +
+                                   std::to_string(world_ - 1) +
+                                   " peers read in place (zero-copy from their arena inputs)");
+    }
+  });
 }
 
 void Communicator::gather(const void* in, void* out, size_t count, DType dtype, int root) {

@@ -1,8 +1,13 @@
 // All-to-all, gather and scatter over the full mesh of channels.
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
+#include <string>
 
 #include "algorithms.h"
+#include "arena.h"
+#include "errors.h"
+#include "peer_memory.h"
 
 namespace pycomm {
 namespace {
@@ -47,6 +52,73 @@ void all_to_all_pairwise(Transport& t, const OpCall& op, const AllToAllArgs& a) 
     exchange(t, op, to, in + a.send_offsets[to] * es, a.send_counts[to] * es, from,
              out + a.recv_offsets[from] * es, a.recv_counts[from] * es);
   }
+}
+
+namespace {
+
+// What a rank posts before an all_to_all: whether its input is in the arena (and so may
+// be read in place), where, and which block of it goes to each rank.
+struct AllToAllOffer {
+  uint32_t pull_me;
+  uint32_t world;
+  ArenaLocation where;
+  struct Block {
+    uint64_t offset, count;  // elements
+  } blocks[1];               // world of them
+};
+
+// The extent of a's input: the end of its furthest block, in bytes.
+size_t input_bytes(const AllToAllArgs& a) {
+  size_t end = 0;
+  for (size_t q = 0; q < a.send_counts.size(); ++q)
+    end = std::max(end, a.send_offsets[q] + a.send_counts[q]);
+  return end * dtype_size(a.dtype);
+}
+
+}  // namespace
+
+size_t all_to_all_offer_bytes(int world) {
+  return offsetof(AllToAllOffer, blocks) + world * sizeof(AllToAllOffer::Block);
+}
+
+int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const AllToAllArgs& a,
+                    bool offer_input) {
+  const int n = t.world(), r = t.rank();
+  const size_t es = dtype_size(a.dtype);
+  auto* mine = static_cast<AllToAllOffer*>(t.direct_buffer(op));
+  const size_t in_bytes = input_bytes(a);
+  mine->pull_me =
+      offer_input && in_bytes > 0 && Arena::instance().locate(a.in, in_bytes, &mine->where);
+  mine->world = static_cast<uint32_t>(n);
+  for (int q = 0; q < n; ++q) mine->blocks[q] = {a.send_offsets[q], a.send_counts[q]};
+  t.post_direct(op);
+
+  const auto* in = static_cast<const char*>(a.in);
+  auto* out = static_cast<char*>(a.out);
+  std::memmove(out + a.recv_offsets[r] * es, in + a.send_offsets[r] * es, a.send_counts[r] * es);
+  int pulled = 0;
+  for (int d = 1; d < n; ++d) {
+    const int to = (r + d) % n, from = (r - d + n) % n;
+    const auto* theirs = static_cast<const AllToAllOffer*>(t.wait_direct(from, op));
+    char* dst = out + a.recv_offsets[from] * es;
+    if (theirs->pull_me) {
+      const AllToAllOffer::Block b = theirs->blocks[r];
+      if (b.count != a.recv_counts[from]) {
+        throw InvalidArgument("pycomm: all_to_all: rank " + std::to_string(r) + " expects " +
+                              std::to_string(a.recv_counts[from]) + " elements from rank " +
+                              std::to_string(from) + ", which sends it " + std::to_string(b.count));
+      }
+      std::memcpy(dst, peers.resolve(from, theirs->where) + b.offset * es, b.count * es);
+      ++pulled;
+    }
+    // Whoever pulls from us is not sent to; whoever offers is not received from.
+    exchange(t, op, mine->pull_me ? -1 : to, in + a.send_offsets[to] * es, a.send_counts[to] * es,
+             theirs->pull_me ? -1 : from, dst, a.recv_counts[from] * es);
+  }
+  // Nobody returns (and lets its input change) while a peer may still be reading it.
+  t.post_stage(op, 1);
+  if (mine->pull_me) t.wait_stage(op, 1);
+  return pulled;
 }
 
 void gather_to_root(Transport& t, const OpCall& op, const Args& a) {
