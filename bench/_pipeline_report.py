@@ -74,7 +74,7 @@ def print_pipeline(args: argparse.Namespace, res: dict[str, Any]) -> None:
         print(f"{name:<30} {r['median_ms']:>9.1f} {r['p25_ms']:>8.1f}-{r['p75_ms']:<8.1f} "
               f"{r['rows_per_s']:>9.0f} {rss:>12}")
     _print_targets(res["strategies"])
-    jobs = len(next(iter(next(iter(res["bubble_jobs"].values())).values())))
+    jobs = max(1, args.bubble_jobs)
     print("# bubble (GPipe, equal stages, idle share of the step per stage) vs (K-1)/(M+K-1), "
           f"median of {jobs} jobs (min-max):")
     for m, fractions in res["bubble"].items():

@@ -49,12 +49,11 @@ struct AllToAllArgs {
   std::vector<size_t> recv_counts, recv_offsets;
 };
 void all_to_all_pairwise(Transport& t, const OpCall& op, const AllToAllArgs& a);
-// Pairwise, except that a rank whose input is in the arena (and `offer_input`) posts it
-// and its peers copy their blocks straight out of it: one copy instead of two through a
-// slot. Every rank posts an offer of all_to_all_offer_bytes(world) in its direct area.
-// Returns how many peers this rank pulled from.
-int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const AllToAllArgs& a,
-                    bool offer_input);
+// Pairwise, except that a rank whose input is in the arena posts it and its peers copy
+// their blocks straight out of it: one copy instead of two through a slot. Every rank
+// posts an offer of all_to_all_offer_bytes(world) in its direct area. Returns how many
+// peers this rank pulled from.
+int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const AllToAllArgs& a);
 size_t all_to_all_offer_bytes(int world);
 void gather_to_root(Transport& t, const OpCall& op, const Args& a);     // out: world*count at root
 void scatter_from_root(Transport& t, const OpCall& op, const Args& a);  // in: world*count at root

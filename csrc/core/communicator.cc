@@ -220,18 +220,20 @@ void Communicator::check_root(int root, const char* what) const {
 // ---- collectives ---------------------------------------------------------------------------
 
 // Direct up to the direct size; above it, zero-copy when every rank's buffer is in the
-// arena (found out together), else the ring. `a.in` is this rank's input, `bytes` its size.
-void Communicator::run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos) {
+// arena (found out together), else the streamed algorithm. `bytes` is the message size.
+void Communicator::run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos,
+                            const void* offered) {
   if (use_direct(bytes)) {
     return run(c, "direct", direct_reason(bytes), [&] { algos.direct(*transport_, c, a); });
   }
   if (!try_zero_copy()) {
-    return run(c, "ring", direct_reason(bytes), [&] { algos.ring(*transport_, c, a); });
+    return run(c, algos.streamed_name, direct_reason(bytes),
+               [&] { algos.streamed(*transport_, c, a); });
   }
   run(c, nullptr, "", [&] {
-    auto bufs = negotiate(c, a.in, bytes, "ring");
+    auto bufs = negotiate(c, offered, bytes, algos.streamed_name);
     if (bufs.empty())
-      algos.ring(*transport_, c, a);
+      algos.streamed(*transport_, c, a);
     else
       algos.zero_copy(*transport_, c, a, bufs);
   });
@@ -244,7 +246,7 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
   OpCall c = begin(OpKind::ALL_REDUCE, dtype, count, op, -1);
   if (world_ == 1 || count == 0) return run(c, "local", "", [] {});
   run_bulk(c, a, count * dtype_size(dtype),
-           {all_reduce_direct, all_reduce_ring, all_reduce_zero_copy});
+           {all_reduce_direct, all_reduce_ring, all_reduce_zero_copy, "ring"}, a.in);
 }
 
 void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType dtype, RedOp op) {
@@ -257,7 +259,7 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType
     return run(c, "local", "", [&] { std::memmove(out, in, count * dtype_size(dtype)); });
   }
   run_bulk(c, a, count * world_ * dtype_size(dtype),
-           {reduce_scatter_direct, reduce_scatter_ring, reduce_scatter_zero_copy});
+           {reduce_scatter_direct, reduce_scatter_ring, reduce_scatter_zero_copy, "ring"}, a.in);
 }
 
 void Communicator::all_gather(const void* in, void* out, size_t count, DType dtype) {
@@ -269,7 +271,7 @@ void Communicator::all_gather(const void* in, void* out, size_t count, DType dty
   OpCall c = begin(OpKind::ALL_GATHER, dtype, count, RedOp::NONE, -1);
   size_t bytes = count * dtype_size(dtype);
   if (world_ == 1 || count == 0) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
-  run_bulk(c, a, bytes, {all_gather_direct, all_gather_ring, all_gather_zero_copy});
+  run_bulk(c, a, bytes, {all_gather_direct, all_gather_ring, all_gather_zero_copy, "ring"}, a.in);
 }
 
 void Communicator::broadcast(void* data, size_t count, DType dtype, int root) {
@@ -282,17 +284,7 @@ void Communicator::broadcast(void* data, size_t count, DType dtype, int root) {
   OpCall c = begin(OpKind::BROADCAST, dtype, count, RedOp::NONE, root);
   size_t bytes = count * dtype_size(dtype);
   if (world_ == 1 || count == 0) return run(c, "local", "", [] {});
-  if (use_direct(bytes))
-    return run(c, "direct", direct_reason(bytes), [&] { broadcast_direct(*transport_, c, a); });
-  if (!try_zero_copy())
-    return run(c, "chain", direct_reason(bytes), [&] { broadcast_chain(*transport_, c, a); });
-  run(c, nullptr, "", [&] {
-    auto bufs = negotiate(c, a.out, bytes, "chain");
-    if (bufs.empty())
-      broadcast_chain(*transport_, c, a);
-    else
-      broadcast_zero_copy(*transport_, c, a, bufs);
-  });
+  run_bulk(c, a, bytes, {broadcast_direct, broadcast_chain, broadcast_zero_copy, "chain"}, data);
 }
 
 void Communicator::reduce(const void* in, void* out, size_t count, DType dtype, RedOp op,
@@ -306,20 +298,10 @@ void Communicator::reduce(const void* in, void* out, size_t count, DType dtype, 
   OpCall c = begin(OpKind::REDUCE, dtype, count, op, root);
   size_t bytes = count * dtype_size(dtype);
   if (world_ == 1 || count == 0) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
-  if (use_direct(bytes))
-    return run(c, "direct", direct_reason(bytes), [&] { reduce_direct(*transport_, c, a); });
-  if (!try_zero_copy())
-    return run(c, "chain", direct_reason(bytes), [&] { reduce_chain(*transport_, c, a); });
-  run(c, nullptr, "", [&] {
-    // Peers write the result into the root's buffer, so the root offers it only when
-    // it is also the input (torch's reduce is in place); otherwise all take the chain.
-    const void* offered = rank_ == root && in != out ? nullptr : in;
-    auto bufs = negotiate(c, offered, bytes, "chain");
-    if (bufs.empty())
-      reduce_chain(*transport_, c, a);
-    else
-      reduce_zero_copy(*transport_, c, a, bufs);
-  });
+  // Peers write the result into the root's buffer, so the root offers it only when it
+  // is also the input (torch's reduce is in place); otherwise all take the chain.
+  const void* offered = rank_ == root && in != out ? nullptr : in;
+  run_bulk(c, a, bytes, {reduce_direct, reduce_chain, reduce_zero_copy, "chain"}, offered);
 }
 
 void Communicator::all_to_all(const AllToAllArgs& args) {
@@ -329,7 +311,7 @@ void Communicator::all_to_all(const AllToAllArgs& args) {
   if (!try_zero_copy() || all_to_all_offer_bytes(world_) > shared_->header()->direct_bytes)
     return run(c, "pairwise", "", [&] { all_to_all_pairwise(*transport_, c, args); });
   run(c, nullptr, "", [&] {
-    int pulled = all_to_all_pull(*transport_, *peers_, c, args, true);
+    int pulled = all_to_all_pull(*transport_, *peers_, c, args);
     if (log_.enabled(LogLevel::INFO)) {
       log_.log(LogLevel::INFO, "seq " + std::to_string(c.desc.seq) + " " + describe(c.desc) +
                                    ": pairwise, " + std::to_string(pulled) + " of " +

@@ -21,11 +21,14 @@
 
 namespace pycomm {
 
-// The three algorithms of all_reduce, reduce_scatter and all_gather.
+// The three algorithms of a bulk collective (all_reduce, reduce_scatter, all_gather,
+// broadcast, reduce): direct for small messages, else zero-copy when every rank's
+// buffer is in the arena, else the streamed one (a ring, or a chain for rooted ops).
 struct BulkAlgorithms {
   void (*direct)(Transport&, const OpCall&, const Args&);
-  void (*ring)(Transport&, const OpCall&, const Args&);
+  void (*streamed)(Transport&, const OpCall&, const Args&);
   void (*zero_copy)(Transport&, const OpCall&, const Args&, const std::vector<char*>&);
+  const char* streamed_name;  // "ring" or "chain", for the log
 };
 
 class Communicator {
@@ -67,7 +70,9 @@ class Communicator {
   void finish(const OpCall& op);
   template <class Body>
   void run(OpCall& op, const char* algo, const std::string& why, Body body);
-  void run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos);
+  // `offered`: this rank's buffer for the zero-copy negotiation (null: not offered).
+  void run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos,
+                const void* offered);
   bool use_direct(size_t bytes) const;
   bool try_zero_copy() const { return cfg_.zero_copy && cfg_.algo == Algo::AUTO; }
   // Finds out with the other ranks whether every buffer is in the arena; logs the choice

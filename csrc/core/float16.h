@@ -7,17 +7,24 @@
 
 namespace pycomm {
 
-inline __attribute__((always_inline)) float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
+inline __attribute__((always_inline)) float bits_to_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
+inline __attribute__((always_inline)) uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline __attribute__((always_inline)) float bf16_to_float(uint16_t h) {
+  return bits_to_float(static_cast<uint32_t>(h) << 16);
+}
 
 // Round to nearest even; NaN stays NaN (quiet).
 inline __attribute__((always_inline)) uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  uint32_t u = float_to_bits(f);
   uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);
   bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
   return static_cast<uint16_t>(nan ? ((u >> 16) | 0x40u) : (rounded >> 16));
@@ -29,16 +36,6 @@ inline __attribute__((always_inline)) uint16_t float_to_bf16(float f) {
 // reductions 6x slower than bfloat16. Exact, round to nearest even (F. Giesen's
 // half_to_float / float_to_half_fast3_rtne), and correct under flush-to-zero and
 // denormals-are-zero: no float it computes with is subnormal unless it rounds to zero.
-inline __attribute__((always_inline)) float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline __attribute__((always_inline)) uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 
 // Half values travel as their bits (uint16_t), as bfloat16 does: GCC vectorises integer
 // lanes, not _Float16 ones.

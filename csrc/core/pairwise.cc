@@ -81,14 +81,12 @@ size_t all_to_all_offer_bytes(int world) {
   return offsetof(AllToAllOffer, blocks) + world * sizeof(AllToAllOffer::Block);
 }
 
-int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const AllToAllArgs& a,
-                    bool offer_input) {
+int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const AllToAllArgs& a) {
   const int n = t.world(), r = t.rank();
   const size_t es = dtype_size(a.dtype);
   auto* mine = static_cast<AllToAllOffer*>(t.direct_buffer(op));
   const size_t in_bytes = input_bytes(a);
-  mine->pull_me =
-      offer_input && in_bytes > 0 && Arena::instance().locate(a.in, in_bytes, &mine->where);
+  mine->pull_me = in_bytes > 0 && Arena::instance().locate(a.in, in_bytes, &mine->where);
   mine->world = static_cast<uint32_t>(n);
   for (int q = 0; q < n; ++q) mine->blocks[q] = {a.send_offsets[q], a.send_counts[q]};
   t.post_direct(op);

@@ -8,14 +8,8 @@
 #include <type_traits>
 
 #include "float16.h"
+#include "kernel_attrs.h"
 #include "reduce.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PYCOMM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define PYCOMM_CLONES
-#endif
-#define PYCOMM_INLINE inline __attribute__((always_inline))
 
 namespace pycomm {
 namespace {
