@@ -15,10 +15,13 @@ from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# Sources include each other by their path under csrc/ ("core/transport/layout.h").
+INCLUDE = os.path.join(ROOT, "csrc")
 
 
 def sources(pattern: str) -> list[str]:
-    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+    return sorted(os.path.relpath(p, ROOT)
+                  for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
 
 
 def cuda_wanted() -> bool:
@@ -48,17 +51,21 @@ def extension():
     # it GCC will not turn the clamps of the fused kernels' erf and exp into vector code.
     cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter",
                  "-fno-trapping-math"]
-    srcs = sources("csrc/core/*.cc") + sources("csrc/torch/*.cc")
+    # csrc/cuda/host is plain C++ (the CUDA ring's plan, simulator and handle format), so
+    # CPU-only builds compile it too and CI tests it without a GPU.
+    srcs = (sources("csrc/core/**/*.cc") + sources("csrc/recompute/*.cc")
+            + sources("csrc/cuda/host/*.cc") + sources("csrc/torch/*.cc"))
     if cuda_wanted():
         print("pycomm: building with CUDA")
         return cpp_extension.CUDAExtension(
             "pycomm._C",
             srcs + sources("csrc/cuda/*.cu") + sources("csrc/torch/*.cu"),
             extra_compile_args={"cxx": cxx_flags + ["-DPYCOMM_CUDA"], "nvcc": nvcc_flags()},
+            include_dirs=[INCLUDE],
         )
     print("pycomm: building the CPU-only extension (no CUDA torch or nvcc, or no CUDA sources)")
     return cpp_extension.CppExtension("pycomm._C", srcs, extra_compile_args={"cxx": cxx_flags},
-                                      extra_link_args=["-lrt"])
+                                      extra_link_args=["-lrt"], include_dirs=[INCLUDE])
 
 
 setup(

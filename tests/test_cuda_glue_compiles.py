@@ -38,7 +38,7 @@ def test_cuda_glue_type_checks(source, tmp_path):
     torch_inc = Path(torch.__file__).parent / "include"
     cmd = ["g++", "-std=c++17", "-fsyntax-only", "-DPYCOMM_CUDA", f"-I{tmp_path}",
            f"-I{torch_inc}", f"-I{torch_inc / 'torch/csrc/api/include'}", f"-I{cuda}",
-           f"-I{sysconfig.get_paths()['include']}", str(ROOT / source)]
+           f"-I{sysconfig.get_paths()['include']}", f"-I{ROOT / 'csrc'}", str(ROOT / source)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     errors = [line for line in done.stderr.splitlines() if "error" in line]
     assert done.returncode == 0, "\n".join(errors[:20]) or done.stderr[-2000:]

@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <initializer_list>
 
-#include "fused_kernels.cuh"
+#include "cuda/fused_kernels.cuh"
 
 namespace pycomm {
 namespace cuda {

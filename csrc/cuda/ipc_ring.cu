@@ -4,11 +4,11 @@
 #include <algorithm>
 #include <atomic>
 
-#include "../core/config.h"
-#include "../core/errors.h"
-#include "../core/log.h"
-#include "ipc_ring.cuh"
-#include "reduce_kernels.cuh"
+#include "core/runtime/config.h"
+#include "core/runtime/errors.h"
+#include "core/runtime/log.h"
+#include "cuda/ipc_ring.cuh"
+#include "cuda/reduce_kernels.cuh"
 
 namespace pycomm {
 namespace cuda {

@@ -21,12 +21,12 @@
 #include <string>
 #include <vector>
 
-#include "../core/config.h"
-#include "../core/ipc_handles.h"
-#include "../core/rendezvous.h"
-#include "../core/ring_plan.h"
-#include "../core/shm_segment.h"
-#include "../core/types.h"
+#include "core/runtime/config.h"
+#include "core/runtime/rendezvous.h"
+#include "core/runtime/types.h"
+#include "core/transport/shm_segment.h"
+#include "cuda/host/ipc_handles.h"
+#include "cuda/host/ring_plan.h"
 
 namespace pycomm {
 namespace cuda {

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "reduce_kernels.cuh"
+#include "cuda/reduce_kernels.cuh"
 
 namespace pycomm {
 namespace cuda {

@@ -8,7 +8,7 @@
 
 #include <cstddef>
 
-#include "../core/types.h"
+#include "core/runtime/types.h"
 
 namespace pycomm {
 namespace cuda {

@@ -11,10 +11,10 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
-#include "../core/communicator.h"
-#include "../core/p2p_engine.h"
-#include "../core/worker.h"
-#include "cuda_collectives.h"  // empty unless PYCOMM_CUDA
+#include "core/runtime/communicator.h"
+#include "core/runtime/worker.h"
+#include "core/transport/p2p_engine.h"
+#include "torch/cuda_collectives.h"  // empty unless PYCOMM_CUDA
 
 namespace pycomm_torch {
 

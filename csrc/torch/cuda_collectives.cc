@@ -1,6 +1,6 @@
 #ifdef PYCOMM_CUDA
 
-#include "cuda_collectives.h"
+#include "torch/cuda_collectives.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -9,11 +9,11 @@
 
 #include <string>
 
-#include "../core/errors.h"
-#include "../cuda/ipc_ring.cuh"
-#include "../cuda/reduce_kernels.cuh"
-#include "store_rendezvous.h"
-#include "tensor_args.h"
+#include "core/runtime/errors.h"
+#include "cuda/ipc_ring.cuh"
+#include "cuda/reduce_kernels.cuh"
+#include "torch/store_rendezvous.h"
+#include "torch/tensor_args.h"
 
 namespace pycomm_torch {
 namespace {

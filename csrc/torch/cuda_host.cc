@@ -1,20 +1,20 @@
-#include "cuda_host.h"
+#include "torch/cuda_host.h"
 
 #include <pybind11/stl.h>
 
 #include <string>
 
-#include "../core/ipc_handles.h"
-#include "../core/ring_plan.h"
-#include "../core/ring_sim.h"
+#include "cuda/host/ipc_handles.h"
+#include "cuda/host/ring_plan.h"
+#include "cuda/host/ring_sim.h"
 
 #ifdef PYCOMM_CUDA
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "../cuda/reduce_kernels.cuh"
-#include "tensor_args.h"
+#include "cuda/reduce_kernels.cuh"
+#include "torch/tensor_args.h"
 #endif
 
 namespace py = pybind11;

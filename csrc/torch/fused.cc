@@ -1,9 +1,9 @@
-#include "fused.h"
+#include "torch/fused.h"
 
 #include <ATen/Parallel.h>
 
-#include "../core/fused_ops.h"
-#include "fused_checks.h"
+#include "recompute/fused_ops.h"
+#include "torch/fused_checks.h"
 
 namespace pycomm_torch {
 namespace {

@@ -6,9 +6,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "../cuda/fused_kernels.cuh"
-#include "fused.h"
-#include "fused_checks.h"
+#include "cuda/fused_kernels.cuh"
+#include "torch/fused.h"
+#include "torch/fused_checks.h"
 
 namespace py = pybind11;
 

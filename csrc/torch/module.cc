@@ -8,16 +8,16 @@
 #include <string>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "../core/arena.h"
-#include "../core/config.h"
-#include "../core/reduce.h"
-#include "../core/shm_segment.h"
-#include "backend.h"
-#include "cuda_host.h"
-#include "fused.h"
-#include "islands.h"
-#include "storage_binding.h"
-#include "tensor_args.h"
+#include "core/kernels/reduce.h"
+#include "core/memory/arena.h"
+#include "core/runtime/config.h"
+#include "core/transport/shm_segment.h"
+#include "torch/backend.h"
+#include "torch/cuda_host.h"
+#include "torch/fused.h"
+#include "torch/islands.h"
+#include "torch/storage_binding.h"
+#include "torch/tensor_args.h"
 
 namespace py = pybind11;
 

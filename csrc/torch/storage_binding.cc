@@ -1,4 +1,4 @@
-#include "storage_binding.h"
+#include "torch/storage_binding.h"
 
 #include <c10/core/StorageImpl.h>
 

@@ -6,7 +6,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
-#include "../core/rendezvous.h"
+#include "core/runtime/rendezvous.h"
 
 namespace pycomm_torch {
 

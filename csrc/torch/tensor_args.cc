@@ -1,9 +1,9 @@
-#include "tensor_args.h"
+#include "torch/tensor_args.h"
 
 #include <c10/util/Exception.h>
 
-#include "../core/errors.h"
-#include "../core/reduce.h"
+#include "core/kernels/reduce.h"
+#include "core/runtime/errors.h"
 
 namespace pycomm_torch {
 namespace {

@@ -8,7 +8,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <vector>
 
-#include "../core/types.h"
+#include "core/runtime/types.h"
 
 namespace pycomm_torch {
 

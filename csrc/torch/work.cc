@@ -1,4 +1,4 @@
-#include "work.h"
+#include "torch/work.h"
 
 namespace pycomm_torch {
 

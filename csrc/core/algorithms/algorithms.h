@@ -1,0 +1,61 @@
+// Every collective algorithm of the core. Each runs on one rank, inside one OpCall, over
+// the Transport; all ranks must run the same algorithm for the same sequence number
+// (the Communicator picks it from the call alone, so they do).
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "core/runtime/types.h"
+#include "core/transport/transport.h"
+
+namespace pycomm {
+
+class PeerMemory;
+
+struct Args {
+  const void* in = nullptr;  // this rank's input
+  void* out = nullptr;       // this rank's output (== in for in-place ops)
+  size_t count = 0;          // elements: the buffer (all_reduce, broadcast, reduce) or per rank
+  DType dtype = DType::F32;
+  RedOp op = RedOp::NONE;  // kernel op (see kernel_op)
+  double scale = 1.0;      // applied once to the final value (AVG)
+  int root = 0;
+};
+
+// Chunked, pipelined rings (ring allreduce = reduce-scatter phase + all-gather phase).
+void all_reduce_ring(Transport& t, const OpCall& op, const Args& a);
+void reduce_scatter_ring(Transport& t, const OpCall& op, const Args& a);  // in: world*count
+void all_gather_ring(Transport& t, const OpCall& op, const Args& a);      // out: world*count
+
+// Chains along the ring, pipelined chunk by chunk.
+void broadcast_chain(Transport& t, const OpCall& op, const Args& a);
+void reduce_chain(Transport& t, const OpCall& op, const Args& a);
+
+// Direct: every rank posts its whole input once, then reads what it needs from all.
+void all_reduce_direct(Transport& t, const OpCall& op, const Args& a);
+void reduce_scatter_direct(Transport& t, const OpCall& op, const Args& a);
+void all_gather_direct(Transport& t, const OpCall& op, const Args& a);
+void broadcast_direct(Transport& t, const OpCall& op, const Args& a);
+void reduce_direct(Transport& t, const OpCall& op, const Args& a);
+void barrier_direct(Transport& t, const OpCall& op);
+
+// Point-to-point patterns over the full mesh of channels.
+struct AllToAllArgs {
+  const void* in = nullptr;
+  void* out = nullptr;
+  DType dtype = DType::F32;
+  std::vector<size_t> send_counts, send_offsets;  // elements, per peer
+  std::vector<size_t> recv_counts, recv_offsets;
+};
+void all_to_all_pairwise(Transport& t, const OpCall& op, const AllToAllArgs& a);
+// Pairwise, except that a rank whose input is in the arena posts it and its peers copy
+// their blocks straight out of it: one copy instead of two through a slot. Every rank
+// posts an offer of all_to_all_offer_bytes(world) in its direct area. Returns how many
+// peers this rank pulled from.
+int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const AllToAllArgs& a);
+size_t all_to_all_offer_bytes(int world);
+void gather_to_root(Transport& t, const OpCall& op, const Args& a);     // out: world*count at root
+void scatter_from_root(Transport& t, const OpCall& op, const Args& a);  // in: world*count at root
+
+}  // namespace pycomm

@@ -1,0 +1,97 @@
+#include "core/algorithms/ring_prims.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/kernels/reduce.h"
+
+namespace pycomm {
+
+Partition::Partition(size_t count, int parts, size_t chunk_elems)
+    : count_(count),
+      base_(count / parts),
+      rem_(count % parts),
+      chunk_(std::max<size_t>(1, chunk_elems)),
+      parts_(parts) {
+  size_t longest = base_ + (rem_ > 0 ? 1 : 0);
+  rounds_ = std::max<size_t>(1, (longest + chunk_ - 1) / chunk_);
+}
+
+size_t Partition::begin(int part) const { return part * base_ + std::min<size_t>(part, rem_); }
+
+size_t Partition::size(int part) const {
+  return base_ + (static_cast<size_t>(part) < rem_ ? 1 : 0);
+}
+
+Piece Partition::piece(long part, size_t round) const {
+  int p = static_cast<int>(((part % parts_) + parts_) % parts_);
+  size_t start = round * chunk_;
+  size_t len = size(p);
+  size_t n = start >= len ? 0 : std::min(chunk_, len - start);
+  return {begin(p) + std::min(start, len), n};
+}
+
+Prims::Prims(Transport& t, const OpCall& op, DType dtype, int prev, int next, size_t msg_elems,
+             RedOp redop, double scale)
+    : t_(t),
+      op_(op),
+      dtype_(dtype),
+      esize_(dtype_size(dtype)),
+      prev_(prev),
+      next_(next),
+      msg_bytes_(msg_elems * esize_),
+      redop_(redop),
+      scale_(scale) {}
+
+const void* Prims::recv(Piece p) {
+  return t_.receive(prev_, op_, p.offset * esize_, p.count * esize_, msg_bytes_);
+}
+void* Prims::slot() { return t_.acquire(next_, op_); }
+void Prims::publish(Piece p) {
+  t_.publish(next_, op_, p.offset * esize_, p.count * esize_, msg_bytes_);
+}
+void Prims::done_recv() { t_.release(prev_); }
+
+void Prims::send(const void* src, Piece p) {
+  std::memcpy(slot(), src, p.count * esize_);
+  publish(p);
+}
+
+void Prims::recv_reduce_send(const void* mine, Piece p) {
+  const void* in = recv(p);
+  reduce_pair(dtype_, redop_, slot(), in, mine, p.count);
+  publish(p);
+  done_recv();
+}
+
+void Prims::recv_reduce_copy_send(const void* mine, void* dst, Piece p) {
+  const void* in = recv(p);
+  void* out = slot();
+  reduce_pair(dtype_, redop_, dst, in, mine, p.count, scale_);
+  std::memcpy(out, dst, p.count * esize_);
+  publish(p);
+  done_recv();
+}
+
+void Prims::recv_reduce_copy(const void* mine, void* dst, Piece p) {
+  const void* in = recv(p);
+  reduce_pair(dtype_, redop_, dst, in, mine, p.count, scale_);
+  done_recv();
+}
+
+void Prims::recv_copy_send(void* dst, Piece p) {
+  const void* in = recv(p);
+  void* out = slot();
+  std::memcpy(dst, in, p.count * esize_);
+  std::memcpy(out, in, p.count * esize_);
+  publish(p);
+  done_recv();
+}
+
+void Prims::recv_copy(void* dst, Piece p) {
+  const void* in = recv(p);
+  std::memcpy(dst, in, p.count * esize_);
+  done_recv();
+}
+
+}  // namespace pycomm

@@ -1,0 +1,37 @@
+// Zero-copy collectives for buffers in the shared-memory arena: every rank reads its
+// peers' tensors in place (mapped through PeerMemory) instead of streaming them through
+// the transport's slots. Used only when every rank's buffer is in the arena; the ranks
+// find out together, in one exchange, so they all take the same path.
+#pragma once
+
+#include <vector>
+
+#include "core/algorithms/algorithms.h"
+#include "core/memory/arena.h"
+#include "core/transport/peer_memory.h"
+#include "core/transport/transport.h"
+
+namespace pycomm {
+
+// Posts where this rank's buffer `mine` (bytes long) lives, if it is in the arena, and
+// reads everyone's posts. Returns each rank's buffer as mapped here, or an empty vector
+// when some rank's buffer is not in the arena (then all ranks fall back together).
+std::vector<char*> negotiate_zero_copy(Transport& t, PeerMemory& peers, const OpCall& op,
+                                       const void* mine, size_t bytes);
+
+// `bufs` from negotiate_zero_copy. all_reduce works in place on bufs[rank];
+// reduce_scatter and all_gather read bufs (the inputs) and write a.out.
+void all_reduce_zero_copy(Transport& t, const OpCall& op, const Args& a,
+                          const std::vector<char*>& bufs);
+void reduce_scatter_zero_copy(Transport& t, const OpCall& op, const Args& a,
+                              const std::vector<char*>& bufs);
+void all_gather_zero_copy(Transport& t, const OpCall& op, const Args& a,
+                          const std::vector<char*>& bufs);
+// Every rank reduces its n-th of all buffers into the root's (a.in == a.out there).
+void reduce_zero_copy(Transport& t, const OpCall& op, const Args& a,
+                      const std::vector<char*>& bufs);
+// Every rank but the root copies the root's buffer into its own (a.out), once.
+void broadcast_zero_copy(Transport& t, const OpCall& op, const Args& a,
+                         const std::vector<char*>& bufs);
+
+}  // namespace pycomm

@@ -1,0 +1,198 @@
+// reduce_copy: one pass over any number of sources, the result stored to any number of
+// destinations. A block of elements is combined in an L1-resident accumulator (in
+// float32 for 16-bit floats, rounded once) and then written to every destination, so
+// k sources cost one read each instead of the k - 1 passes of a pairwise fold, and a
+// result wanted in several places (the zero-copy all_reduce pushes it to every rank) is
+// stored there without being read back.
+#include <cstdint>
+#include <type_traits>
+
+#include "core/kernels/float16.h"
+#include "core/kernels/kernel_attrs.h"
+#include "core/kernels/reduce.h"
+
+namespace pycomm {
+namespace {
+
+// 512 elements: 2-4 KB of accumulator, well inside L1 next to the streams it reads.
+constexpr size_t kBlock = 512;
+
+// How an element is stored (S), computed (C), and ordered: integers compute in the
+// unsigned type of their width (wraparound, no UB) and compare as the signed type.
+template <typename S, typename C, typename Ordered>
+struct Elem {
+  using Store = S;
+  using Compute = C;
+  static PYCOMM_INLINE C load(S x) { return static_cast<C>(x); }
+  static PYCOMM_INLINE S store(C x) { return static_cast<S>(x); }
+  static PYCOMM_INLINE bool less(C a, C b) {
+    return static_cast<Ordered>(a) < static_cast<Ordered>(b);
+  }
+};
+
+struct Bf16Elem {
+  using Store = uint16_t;
+  using Compute = float;
+  static PYCOMM_INLINE float load(uint16_t x) { return bf16_to_float(x); }
+  static PYCOMM_INLINE uint16_t store(float x) { return float_to_bf16(x); }
+  static PYCOMM_INLINE bool less(float a, float b) { return a < b; }
+};
+
+struct F16Elem {
+  using Store = uint16_t;  // the half's bits (float16.h)
+  using Compute = float;
+  static PYCOMM_INLINE float load(uint16_t x) { return f16_to_float(x); }
+  static PYCOMM_INLINE uint16_t store(float x) { return float_to_f16(x); }
+  static PYCOMM_INLINE bool less(float a, float b) { return a < b; }
+};
+
+template <typename E>
+struct Combine {
+  using C = typename E::Compute;
+  static PYCOMM_INLINE C sum(C a, C b) { return static_cast<C>(a + b); }
+  static PYCOMM_INLINE C prod(C a, C b) { return static_cast<C>(a * b); }
+  static PYCOMM_INLINE C min(C a, C b) { return E::less(b, a) ? b : a; }
+  static PYCOMM_INLINE C max(C a, C b) { return E::less(a, b) ? b : a; }
+  static PYCOMM_INLINE C band(C a, C b) { return static_cast<C>(a & b); }
+  static PYCOMM_INLINE C bor(C a, C b) { return static_cast<C>(a | b); }
+  static PYCOMM_INLINE C bxor(C a, C b) { return static_cast<C>(a ^ b); }
+};
+
+// acc[i] = first[i] op src[i], where `first` is the accumulator itself or, for the
+// first fold, the first source (so the first two sources are read in one loop). The
+// switch is outside the loops so each loop vectorises.
+template <typename E, typename First>
+PYCOMM_INLINE void fold(RedOp op, typename E::Compute* acc, const First* first,
+                        const typename E::Store* src, size_t m) {
+  using C = typename E::Compute;
+  using F = Combine<E>;
+  auto at = [first](size_t i) -> C {
+    if constexpr (std::is_same_v<First, C>) {
+      return first[i];
+    } else {
+      return E::load(first[i]);
+    }
+  };
+#define PYCOMM_FOLD(FN) \
+  for (size_t i = 0; i < m; ++i) acc[i] = F::FN(at(i), E::load(src[i]));
+  switch (op) {
+    case RedOp::SUM:
+      PYCOMM_FOLD(sum);
+      return;
+    case RedOp::PROD:
+      PYCOMM_FOLD(prod);
+      return;
+    case RedOp::MIN:
+      PYCOMM_FOLD(min);
+      return;
+    case RedOp::MAX:
+      PYCOMM_FOLD(max);
+      return;
+    default:
+      break;
+  }
+  if constexpr (std::is_integral_v<C>) {
+    switch (op) {
+      case RedOp::BAND:
+        PYCOMM_FOLD(band);
+        return;
+      case RedOp::BOR:
+        PYCOMM_FOLD(bor);
+        return;
+      case RedOp::BXOR:
+        PYCOMM_FOLD(bxor);
+        return;
+      default:
+        return;
+    }
+  }
+#undef PYCOMM_FOLD
+}
+
+// Sources are combined in the order given, so ranks that run this on the same sources
+// get bit-identical results. A destination may be a source at the same address (each
+// block is read whole before any of it is written); no other overlap is allowed.
+template <typename E>
+PYCOMM_INLINE void reduce_copy_body(RedOp op, typename E::Store* const* dsts, int nd,
+                                    const typename E::Store* const* srcs, int k, size_t n,
+                                    typename E::Compute scale) {
+  using C = typename E::Compute;
+  alignas(64) C acc[kBlock];
+  for (size_t base = 0; base < n; base += kBlock) {
+    const size_t m = n - base < kBlock ? n - base : kBlock;
+    const auto* first = srcs[0] + base;
+    if (k == 1) {
+      for (size_t i = 0; i < m; ++i) acc[i] = E::load(first[i]);
+    } else {
+      fold<E>(op, acc, first, srcs[1] + base, m);
+    }
+    for (int j = 2; j < k; ++j) fold<E>(op, acc, acc, srcs[j] + base, m);
+    if constexpr (std::is_floating_point_v<C>) {
+      if (scale != C(1))
+        for (size_t i = 0; i < m; ++i) acc[i] *= scale;
+    }
+    for (int d = 0; d < nd; ++d) {
+      auto* out = dsts[d] + base;
+      for (size_t i = 0; i < m; ++i) out[i] = E::store(acc[i]);
+    }
+  }
+}
+
+// One entry point per element type, cloned per ISA (see reduce.cc).
+#define PYCOMM_REDUCE_COPY(NAME, E)                                                              \
+  PYCOMM_CLONES void NAME(RedOp op, E::Store* const* d, int nd, const E::Store* const* s, int k, \
+                          size_t n, E::Compute scale) {                                          \
+    reduce_copy_body<E>(op, d, nd, s, k, n, scale);                                              \
+  }
+
+using F32 = Elem<float, float, float>;
+using F64 = Elem<double, double, double>;
+using I8 = Elem<uint8_t, uint8_t, int8_t>;
+using U8 = Elem<uint8_t, uint8_t, uint8_t>;
+using I32 = Elem<uint32_t, uint32_t, int32_t>;
+using I64 = Elem<uint64_t, uint64_t, int64_t>;
+PYCOMM_REDUCE_COPY(rc_f32, F32)
+PYCOMM_REDUCE_COPY(rc_f64, F64)
+PYCOMM_REDUCE_COPY(rc_bf16, Bf16Elem)
+PYCOMM_REDUCE_COPY(rc_f16, F16Elem)
+PYCOMM_REDUCE_COPY(rc_i8, I8)
+PYCOMM_REDUCE_COPY(rc_u8, U8)
+PYCOMM_REDUCE_COPY(rc_i32, I32)
+PYCOMM_REDUCE_COPY(rc_i64, I64)
+
+template <typename E>
+void dispatch(RedOp op, void* const* dsts, int nd, const void* const* srcs, int k, size_t n,
+              double scale,
+              void (*kernel)(RedOp, typename E::Store* const*, int, const typename E::Store* const*,
+                             int, size_t, typename E::Compute)) {
+  using S = typename E::Store;
+  kernel(op, reinterpret_cast<S* const*>(dsts), nd, reinterpret_cast<const S* const*>(srcs), k, n,
+         static_cast<typename E::Compute>(scale));
+}
+
+}  // namespace
+
+void reduce_copy(DType t, RedOp op, void* const* dsts, int nd, const void* const* srcs, int k,
+                 size_t n, double scale) {
+  switch (t) {
+    case DType::F32:
+      return dispatch<F32>(op, dsts, nd, srcs, k, n, scale, rc_f32);
+    case DType::F64:
+      return dispatch<F64>(op, dsts, nd, srcs, k, n, scale, rc_f64);
+    case DType::BF16:
+      return dispatch<Bf16Elem>(op, dsts, nd, srcs, k, n, scale, rc_bf16);
+    case DType::F16:
+      return dispatch<F16Elem>(op, dsts, nd, srcs, k, n, scale, rc_f16);
+    case DType::I8:
+      return dispatch<I8>(op, dsts, nd, srcs, k, n, scale, rc_i8);
+    case DType::U8:
+    case DType::BOOL:
+      return dispatch<U8>(op, dsts, nd, srcs, k, n, scale, rc_u8);
+    case DType::I32:
+      return dispatch<I32>(op, dsts, nd, srcs, k, n, scale, rc_i32);
+    case DType::I64:
+      return dispatch<I64>(op, dsts, nd, srcs, k, n, scale, rc_i64);
+  }
+}
+
+}  // namespace pycomm

@@ -1,0 +1,153 @@
+#include "core/memory/arena.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "core/runtime/errors.h"
+
+namespace pycomm {
+namespace {
+
+constexpr size_t kAlign = 64;
+constexpr size_t kDefaultSlab = 64ull << 20;
+constexpr size_t kHuge = 2ull << 20;
+
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+size_t slab_bytes_from_env() {
+  const char* v = std::getenv("PYCOMM_ARENA_SLAB_BYTES");
+  if (v == nullptr || *v == '\0') return kDefaultSlab;
+  char* end = nullptr;
+  unsigned long long x = std::strtoull(v, &end, 10);
+  if (end == v || *end != '\0' || x == 0) {
+    throw InvalidArgument(std::string("pycomm: PYCOMM_ARENA_SLAB_BYTES=") + v +
+                          " is not a positive integer");
+  }
+  return round_up(x, kHuge);
+}
+
+}  // namespace
+
+Arena& Arena::instance() {
+  // Never destroyed: tensors freed during interpreter exit must still find it.
+  static Arena* arena = new Arena();
+  return *arena;
+}
+
+Arena::Slab* Arena::new_slab(size_t min_bytes) {
+  size_t bytes = std::max(slab_bytes_from_env(), round_up(min_bytes, kHuge));
+  int fd = memfd_create("pycomm-arena", MFD_CLOEXEC);
+  if (fd < 0) throw CommError(std::string("pycomm: memfd_create failed: ") + strerror(errno));
+  // Reserve the pages now so that running out of memory is this error, not a SIGBUS.
+  int rc = ftruncate(fd, static_cast<off_t>(bytes)) == 0
+               ? posix_fallocate(fd, 0, static_cast<off_t>(bytes))
+               : errno;
+  void* base =
+      rc == 0 ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  if (base == MAP_FAILED) {
+    if (rc == 0) rc = errno;
+    close(fd);
+    throw CommError("pycomm: cannot reserve a " + std::to_string(bytes >> 20) +
+                    " MiB shared-memory arena slab: " + strerror(rc) +
+                    " (PYCOMM_ARENA_SLAB_BYTES sets the slab size)");
+  }
+  auto slab = std::make_unique<Slab>(Slab{fd, next_id_++, static_cast<char*>(base), bytes, {}});
+  slab->free[0] = bytes;
+  slabs_.push_back(std::move(slab));
+  return slabs_.back().get();
+}
+
+// First fit: the slabs are few and large, and freed neighbours coalesce, so the free
+// lists stay short and memory does not fragment into unusable pieces.
+void* Arena::take(Slab& s, size_t bytes) {
+  for (auto it = s.free.begin(); it != s.free.end(); ++it) {
+    if (it->second < bytes) continue;
+    size_t offset = it->first, len = it->second;
+    s.free.erase(it);
+    if (len > bytes) s.free[offset + bytes] = len - bytes;
+    return s.base + offset;
+  }
+  return nullptr;
+}
+
+void Arena::give_back(Slab& s, size_t offset, size_t bytes) {
+  auto next = s.free.lower_bound(offset);
+  if (next != s.free.end() && offset + bytes == next->first) {
+    bytes += next->second;
+    next = s.free.erase(next);
+  }
+  if (next != s.free.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == offset) {
+      prev->second += bytes;
+      return;
+    }
+  }
+  s.free[offset] = bytes;
+}
+
+void* Arena::allocate(size_t bytes) {
+  size_t need = round_up(std::max<size_t>(bytes, 1), kAlign);
+  std::lock_guard<std::mutex> lock(mu_);
+  void* p = nullptr;
+  Slab* owner = nullptr;
+  for (auto& s : slabs_) {
+    if ((p = take(*s, need)) != nullptr) {
+      owner = s.get();
+      break;
+    }
+  }
+  if (p == nullptr) {
+    owner = new_slab(need);
+    p = take(*owner, need);
+  }
+  live_[static_cast<char*>(p)] = {owner, need};
+  live_bytes_ += need;
+  peak_bytes_ = std::max(peak_bytes_, live_bytes_);
+  return p;
+}
+
+void Arena::release(void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(static_cast<char*>(ptr));
+  if (it == live_.end()) return;
+  auto [slab, bytes] = it->second;
+  give_back(*slab, static_cast<char*>(ptr) - slab->base, bytes);
+  live_bytes_ -= bytes;
+  live_.erase(it);
+}
+
+bool Arena::locate(const void* ptr, size_t bytes, ArenaLocation* out) const {
+  const char* p = static_cast<const char*>(ptr);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& s : slabs_) {
+    if (p >= s->base && p + bytes <= s->base + s->bytes) {
+      *out = ArenaLocation{s->fd, s->id, s->bytes, static_cast<uint64_t>(p - s->base)};
+      return true;
+    }
+  }
+  return false;
+}
+
+ArenaStats Arena::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ArenaStats st;
+  for (const auto& s : slabs_) {
+    st.reserved += s->bytes;
+    for (const auto& [off, len] : s->free) st.largest_free = std::max(st.largest_free, len);
+  }
+  st.live = live_bytes_;
+  st.peak = peak_bytes_;
+  st.slabs = slabs_.size();
+  st.allocations = live_.size();
+  return st;
+}
+
+}  // namespace pycomm

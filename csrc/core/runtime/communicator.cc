@@ -1,0 +1,354 @@
+#include "core/runtime/communicator.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "core/algorithms/zero_copy.h"
+#include "core/kernels/reduce.h"
+#include "core/runtime/errors.h"
+
+namespace pycomm {
+namespace {
+
+const char* kSegmentKey = "pycomm/segment";
+
+std::string kib(size_t bytes) {
+  char buf[32];
+  if (bytes >= (1u << 20))
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", bytes / 1048576.0);
+  else
+    std::snprintf(buf, sizeof(buf), "%.1f KiB", bytes / 1024.0);
+  return buf;
+}
+
+std::string hostname() {
+  char buf[256] = {0};
+  gethostname(buf, sizeof(buf) - 1);
+  return buf;
+}
+
+// Oversubscribed ranks (more ranks than cores) must not burn the core the peer they wait
+// for needs, so they yield from the first poll (measured, bench/README.md: 4 ranks on
+// 2 cores, 16 B all_reduce 13.8 us with 2 us of spinning, 7.2 us with none).
+// The direct algorithm takes one step where the ring takes 2(n-1), but reads every
+// rank's whole message. Measured here (bench/README.md): with a core per rank the ring
+// wins from 64 KiB up, so direct stops at 16 KiB; oversubscribed, every ring step waits
+// for a descheduled peer and direct wins up to 64 KiB.
+size_t direct_bytes_for(const Config& cfg, int world) {
+  if (std::getenv("PYCOMM_DIRECT_BYTES") != nullptr) return cfg.direct_bytes;
+  unsigned cores = std::thread::hardware_concurrency();
+  bool oversubscribed = cores != 0 && static_cast<unsigned>(world) > cores;
+  return oversubscribed ? 64 << 10 : 16 << 10;
+}
+
+uint32_t spin_us_for(const Config& cfg, int world) {
+  unsigned cores = std::thread::hardware_concurrency();
+  if (std::getenv("PYCOMM_SPIN_US") == nullptr && cores != 0 &&
+      static_cast<unsigned>(world) > cores) {
+    return 0;
+  }
+  return cfg.spin_us;
+}
+
+}  // namespace
+
+Communicator::Communicator(Rendezvous& rdv, int rank, int world, const Config& cfg,
+                           std::chrono::milliseconds timeout)
+    : rank_(rank), world_(world), cfg_(cfg), log_(cfg.log, rank, world), timeout_(timeout) {
+  if (world < 1 || rank < 0 || rank >= world) {
+    throw InvalidArgument("pycomm: rank " + std::to_string(rank) + " is not in a group of " +
+                          std::to_string(world));
+  }
+  create_or_open(rdv);
+  RankControl* me = shared_->control(rank_);
+  me->pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
+  me->state.store(static_cast<uint32_t>(RankState::ALIVE), std::memory_order_release);
+  waiter_ = std::make_unique<Waiter>(*shared_, COLL, spin_us_for(cfg_, world_), cfg_.yield_us);
+  transport_ = std::make_unique<Transport>(*shared_, COLL, *waiter_);
+  peers_ = std::make_unique<PeerMemory>(*shared_);
+  const SegmentHeader* h = shared_->header();
+  log_.log(LogLevel::INFO, "init: rank " + std::to_string(rank_) + " of " + std::to_string(world_) +
+                               " on host " + hostname() + ", segment " + kib(segment_.size()) +
+                               " (" + std::to_string(h->slots) + " slots x " + kib(h->slot_bytes) +
+                               " per channel, direct up to " + kib(h->direct_bytes) +
+                               "), timeout " + std::to_string(timeout_.count() / 1000.0) + " s");
+}
+
+Communicator::~Communicator() { depart(); }
+
+void Communicator::depart() {
+  if (shared_) {
+    shared_->control(rank_)->state.store(static_cast<uint32_t>(RankState::DEPARTED));
+  }
+}
+
+// Rank 0 creates the segment and publishes its name; the others map it and say so; once
+// all have, rank 0 unlinks the name. From then on nothing is left in /dev/shm even if
+// every process is killed: the kernel frees the memory with the last mapping.
+void Communicator::create_or_open(Rendezvous& rdv) {
+  if (rank_ == 0) {
+    cfg_.direct_bytes = direct_bytes_for(cfg_, world_);
+    Layout layout(world_, cfg_.slots, cfg_.chunk_bytes, cfg_.direct_bytes);
+    std::string what = "a " + std::to_string(world_) + "-rank communicator (" +
+                       std::to_string(cfg_.slots) + " slots x " + kib(cfg_.chunk_bytes) +
+                       " per channel)";
+    try {
+      segment_ = ShmSegment::create(layout.total_bytes(), what);
+    } catch (const std::exception& e) {
+      rdv.set(kSegmentKey, std::string("error:") + e.what());
+      throw;
+    }
+    auto* h = layout.header(segment_.data());
+    h->magic = kSegmentMagic;
+    h->world = world_;
+    h->slots = cfg_.slots;
+    h->slot_bytes = cfg_.chunk_bytes;
+    h->direct_bytes = cfg_.direct_bytes;
+    h->total_bytes = layout.total_bytes();
+    shared_ = std::make_unique<Shared>(segment_.data(), layout, rank_, world_);
+    rdv.set(kSegmentKey, "ok:" + std::to_string(layout.total_bytes()) + ":" + segment_.name());
+    for (int r = 1; r < world_; ++r) rdv.get("pycomm/opened/" + std::to_string(r));
+    segment_.unlink();
+    return;
+  }
+  std::string v = rdv.get(kSegmentKey);
+  if (v.rfind("error:", 0) == 0) {
+    throw CommError("pycomm: rank " + std::to_string(rank_) +
+                    " cannot join: rank 0 failed to set up shared memory: " + v.substr(6));
+  }
+  size_t colon = v.find(':', 3);
+  size_t total = std::stoull(v.substr(3, colon - 3));
+  segment_ = ShmSegment::open(v.substr(colon + 1), total);
+  // Rank 0's settings win (they are in the header), so ranks whose PYCOMM_* differ agree.
+  auto* h = static_cast<SegmentHeader*>(segment_.data());
+  if (h->magic != kSegmentMagic || h->world != world_ || h->total_bytes != total) {
+    throw CommError("pycomm: rank " + std::to_string(rank_) + ": segment " + segment_.name() +
+                    " is not a pycomm segment for " + std::to_string(world_) + " ranks");
+  }
+  Layout layout(world_, h->slots, h->slot_bytes, h->direct_bytes);
+  shared_ = std::make_unique<Shared>(segment_.data(), layout, rank_, world_);
+  rdv.set("pycomm/opened/" + std::to_string(rank_), "1");
+}
+
+OpCall Communicator::begin(OpKind kind, DType dtype, uint64_t count, RedOp op, int root) {
+  OpCall c;
+  c.desc = OpDesc{++seq_, kind, dtype, count, op, root};
+  c.lane = COLL;
+  c.start = Clock::now();
+  c.deadline = c.start + timeout_;
+  c.timeout_s = timeout_.count() / 1000.0;
+  waiter_->throw_if_aborted(c);
+  RankControl* me = shared_->control(rank_);
+  me->recent[c.desc.seq % 4].store(c.desc);
+  me->entered_seq.store(c.desc.seq, std::memory_order_release);
+  return c;
+}
+
+void Communicator::finish(const OpCall& op) {
+  shared_->control(rank_)->completed_seq.store(op.desc.seq, std::memory_order_release);
+  // Peers about to reuse a direct area may be waiting for this.
+  for (int r = 0; r < world_; ++r)
+    if (r != rank_) shared_->ring(r, COLL);
+}
+
+std::vector<char*> Communicator::negotiate(const OpCall& op, const void* mine, size_t bytes,
+                                           const char* fallback) {
+  auto bufs = negotiate_zero_copy(*transport_, *peers_, op, mine, bytes);
+  if (log_.enabled(LogLevel::INFO)) {
+    log_.log(
+        LogLevel::INFO,
+        "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) + ": " +
+            (bufs.empty() ? std::string(fallback) + " (not every rank's buffer is in the arena)"
+                          : "zero-copy (every rank's buffer is in the arena)"));
+  }
+  return bufs;
+}
+
+// `algo` null: the body logs its own choice (it is made together with the other ranks).
+template <class Body>
+void Communicator::run(OpCall& op, const char* algo, const std::string& why, Body body) {
+  if (algo != nullptr && log_.enabled(LogLevel::INFO)) {
+    log_.log(LogLevel::INFO, "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) + ": " +
+                                 algo + (why.empty() ? "" : " (" + why + ")"));
+  }
+  try {
+    body();
+  } catch (const CommError&) {
+    throw;  // already recorded for the job by the Waiter
+  } catch (const std::exception& e) {
+    shared_->set_abort("pycomm: " + where(op, rank_) + " failed: " + e.what());
+    throw;
+  }
+  finish(op);
+  if (log_.enabled(LogLevel::TRACE)) {
+    auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - op.start);
+    log_.log(LogLevel::TRACE, "seq " + std::to_string(op.desc.seq) + " done in " +
+                                  std::to_string(us.count()) + " us");
+  }
+}
+
+bool Communicator::use_direct(size_t bytes) const {
+  return cfg_.algo != Algo::RING && bytes <= shared_->header()->direct_bytes;
+}
+
+std::string Communicator::direct_reason(size_t bytes) const {
+  std::string limit = "PYCOMM_DIRECT_BYTES=" + std::to_string(shared_->header()->direct_bytes);
+  if (cfg_.algo == Algo::RING) return "PYCOMM_ALGO=ring";
+  if (bytes <= shared_->header()->direct_bytes) return std::to_string(bytes) + " B <= " + limit;
+  return std::to_string(bytes) + " B > " + limit;
+}
+
+Args Communicator::reduction_args(DType dtype, RedOp op) const {
+  check_reduction(dtype, op);
+  Args a;
+  a.dtype = dtype;
+  a.op = kernel_op(dtype, op);
+  a.scale = op == RedOp::AVG ? 1.0 / world_ : 1.0;
+  return a;
+}
+
+void Communicator::check_root(int root, const char* what) const {
+  if (root < 0 || root >= world_) {
+    throw InvalidArgument(std::string("pycomm: ") + what + " root " + std::to_string(root) +
+                          " is not a rank of this group of " + std::to_string(world_));
+  }
+}
+
+// ---- collectives ---------------------------------------------------------------------------
+
+// Direct up to the direct size; above it, zero-copy when every rank's buffer is in the
+// arena (found out together), else the streamed algorithm. `bytes` is the message size.
+void Communicator::run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos,
+                            const void* offered) {
+  if (use_direct(bytes)) {
+    return run(c, "direct", direct_reason(bytes), [&] { algos.direct(*transport_, c, a); });
+  }
+  if (!try_zero_copy()) {
+    return run(c, algos.streamed_name, direct_reason(bytes),
+               [&] { algos.streamed(*transport_, c, a); });
+  }
+  run(c, nullptr, "", [&] {
+    auto bufs = negotiate(c, offered, bytes, algos.streamed_name);
+    if (bufs.empty())
+      algos.streamed(*transport_, c, a);
+    else
+      algos.zero_copy(*transport_, c, a, bufs);
+  });
+}
+
+void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
+  Args a = reduction_args(dtype, op);
+  a.in = a.out = data;
+  a.count = count;
+  OpCall c = begin(OpKind::ALL_REDUCE, dtype, count, op, -1);
+  if (world_ == 1 || count == 0) return run(c, "local", "", [] {});
+  run_bulk(c, a, count * dtype_size(dtype),
+           {all_reduce_direct, all_reduce_ring, all_reduce_zero_copy, "ring"}, a.in);
+}
+
+void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType dtype, RedOp op) {
+  Args a = reduction_args(dtype, op);
+  a.in = in;
+  a.out = out;
+  a.count = count;
+  OpCall c = begin(OpKind::REDUCE_SCATTER, dtype, count, op, -1);
+  if (world_ == 1 || count == 0) {
+    return run(c, "local", "", [&] { std::memmove(out, in, count * dtype_size(dtype)); });
+  }
+  run_bulk(c, a, count * world_ * dtype_size(dtype),
+           {reduce_scatter_direct, reduce_scatter_ring, reduce_scatter_zero_copy, "ring"}, a.in);
+}
+
+void Communicator::all_gather(const void* in, void* out, size_t count, DType dtype) {
+  Args a;
+  a.in = in;
+  a.out = out;
+  a.count = count;
+  a.dtype = dtype;
+  OpCall c = begin(OpKind::ALL_GATHER, dtype, count, RedOp::NONE, -1);
+  size_t bytes = count * dtype_size(dtype);
+  if (world_ == 1 || count == 0) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
+  run_bulk(c, a, bytes, {all_gather_direct, all_gather_ring, all_gather_zero_copy, "ring"}, a.in);
+}
+
+void Communicator::broadcast(void* data, size_t count, DType dtype, int root) {
+  check_root(root, "broadcast");
+  Args a;
+  a.in = a.out = data;
+  a.count = count;
+  a.dtype = dtype;
+  a.root = root;
+  OpCall c = begin(OpKind::BROADCAST, dtype, count, RedOp::NONE, root);
+  size_t bytes = count * dtype_size(dtype);
+  if (world_ == 1 || count == 0) return run(c, "local", "", [] {});
+  run_bulk(c, a, bytes, {broadcast_direct, broadcast_chain, broadcast_zero_copy, "chain"}, data);
+}
+
+void Communicator::reduce(const void* in, void* out, size_t count, DType dtype, RedOp op,
+                          int root) {
+  check_root(root, "reduce");
+  Args a = reduction_args(dtype, op);
+  a.in = in;
+  a.out = out;
+  a.count = count;
+  a.root = root;
+  OpCall c = begin(OpKind::REDUCE, dtype, count, op, root);
+  size_t bytes = count * dtype_size(dtype);
+  if (world_ == 1 || count == 0) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
+  // Peers write the result into the root's buffer, so the root offers it only when it
+  // is also the input (torch's reduce is in place); otherwise all take the chain.
+  const void* offered = rank_ == root && in != out ? nullptr : in;
+  run_bulk(c, a, bytes, {reduce_direct, reduce_chain, reduce_zero_copy, "chain"}, offered);
+}
+
+void Communicator::all_to_all(const AllToAllArgs& args) {
+  OpCall c = begin(OpKind::ALL_TO_ALL, args.dtype, 0, RedOp::NONE, -1);
+  // Whether to post offers is decided on what every rank knows alike (settings, world),
+  // never on its own sizes: uneven splits differ between ranks.
+  if (!try_zero_copy() || all_to_all_offer_bytes(world_) > shared_->header()->direct_bytes)
+    return run(c, "pairwise", "", [&] { all_to_all_pairwise(*transport_, c, args); });
+  run(c, nullptr, "", [&] {
+    int pulled = all_to_all_pull(*transport_, *peers_, c, args);
+    if (log_.enabled(LogLevel::INFO)) {
+      log_.log(LogLevel::INFO, "seq " + std::to_string(c.desc.seq) + " " + describe(c.desc) +
+                                   ": pairwise, " + std::to_string(pulled) + " of " +
+                                   std::to_string(world_ - 1) +
+                                   " peers read in place (zero-copy from their arena inputs)");
+    }
+  });
+}
+
+void Communicator::gather(const void* in, void* out, size_t count, DType dtype, int root) {
+  check_root(root, "gather");
+  Args a;
+  a.in = in;
+  a.out = out;
+  a.count = count;
+  a.dtype = dtype;
+  a.root = root;
+  OpCall c = begin(OpKind::GATHER, dtype, count, RedOp::NONE, root);
+  run(c, "to root", "", [&] { gather_to_root(*transport_, c, a); });
+}
+
+void Communicator::scatter(const void* in, void* out, size_t count, DType dtype, int root) {
+  check_root(root, "scatter");
+  Args a;
+  a.in = in;
+  a.out = out;
+  a.count = count;
+  a.dtype = dtype;
+  a.root = root;
+  OpCall c = begin(OpKind::SCATTER, dtype, count, RedOp::NONE, root);
+  run(c, "from root", "", [&] { scatter_from_root(*transport_, c, a); });
+}
+
+void Communicator::barrier() {
+  OpCall c = begin(OpKind::BARRIER, DType::U8, 0, RedOp::NONE, -1);
+  if (world_ == 1) return run(c, "local", "", [] {});
+  run(c, "direct", "", [&] { barrier_direct(*transport_, c); });
+}
+
+}  // namespace pycomm

@@ -1,0 +1,98 @@
+// A communicator: the ranks of one process group on one host, their shared segment, and
+// the collectives over it. Collectives block and must be called from one thread (the
+// torch layer's worker) in the same order on every rank; send/recv go through the
+// P2PEngine on their own lane and thread.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "core/algorithms/algorithms.h"
+#include "core/runtime/config.h"
+#include "core/runtime/log.h"
+#include "core/runtime/rendezvous.h"
+#include "core/runtime/waiter.h"
+#include "core/transport/layout.h"
+#include "core/transport/peer_memory.h"
+#include "core/transport/shared_state.h"
+#include "core/transport/shm_segment.h"
+#include "core/transport/transport.h"
+
+namespace pycomm {
+
+// The three algorithms of a bulk collective (all_reduce, reduce_scatter, all_gather,
+// broadcast, reduce): direct for small messages, else zero-copy when every rank's
+// buffer is in the arena, else the streamed one (a ring, or a chain for rooted ops).
+struct BulkAlgorithms {
+  void (*direct)(Transport&, const OpCall&, const Args&);
+  void (*streamed)(Transport&, const OpCall&, const Args&);
+  void (*zero_copy)(Transport&, const OpCall&, const Args&, const std::vector<char*>&);
+  const char* streamed_name;  // "ring" or "chain", for the log
+};
+
+class Communicator {
+ public:
+  Communicator(Rendezvous& rdv, int rank, int world, const Config& cfg,
+               std::chrono::milliseconds timeout);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  uint64_t seq() const { return seq_; }
+  const Logger& logger() const { return log_; }
+  const Shared& shared() const { return *shared_; }
+  size_t segment_bytes() const { return segment_.size(); }
+  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+
+  // In place on `data` (count elements). `op` is the user's op (AVG included).
+  void all_reduce(void* data, size_t count, DType dtype, RedOp op);
+  // `in` holds world*count elements; this rank's reduced block goes to `out`.
+  void reduce_scatter(const void* in, void* out, size_t count, DType dtype, RedOp op);
+  // `out` gets world*count elements, rank r's `in` at block r. `in` may be block rank().
+  void all_gather(const void* in, void* out, size_t count, DType dtype);
+  void broadcast(void* data, size_t count, DType dtype, int root);
+  // The reduction of every rank's `in` lands in `out` at the root (in may equal out).
+  void reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, int root);
+  void all_to_all(const AllToAllArgs& args);
+  void gather(const void* in, void* out, size_t count, DType dtype, int root);
+  void scatter(const void* in, void* out, size_t count, DType dtype, int root);
+  void barrier();
+
+  // Marks this rank as leaving cleanly (peers stop checking it for liveness).
+  void depart();
+
+ private:
+  void create_or_open(Rendezvous& rdv);
+  OpCall begin(OpKind kind, DType dtype, uint64_t count, RedOp op, int root);
+  void finish(const OpCall& op);
+  template <class Body>
+  void run(OpCall& op, const char* algo, const std::string& why, Body body);
+  // `offered`: this rank's buffer for the zero-copy negotiation (null: not offered).
+  void run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos,
+                const void* offered);
+  bool use_direct(size_t bytes) const;
+  bool try_zero_copy() const { return cfg_.zero_copy && cfg_.algo == Algo::AUTO; }
+  // Finds out with the other ranks whether every buffer is in the arena; logs the choice
+  // (zero-copy, or `fallback`: the algorithm used otherwise).
+  std::vector<char*> negotiate(const OpCall& op, const void* mine, size_t bytes,
+                               const char* fallback);
+  std::string direct_reason(size_t bytes) const;
+  Args reduction_args(DType dtype, RedOp op) const;
+  void check_root(int root, const char* what) const;
+
+  int rank_, world_;
+  Config cfg_;
+  Logger log_;
+  std::chrono::milliseconds timeout_;
+  ShmSegment segment_;
+  std::unique_ptr<Shared> shared_;
+  std::unique_ptr<Waiter> waiter_;
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<PeerMemory> peers_;
+  uint64_t seq_ = 0;
+};
+
+}  // namespace pycomm

@@ -1,0 +1,79 @@
+#include "core/runtime/config.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "core/runtime/errors.h"
+
+namespace pycomm {
+namespace {
+
+uint64_t env_uint(const char* name, uint64_t fallback, uint64_t lo, uint64_t hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  unsigned long long x = std::strtoull(v, &end, 10);
+  if (end == v || *end != '\0' || x < lo || x > hi) {
+    throw InvalidArgument(std::string("pycomm: ") + name + "=" + v + " is not an integer in [" +
+                          std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  }
+  return x;
+}
+
+std::string env_str(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  std::string s = (v == nullptr || *v == '\0') ? fallback : v;
+  for (auto& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return s;
+}
+
+}  // namespace
+
+Config Config::from_env() {
+  Config c;
+  // Slots hold whole cache lines, so round the chunk up to 64 bytes.
+  c.chunk_bytes =
+      (env_uint("PYCOMM_CHUNK_BYTES", c.chunk_bytes, 64, 1ull << 40) + 63) & ~size_t(63);
+  c.slots = static_cast<uint32_t>(env_uint("PYCOMM_SLOTS", c.slots, 2, 64));
+  c.direct_bytes =
+      (env_uint("PYCOMM_DIRECT_BYTES", c.direct_bytes, 0, 1ull << 30) + 63) & ~size_t(63);
+  c.spin_us = static_cast<uint32_t>(env_uint("PYCOMM_SPIN_US", c.spin_us, 0, 1u << 30));
+  c.yield_us = static_cast<uint32_t>(env_uint("PYCOMM_YIELD_US", c.yield_us, 0, 1u << 30));
+  c.zero_copy = env_uint("PYCOMM_ZERO_COPY", 1, 0, 1) == 1;
+  c.cuda_chunk_bytes =
+      env_uint("PYCOMM_CUDA_CHUNK_BYTES", c.cuda_chunk_bytes, 16, 1ull << 40) / 16 * 16;
+  c.cuda_slots = static_cast<uint32_t>(env_uint("PYCOMM_CUDA_SLOTS", c.cuda_slots, 2, 64));
+  std::string algo = env_str("PYCOMM_ALGO", "AUTO");
+  if (algo == "AUTO")
+    c.algo = Algo::AUTO;
+  else if (algo == "RING")
+    c.algo = Algo::RING;
+  else if (algo == "DIRECT")
+    c.algo = Algo::DIRECT;
+  else
+    throw InvalidArgument("pycomm: PYCOMM_ALGO=" + algo + " is not one of auto, ring, direct");
+  std::string log = env_str("PYCOMM_DEBUG", "WARN");
+  if (log == "WARN" || log == "0" || log == "OFF")
+    c.log = LogLevel::WARN;
+  else if (log == "INFO")
+    c.log = LogLevel::INFO;
+  else if (log == "TRACE")
+    c.log = LogLevel::TRACE;
+  else
+    throw InvalidArgument("pycomm: PYCOMM_DEBUG=" + log + " is not one of WARN, INFO, TRACE");
+  return c;
+}
+
+const char* algo_name(Algo a) {
+  switch (a) {
+    case Algo::AUTO:
+      return "auto";
+    case Algo::RING:
+      return "ring";
+    case Algo::DIRECT:
+      return "direct";
+  }
+  return "?";
+}
+
+}  // namespace pycomm

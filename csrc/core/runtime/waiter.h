@@ -1,0 +1,114 @@
+// Waiting for another rank: poll briefly (cheap when the peer is about to answer), then
+// poll while yielding the core (so an oversubscribed peer, 4 ranks on 2 cores, gets to
+// run), then sleep on this rank's doorbell. Waking a sleeping thread costs tens to
+// hundreds of microseconds (more in a VM), so short waits must never sleep. While asleep it wakes
+// every few milliseconds to check the job: the abort record, the deadline, dead peers and ranks
+// that called something else for the same sequence number. Every failure is recorded for the whole
+// job.
+#pragma once
+
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/runtime/futex.h"
+#include "core/transport/shared_state.h"
+
+namespace pycomm {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+class Waiter {
+ public:
+  Waiter(const Shared& shared, Lane lane, uint32_t spin_us, uint32_t yield_us)
+      : shared_(shared),
+        lane_(lane),
+        spin_(std::chrono::microseconds(spin_us)),
+        yield_(std::chrono::microseconds(std::max(spin_us, yield_us))) {}
+
+  // Returns once ready() holds. `awaited(std::vector<int>&)` lists the ranks the wait
+  // depends on (for liveness checks and messages). Throws CommError on failure.
+  template <class Ready, class Awaited>
+  void wait(const OpCall& op, Ready ready, Awaited awaited) {
+    if (ready()) return;
+    if (poll(ready)) return;
+    Bell& bell = shared_.bell(shared_.rank(), lane_);
+    std::vector<int> who;
+    for (;;) {
+      uint32_t seen = bell.seq.load(std::memory_order_seq_cst);
+      bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      bool done = ready();
+      if (!done) {
+        who.clear();
+        awaited(who);
+        int64_t slice_us = check_or_leave(op, who, &bell);
+        futex_wait(&bell.seq, seen, slice_us);
+      }
+      bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      if (done || ready()) return;
+    }
+  }
+
+  // The two polling phases; true once ready() holds. Spinning is skipped when another
+  // rank last waited on this CPU: the scheduler has put us on one core, so the peer we
+  // wait for cannot run until we give the core up (spinning would only delay it).
+  template <class Ready>
+  bool poll(Ready ready) {
+    const auto start = Clock::now();
+    const auto spin = shares_cpu_with_a_peer() ? Clock::duration::zero() : spin_;
+    while (Clock::now() - start < spin) {
+      for (int i = 0; i < 32; ++i) {
+        if (ready()) return true;
+        cpu_relax();
+      }
+    }
+    while (Clock::now() - start < yield_) {
+      if (ready()) return true;
+      sched_yield();
+    }
+    return false;
+  }
+
+  // Publishes this rank's CPU; true if another rank of the group last waited on it.
+  bool shares_cpu_with_a_peer() const {
+    const int cpu = sched_getcpu();
+    shared_.control(shared_.rank())->cpu.store(cpu, std::memory_order_relaxed);
+    for (int r = 0; r < shared_.world(); ++r) {
+      if (r != shared_.rank() && shared_.control(r)->cpu.load(std::memory_order_relaxed) == cpu)
+        return true;
+    }
+    return false;
+  }
+
+  // Records `msg` as the job's failure and throws it.
+  [[noreturn]] void fail(const std::string& msg) const;
+
+  // Throws if the job has already failed somewhere (used before starting an op).
+  void throw_if_aborted(const OpCall& op) const;
+
+ private:
+  // Checks the job; throws (leaving the sleepers count as found) or returns how long
+  // to sleep before looking again.
+  int64_t check_or_leave(const OpCall& op, const std::vector<int>& who, Bell* bell);
+  void check(const OpCall& op, const std::vector<int>& who);
+  void check_agreement(const OpCall& op) const;
+  std::string timeout_message(const OpCall& op, const std::vector<int>& who) const;
+
+  const Shared& shared_;
+  Lane lane_;
+  Clock::duration spin_;
+  Clock::duration yield_;
+  Clock::time_point next_scan_{};
+};
+
+}  // namespace pycomm

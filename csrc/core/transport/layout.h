@@ -1,0 +1,109 @@
+// The shared-memory segment of one communicator, as every rank maps it:
+//
+//   SegmentHeader | RankControl x world | channels (2 lanes x world x (world-1)) | direct areas
+//
+// A channel carries messages from one rank to one peer through `slots` fixed-size slots
+// (a single-producer single-consumer ring: the sender owns `head`, the receiver `tail`).
+// Lane COLL serves collectives (run in order by one thread), lane P2P send/recv (run by
+// another thread), so a pending recv can never block a collective or the other way round.
+// Each rank's direct areas (two, used by alternate sequence numbers) hold a whole small
+// message that every peer reads at once.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "core/runtime/types.h"
+
+namespace pycomm {
+
+constexpr uint64_t kSegmentMagic = 0x31766d6d6f637970ull;  // "pycommv1"
+constexpr size_t kLine = 64;
+
+enum Lane : int { COLL = 0, P2P = 1 };
+
+// A doorbell a rank sleeps on; anyone who changes something the rank may wait for
+// bumps `seq` and wakes it if `sleepers` says it is asleep.
+struct alignas(kLine) Bell {
+  std::atomic<uint32_t> seq{0};
+  std::atomic<uint32_t> sleepers{0};
+};
+
+// An OpDesc published so that other ranks can read it without locks (a seqlock:
+// word 0 holds the sequence number and is written last, cleared first).
+struct PackedDesc {
+  std::atomic<uint64_t> w[4];
+  void store(const OpDesc& d);
+  bool load(uint64_t seq, OpDesc* out) const;  // false if it does not hold `seq` (now)
+};
+
+enum class RankState : uint32_t { ABSENT = 0, ALIVE = 1, DEPARTED = 2 };
+
+struct alignas(kLine) RankControl {
+  std::atomic<int32_t> pid{0};
+  std::atomic<uint32_t> state{0};          // RankState
+  std::atomic<int32_t> cpu{-1};            // the CPU it last started waiting on
+  std::atomic<uint64_t> entered_seq{0};    // last collective this rank started
+  std::atomic<uint64_t> completed_seq{0};  // last collective this rank finished
+  std::atomic<uint64_t> stage{0};          // seq * 2^20 + step, for multi-step syncs
+  PackedDesc recent[4];                    // descriptors of its last calls, by seq % 4
+  Bell bells[2];                           // one per lane
+};
+
+struct alignas(kLine) SegmentHeader {
+  uint64_t magic;
+  int32_t world;
+  uint32_t slots;
+  uint64_t slot_bytes;
+  uint64_t direct_bytes;
+  uint64_t total_bytes;
+  std::atomic<uint32_t> abort_flag{0};  // set once by the first rank that fails
+  int32_t abort_rank;
+  char abort_msg[2048];
+};
+
+struct alignas(kLine) ChannelCtl {
+  alignas(kLine) std::atomic<uint64_t> head{0};  // messages published by the sender
+  alignas(kLine) std::atomic<uint64_t> tail{0};  // messages released by the receiver
+};
+
+// Precedes each slot's payload: who sent what, and where the payload belongs.
+struct alignas(kLine) SlotHeader {
+  OpDesc desc;
+  uint64_t offset;     // byte offset of this chunk within the message
+  uint64_t bytes;      // bytes in this chunk
+  uint64_t msg_bytes;  // bytes of the whole message
+};
+
+struct alignas(kLine) DirectHeader {
+  std::atomic<uint64_t> ready_seq{0};
+  OpDesc desc;
+};
+
+// Offsets of everything in a segment; every rank computes the same from the header.
+class Layout {
+ public:
+  Layout(int world, uint32_t slots, size_t slot_bytes, size_t direct_bytes);
+
+  size_t total_bytes() const { return total_; }
+  SegmentHeader* header(void* base) const { return static_cast<SegmentHeader*>(base); }
+  RankControl* control(void* base, int rank) const;
+  ChannelCtl* channel(void* base, Lane lane, int src, int dst) const;
+  SlotHeader* slot(void* base, Lane lane, int src, int dst, uint64_t index) const;
+  DirectHeader* direct(void* base, int rank, int parity) const;
+  static void* payload(SlotHeader* h) { return h + 1; }
+  static void* payload(DirectHeader* h) { return h + 1; }
+
+ private:
+  size_t channel_index(Lane lane, int src, int dst) const;
+
+  int world_;
+  uint32_t slots_;
+  size_t slot_stride_;     // header + payload
+  size_t channel_stride_;  // ctl + slots
+  size_t direct_stride_;
+  size_t controls_off_, channels_off_, direct_off_, total_;
+};
+
+}  // namespace pycomm

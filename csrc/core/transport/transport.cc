@@ -1,0 +1,153 @@
+#include "core/transport/transport.h"
+
+#include <cstring>
+#include <string>
+
+namespace pycomm {
+
+Transport::Transport(const Shared& shared, Lane lane, Waiter& waiter)
+    : shared_(shared),
+      lane_(lane),
+      waiter_(waiter),
+      chunk_bytes_(shared.header()->slot_bytes),
+      slots_(shared.header()->slots),
+      sent_(shared.world(), 0),
+      received_(shared.world(), 0) {}
+
+// ---- channels ----------------------------------------------------------------------------
+
+bool Transport::can_acquire(int peer) const {
+  ChannelCtl* ch = shared_.layout().channel(shared_.base(), lane_, rank(), peer);
+  return sent_[peer] - ch->tail.load(std::memory_order_acquire) < slots_;
+}
+
+void* Transport::slot_payload_for_send(int peer) const {
+  return Layout::payload(shared_.layout().slot(shared_.base(), lane_, rank(), peer, sent_[peer]));
+}
+
+void* Transport::acquire(int peer, const OpCall& op) {
+  waiter_.wait(
+      op, [&] { return can_acquire(peer); }, [&](std::vector<int>& who) { who.push_back(peer); });
+  return slot_payload_for_send(peer);
+}
+
+void Transport::publish(int peer, const OpCall& op, uint64_t offset, uint64_t bytes,
+                        uint64_t msg_bytes) {
+  ChannelCtl* ch = shared_.layout().channel(shared_.base(), lane_, rank(), peer);
+  SlotHeader* h = shared_.layout().slot(shared_.base(), lane_, rank(), peer, sent_[peer]);
+  h->desc = op.desc;
+  h->offset = offset;
+  h->bytes = bytes;
+  h->msg_bytes = msg_bytes;
+  ch->head.store(++sent_[peer], std::memory_order_release);
+  shared_.ring(peer, lane_);
+}
+
+const SlotHeader* Transport::peek(int peer) const {
+  ChannelCtl* ch = shared_.layout().channel(shared_.base(), lane_, peer, rank());
+  if (ch->head.load(std::memory_order_acquire) == received_[peer]) return nullptr;
+  return shared_.layout().slot(shared_.base(), lane_, peer, rank(), received_[peer]);
+}
+
+const void* Transport::receive(int peer, const OpCall& op, uint64_t offset, uint64_t bytes,
+                               uint64_t msg_bytes) {
+  const SlotHeader* h = peek(peer);
+  if (h == nullptr) {
+    waiter_.wait(
+        op, [&] { return (h = peek(peer)) != nullptr; },
+        [&](std::vector<int>& who) { who.push_back(peer); });
+  }
+  bool same = h->desc.seq == op.desc.seq && same_call(h->desc, op.desc) && h->offset == offset &&
+              h->bytes == bytes && h->msg_bytes == msg_bytes;
+  if (!same) chunk_mismatch(peer, op, *h, offset, bytes, msg_bytes);
+  return h + 1;
+}
+
+void Transport::release(int peer) {
+  ChannelCtl* ch = shared_.layout().channel(shared_.base(), lane_, peer, rank());
+  ch->tail.store(++received_[peer], std::memory_order_release);
+  shared_.ring(peer, lane_);
+}
+
+void Transport::chunk_mismatch(int peer, const OpCall& op, const SlotHeader& h, uint64_t offset,
+                               uint64_t bytes, uint64_t msg_bytes) {
+  std::string me = std::to_string(rank());
+  std::string them = std::to_string(peer);
+  if (h.desc.seq != op.desc.seq || !same_call(h.desc, op.desc)) {
+    waiter_.fail("pycomm: ranks disagree at seq " + std::to_string(op.desc.seq) + ": rank " + me +
+                 " called " + describe(op.desc) + " but rank " + them + " sent " +
+                 describe(h.desc) + " (its seq " + std::to_string(h.desc.seq) + ")");
+  }
+  waiter_.fail("pycomm: " + where(op, rank()) + ": rank " + them + " sends " +
+               std::to_string(h.msg_bytes) + " bytes (chunk at " + std::to_string(h.offset) + ", " +
+               std::to_string(h.bytes) + " bytes) but rank " + me + " expects " +
+               std::to_string(msg_bytes) + " bytes (chunk at " + std::to_string(offset) + ", " +
+               std::to_string(bytes) + " bytes)");
+}
+
+// ---- direct areas ------------------------------------------------------------------------
+
+template <class Behind>
+void Transport::wait_for_peers(const OpCall& op, Behind behind) {
+  waiter_.wait(
+      op,
+      [&] {
+        for (int r = 0; r < world(); ++r)
+          if (r != rank() && behind(r)) return false;
+        return true;
+      },
+      [&](std::vector<int>& who) {
+        for (int r = 0; r < world(); ++r)
+          if (r != rank() && behind(r)) who.push_back(r);
+      });
+}
+
+void* Transport::direct_buffer(const OpCall& op) {
+  uint64_t seq = op.desc.seq;
+  // The area for this parity was last used at seq - 2; peers may still read it until
+  // they have finished that op.
+  if (seq > 2) {
+    wait_for_peers(op, [&](int r) {
+      return shared_.control(r)->completed_seq.load(std::memory_order_acquire) < seq - 2;
+    });
+  }
+  return Layout::payload(shared_.layout().direct(shared_.base(), rank(), seq & 1));
+}
+
+void Transport::post_direct(const OpCall& op) {
+  DirectHeader* h = shared_.layout().direct(shared_.base(), rank(), op.desc.seq & 1);
+  h->desc = op.desc;
+  h->ready_seq.store(op.desc.seq, std::memory_order_release);
+  for (int r = 0; r < world(); ++r)
+    if (r != rank()) shared_.ring(r, lane_);
+}
+
+const void* Transport::wait_direct(int peer, const OpCall& op) {
+  DirectHeader* h = shared_.layout().direct(shared_.base(), peer, op.desc.seq & 1);
+  auto ready = [&] { return h->ready_seq.load(std::memory_order_acquire) == op.desc.seq; };
+  if (!ready()) {
+    waiter_.wait(op, ready, [&](std::vector<int>& who) { who.push_back(peer); });
+  }
+  if (!same_call(h->desc, op.desc)) {
+    waiter_.fail("pycomm: ranks disagree at seq " + std::to_string(op.desc.seq) + ": rank " +
+                 std::to_string(rank()) + " called " + describe(op.desc) + " but rank " +
+                 std::to_string(peer) + " called " + describe(h->desc));
+  }
+  return h + 1;
+}
+
+// ---- steps -------------------------------------------------------------------------------
+
+void Transport::post_stage(const OpCall& op, uint64_t k) {
+  shared_.control(rank())->stage.store(op.desc.seq * kStagesPerOp + k, std::memory_order_release);
+  for (int r = 0; r < world(); ++r)
+    if (r != rank()) shared_.ring(r, lane_);
+}
+
+void Transport::wait_stage(const OpCall& op, uint64_t k) {
+  const uint64_t want = op.desc.seq * kStagesPerOp + k;
+  wait_for_peers(
+      op, [&](int r) { return shared_.control(r)->stage.load(std::memory_order_acquire) < want; });
+}
+
+}  // namespace pycomm

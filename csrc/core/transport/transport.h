@@ -1,0 +1,70 @@
+// The shared-memory transport that algorithms are written against: channels of
+// fixed-size slots to each peer, and per-rank direct areas for small messages.
+// Everything here waits through the Waiter, so no wait can outlive the op's deadline.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/runtime/waiter.h"
+#include "core/transport/shared_state.h"
+
+namespace pycomm {
+
+class Transport {
+ public:
+  Transport(const Shared& shared, Lane lane, Waiter& waiter);
+
+  int rank() const { return shared_.rank(); }
+  int world() const { return shared_.world(); }
+  size_t chunk_bytes() const { return chunk_bytes_; }
+
+  // ---- channels ----------------------------------------------------------------------
+  // Waits for a free slot towards `peer` and returns its payload (chunk_bytes() long).
+  void* acquire(int peer, const OpCall& op);
+  // Hands the slot filled since acquire() to `peer`; the header says what it holds.
+  void publish(int peer, const OpCall& op, uint64_t offset, uint64_t bytes, uint64_t msg_bytes);
+  // Waits for the next slot from `peer` and checks that it holds exactly the chunk this
+  // rank expects (same call, same place, same size); returns its payload.
+  const void* receive(int peer, const OpCall& op, uint64_t offset, uint64_t bytes,
+                      uint64_t msg_bytes);
+  // Gives the slot returned by receive() back to `peer`.
+  void release(int peer);
+
+  // Non-blocking forms, for the send/recv engine.
+  bool can_acquire(int peer) const;
+  void* slot_payload_for_send(int peer) const;
+  const SlotHeader* peek(int peer) const;  // the next unreleased slot from peer, or null
+
+  // ---- direct areas (collective lane only) ---------------------------------------------
+  // This rank's area for op's sequence number, once every peer is done with its last use.
+  void* direct_buffer(const OpCall& op);
+  void post_direct(const OpCall& op);
+  // Waits until `peer` has posted for this op and checks it called the same thing.
+  const void* wait_direct(int peer, const OpCall& op);
+
+  // ---- steps within one op (collective lane only) ---------------------------------------
+  // Announces that this rank finished step `k` (1 .. 2^20 - 1) of op; wait_stage()
+  // returns once every other rank has too.
+  static constexpr uint64_t kStagesPerOp = 1ull << 20;
+  void post_stage(const OpCall& op, uint64_t k);
+  void wait_stage(const OpCall& op, uint64_t k);
+
+ private:
+  // Waits until behind(r) is false for every other rank r.
+  template <class Behind>
+  void wait_for_peers(const OpCall& op, Behind behind);
+  [[noreturn]] void chunk_mismatch(int peer, const OpCall& op, const SlotHeader& h, uint64_t offset,
+                                   uint64_t bytes, uint64_t msg_bytes);
+
+  const Shared& shared_;
+  Lane lane_;
+  Waiter& waiter_;
+  size_t chunk_bytes_;
+  uint32_t slots_;
+  std::vector<uint64_t> sent_;      // messages published to each peer (our copy of head)
+  std::vector<uint64_t> received_;  // messages released from each peer (our copy of tail)
+};
+
+}  // namespace pycomm
