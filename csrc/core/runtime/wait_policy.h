@@ -1,0 +1,78 @@
+// The one waiting policy of the library: how every wait for another rank (the shared-
+// memory collectives' Waiter, the send/recv engine, the CUDA ring's host side) spends
+// its time. Poll briefly (cheap when the peer is about to answer), then poll while
+// yielding the core (so an oversubscribed peer, 4 ranks on 2 cores, gets to run), then
+// sleep in slices. Waking a sleeping thread costs tens to hundreds of microseconds (more
+// in a VM), so short waits must never sleep. Between slices the waiter checks the job:
+// the abort record, the deadline, dead peers. Both polling phases are time-based: how
+// long one `pause` takes differs 40x between CPU generations.
+#pragma once
+
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+
+namespace pycomm {
+
+using Clock = std::chrono::steady_clock;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+struct WaitPolicy {
+  // How often a sleeping waiter looks at the job (abort, deadline, dead peers), and so
+  // the longest it sleeps at once.
+  static constexpr auto kCheckEvery = std::chrono::milliseconds(20);
+
+  Clock::duration spin{};
+  Clock::duration yield{};
+
+  WaitPolicy() = default;
+  WaitPolicy(uint32_t spin_us, uint32_t yield_us)
+      : spin(std::chrono::microseconds(spin_us)),
+        yield(std::chrono::microseconds(std::max(spin_us, yield_us))) {}
+
+  // The two polling phases; true once ready() holds, false when it is time to sleep.
+  // `no_spin`: skip the first phase (another rank waits on this CPU, so the peer we
+  // wait for cannot run until we give the core up).
+  template <class Ready>
+  bool poll(Ready ready, bool no_spin = false) const {
+    const auto start = Clock::now();
+    const auto spin_for = no_spin ? Clock::duration::zero() : spin;
+    while (Clock::now() - start < spin_for) {
+      for (int i = 0; i < 32; ++i) {
+        if (ready()) return true;
+        cpu_relax();
+      }
+    }
+    while (Clock::now() - start < yield) {
+      if (ready()) return true;
+      sched_yield();
+    }
+    return false;
+  }
+
+  // How long to sleep before looking again: a slice, never past the deadline.
+  static int64_t sleep_us(Clock::time_point deadline) {
+    auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+    auto slice = std::chrono::duration_cast<std::chrono::microseconds>(kCheckEvery);
+    return std::max<int64_t>(1, std::min<int64_t>(slice.count(), left.count()));
+  }
+
+  // `start + timeout`, saturated: "no timeout" (timedelta.max) must not wrap around
+  // into the past and time out every op at once.
+  static Clock::time_point deadline_after(Clock::time_point start, std::chrono::milliseconds t) {
+    const auto room =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::time_point::max() - start);
+    return t >= room ? Clock::time_point::max() : start + t;
+  }
+};
+
+}  // namespace pycomm
