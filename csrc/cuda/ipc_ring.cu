@@ -81,7 +81,8 @@ IpcRing::IpcRing(Rendezvous& rdv, int rank, int size, int device, RingOptions op
 // its neighbours'. The segment's name is removed once every rank has it mapped.
 void IpcRing::exchange(Rendezvous& rdv) {
   if (rank_ == 0) {
-    shm_ = ShmSegment::create(counters_bytes(size_), "the CUDA ring's counters");
+    shm_ = ShmSegment::create(counters_bytes(size_), counters_bytes(size_),
+                              "the CUDA ring's counters");
     rdv.set(key(0, "counters"), shm_.name());
   } else {
     shm_ = ShmSegment::open(rdv.get(key(0, "counters")), counters_bytes(size_));

@@ -168,7 +168,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](size_t bytes) {
         // Creates a segment exactly as a communicator would, reports how /dev/shm sees
         // it, and removes it: lets tests check names and permissions.
-        auto seg = pycomm::ShmSegment::create(bytes, "a probe");
+        auto seg = pycomm::ShmSegment::create(bytes, bytes, "a probe");
         struct stat st;
         std::string path = "/dev/shm" + seg.name();
         int rc = stat(path.c_str(), &st);

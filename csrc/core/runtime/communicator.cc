@@ -96,7 +96,7 @@ void Communicator::create_or_open(Rendezvous& rdv) {
                        std::to_string(cfg_.slots) + " slots x " + kib(cfg_.chunk_bytes) +
                        " per channel)";
     try {
-      segment_ = ShmSegment::create(layout.total_bytes(), what);
+      segment_ = ShmSegment::create(layout.total_bytes(), layout.total_bytes(), what);
     } catch (const std::exception& e) {
       rdv.set(kSegmentKey, std::string("error:") + e.what());
       throw;
