@@ -26,7 +26,7 @@ P2PEngine::P2PEngine(const Shared& shared, const Logger& log, std::chrono::milli
     : shared_(shared),
       log_(log),
       timeout_ms_(timeout.count()),
-      waiter_(shared, P2P, 0, 0),
+      waiter_(shared, P2P, WaitPolicy()),
       transport_(shared, P2P, waiter_),
       sends_(shared.world()),
       recvs_(shared.world()),
@@ -161,10 +161,9 @@ void P2PEngine::check_health() {
         char secs[32];
         std::snprintf(secs, sizeof(secs), "%.1f", a.call.timeout_s);
         msg = "pycomm: " + what(a.req, shared_.rank()) + " timed out after " + secs + " s";
-      } else if (scan && !shared_.peer_alive(a.req.peer)) {
-        msg = "pycomm: " + what(a.req, shared_.rank()) + " failed: rank " +
-              std::to_string(a.req.peer) + " (pid " +
-              std::to_string(shared_.control(a.req.peer)->pid.load()) + ") died";
+      } else if (scan) {
+        std::string gone = shared_.peer_gone(a.req.peer);
+        if (!gone.empty()) msg = "pycomm: " + what(a.req, shared_.rank()) + " failed: " + gone;
       }
       if (!msg.empty()) {
         shared_.set_abort(msg);
