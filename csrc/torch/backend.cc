@@ -1,15 +1,15 @@
 // Lifecycle, the worker hand-off and send/recv of ProcessGroupPycomm; the collectives
 // are in backend_collectives.cc.
-#include "torch/backend.h"
+#include "backend.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <map>
 #include <string>
 
-#include "torch/store_rendezvous.h"
-#include "torch/tensor_args.h"
-#include "torch/work.h"
+#include "store_rendezvous.h"
+#include "tensor_args.h"
+#include "work.h"
 
 namespace pycomm_torch {
 namespace {}  // namespace

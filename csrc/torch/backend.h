@@ -14,7 +14,7 @@
 #include "core/runtime/communicator.h"
 #include "core/runtime/worker.h"
 #include "core/transport/p2p_engine.h"
-#include "torch/cuda_collectives.h"  // empty unless PYCOMM_CUDA
+#include "cuda_collectives.h"  // empty unless PYCOMM_CUDA
 
 namespace pycomm_torch {
 

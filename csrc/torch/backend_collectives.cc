@@ -3,8 +3,8 @@
 // exactly one core collective.
 #include <ATen/ATen.h>
 
-#include "torch/backend.h"
-#include "torch/tensor_args.h"
+#include "backend.h"
+#include "tensor_args.h"
 
 namespace pycomm_torch {
 

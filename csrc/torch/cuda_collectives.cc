@@ -1,6 +1,6 @@
 #ifdef PYCOMM_CUDA
 
-#include "torch/cuda_collectives.h"
+#include "cuda_collectives.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,8 +12,8 @@
 #include "core/runtime/errors.h"
 #include "cuda/ipc_ring.cuh"
 #include "cuda/reduce_kernels.cuh"
-#include "torch/store_rendezvous.h"
-#include "torch/tensor_args.h"
+#include "store_rendezvous.h"
+#include "tensor_args.h"
 
 namespace pycomm_torch {
 namespace {

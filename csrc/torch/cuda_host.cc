@@ -1,4 +1,4 @@
-#include "torch/cuda_host.h"
+#include "cuda_host.h"
 
 #include <pybind11/stl.h>
 
@@ -14,7 +14,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "cuda/reduce_kernels.cuh"
-#include "torch/tensor_args.h"
+#include "tensor_args.h"
 #endif
 
 namespace py = pybind11;

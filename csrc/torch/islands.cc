@@ -1,6 +1,6 @@
 // Layout, lifecycle and failure handling of ProcessGroupIslands; the hierarchical
 // collectives are in islands_collectives.cc, the flat ones and send/recv in islands_flat.cc.
-#include "torch/islands.h"
+#include "islands.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
@@ -10,8 +10,8 @@
 
 #include "core/runtime/config.h"
 #include "core/runtime/errors.h"
-#include "torch/tensor_args.h"
-#include "torch/work.h"
+#include "tensor_args.h"
+#include "work.h"
 
 namespace pycomm_torch {
 namespace {

@@ -21,9 +21,9 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
+#include "backend.h"
 #include "core/runtime/log.h"
 #include "core/runtime/worker.h"
-#include "torch/backend.h"
 
 namespace pycomm_torch {
 

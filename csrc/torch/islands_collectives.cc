@@ -5,8 +5,8 @@
 
 #include <algorithm>
 
-#include "torch/islands.h"
-#include "torch/tensor_args.h"
+#include "islands.h"
+#include "tensor_args.h"
 
 namespace pycomm_torch {
 namespace {

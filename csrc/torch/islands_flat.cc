@@ -3,8 +3,8 @@
 // engine between islands).
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include "torch/islands.h"
-#include "torch/tensor_args.h"
+#include "islands.h"
+#include "tensor_args.h"
 
 namespace pycomm_torch {
 

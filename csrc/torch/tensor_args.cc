@@ -1,4 +1,4 @@
-#include "torch/tensor_args.h"
+#include "tensor_args.h"
 
 #include <c10/util/Exception.h>
 

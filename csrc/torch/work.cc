@@ -1,4 +1,4 @@
-#include "torch/work.h"
+#include "work.h"
 
 namespace pycomm_torch {
 

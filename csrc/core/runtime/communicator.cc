@@ -101,15 +101,14 @@ void Communicator::finish(const OpCall& op) {
 
 std::vector<char*> Communicator::negotiate(const OpCall& op, const void* mine, size_t bytes,
                                            const char* fallback) {
-  auto bufs = negotiate_zero_copy(*transport_, *peers_, op, mine, bytes);
+  ZeroCopyPlan plan = negotiate_zero_copy(*transport_, *peers_, op, mine, bytes);
   if (log_.enabled(LogLevel::INFO)) {
-    log_.log(
-        LogLevel::INFO,
-        "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) + ": " +
-            (bufs.empty() ? std::string(fallback) + " (not every rank's buffer is in the arena)"
-                          : "zero-copy (every rank's buffer is in the arena)"));
+    log_.log(LogLevel::INFO,
+             "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) + ": " +
+                 (plan.bufs.empty() ? std::string(fallback) + " (" + plan.why_not + ")"
+                                    : "zero-copy (every rank's buffer is in the arena)"));
   }
-  return bufs;
+  return plan.bufs;
 }
 
 // `algo` null: the body logs its own choice (it is made together with the other ranks).
@@ -121,8 +120,10 @@ void Communicator::run(OpCall& op, const char* algo, const std::string& why, Bod
   }
   try {
     body();
-  } catch (const CommError&) {
-    throw;  // already recorded for the job by the Waiter
+  } catch (const CommError& e) {
+    // Recorded for the job unless it came from the record (set_abort keeps the first).
+    shared_->set_abort(e.what());
+    throw;
   } catch (const std::exception& e) {
     shared_->set_abort("pycomm: " + where(op, rank_) + " failed: " + e.what());
     throw;
