@@ -143,27 +143,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
                  });
 }
 
+// One all_gather of every input flattened together: rank r's block of the result is
+// its inputs, in order, which is outputs[r] in order.
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const char* name = "all_gather_coalesced";
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "pycomm: ", name, ": ", outputs.size(),
-                    " output lists for ", inputs.size(), " inputs");
-  std::vector<pycomm::DType> dts;
-  std::vector<at::Tensor> all_outs;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    dts.push_back(checked_dtype(inputs[i], name, getRank()));
-    check_list(outputs[i], inputs[i], getSize(), name, "an output list", getRank());
-    all_outs.insert(all_outs.end(), outputs[i].begin(), outputs[i].end());
-  }
-  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "pycomm:all_gather_coalesced", all_outs,
-                 opts.asyncOp, [this, outputs, inputs, dts]() mutable {
-                   for (size_t i = 0; i < inputs.size(); ++i) {
-                     at::Tensor src = inputs[i].contiguous();
-                     at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
-                     comm().all_gather(src.data_ptr(), flat.data_ptr(), src.numel(), dts[i]);
-                     unflatten_into(flat, outputs[i]);
-                   }
+  std::vector<at::Tensor> outs =
+      coalesced_gather_outputs(outputs, inputs, getSize(), name, getRank());
+  pycomm::DType dt = checked_dtype(inputs[0], name, getRank());
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "pycomm:all_gather_coalesced", outs,
+                 opts.asyncOp, [this, outs, inputs, dt]() mutable {
+                   at::Tensor src = flat_copy(inputs);
+                   at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
+                   comm().all_gather(src.data_ptr(), flat.data_ptr(), src.numel(), dt);
+                   unflatten_into(flat, outs);
                  });
 }
 

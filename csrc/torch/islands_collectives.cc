@@ -382,6 +382,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::allgather(
                  });
 }
 
+// As ProcessGroupPycomm's: one all_gather of the inputs flattened together.
+c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  std::vector<at::Tensor> outs =
+      coalesced_gather_outputs(outputs, inputs, getSize(), "all_gather_coalesced", getRank());
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "all_gather_coalesced", outs, opts.asyncOp,
+                 [this, inputs, outs](const Op& op) mutable {
+                   at::Tensor src = flat_copy(inputs);
+                   at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
+                   all_gather_flat(op, as_bytes(flat), as_bytes(src));
+                   unflatten_into(flat, outs);
+                 });
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
