@@ -120,6 +120,9 @@ class ProcessGroupPycomm : public c10d::Backend {
                                          std::function<void()> body);
   c10::intrusive_ptr<c10d::Work> point_to_point(bool is_send, at::Tensor t, int peer, int tag);
   pycomm::Communicator& comm();
+#ifdef PYCOMM_CUDA
+  CudaCollectives& cuda();  // throws, like comm(), once the group was shut down
+#endif
   void check_peer(int peer, const char* op) const;
 
   Leftovers leftovers_;  // declared first: destroyed after the threads that park in it
