@@ -5,8 +5,8 @@
 //
 //   RingHeader | RingRank x world
 //
-// Every field of a RingRank is written by its own rank only (peers read it), so no cache
-// line is written by two processes; the header's `failed_by` is the one shared word.
+// Every field of a RingRank but its doorbell is written by its own rank only (peers read
+// it); the doorbell (its own cache line) and the header's `failed_by` are the shared words.
 #pragma once
 
 #include <atomic>
@@ -62,6 +62,9 @@ struct alignas(kLine) RingRank {
   alignas(kLine) PackedDesc recent[kRingHistory];
   alignas(kLine) RingSlotTag window[kMaxRingSlots];
   alignas(kLine) RingNote note;
+  // Rung by whoever changes something this rank may wait for: its predecessor posting,
+  // its successor reading, any rank failing the job or leaving.
+  Bell bell;
 };
 
 inline size_t ring_counters_bytes(int world) {

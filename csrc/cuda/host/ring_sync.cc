@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <thread>
 
 #include "core/runtime/errors.h"
+#include "core/runtime/futex.h"
 
 namespace pycomm {
 namespace {
@@ -75,11 +75,26 @@ RingSync::~RingSync() {
   if (!base_) return;
   auto left = drained_ ? RingRankState::DRAINED : RingRankState::LEFT;
   mine()->state.store(static_cast<uint32_t>(left), std::memory_order_release);
+  wake_everyone();
   // ~ShmSegment unmaps and closes: the liveness lock goes with the descriptor.
 }
 
 RingRankState RingSync::state_of(int r) const {
   return static_cast<RingRankState>(of(r)->state.load(std::memory_order_acquire));
+}
+
+// seq_cst pairs with the sleeper's increment (see wait): either it sees the change
+// before sleeping, or the waker sees it asleep and wakes it.
+void RingSync::wake(int r) const {
+  Bell& b = of(r)->bell;
+  b.seq.fetch_add(1, std::memory_order_seq_cst);
+  if (b.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&b.seq);
+}
+
+void RingSync::wake_everyone() const {
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) wake(r);
+  }
 }
 
 // ----------------------------------------------------------------------------- calls
@@ -179,19 +194,37 @@ int64_t RingSync::held(int slot) const {
   return static_cast<int64_t>(mine()->window[slot].step_plus_1.load(std::memory_order_relaxed)) - 1;
 }
 
-void RingSync::read(uint64_t step) { mine()->read_prev.store(step + 1, std::memory_order_release); }
+void RingSync::read(uint64_t step) {
+  mine()->read_prev.store(step + 1, std::memory_order_release);
+  wake(prev());
+}
 
-void RingSync::post(uint64_t step) { mine()->posted.store(step + 1, std::memory_order_release); }
+void RingSync::post(uint64_t step) {
+  mine()->posted.store(step + 1, std::memory_order_release);
+  wake(next());
+}
 
 // ------------------------------------------------------------------------------ waits
 
 template <class Ready>
 void RingSync::wait(const OpCall& call, Ready ready, const Awaited& what) {
   if (ready() || opts_.wait.poll(ready)) return;
+  Bell& bell = mine()->bell;
   for (;;) {
-    check(call, what);
-    std::this_thread::sleep_for(std::chrono::microseconds(WaitPolicy::sleep_us(call.deadline)));
-    if (ready()) return;
+    const uint32_t seen = bell.seq.load(std::memory_order_seq_cst);
+    bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const bool done = ready();
+    if (!done) {
+      try {
+        check(call, what);
+      } catch (...) {
+        bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        throw;
+      }
+      futex_wait(&bell.seq, seen, WaitPolicy::sleep_us(call.deadline));
+    }
+    bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (done || ready()) return;
   }
 }
 
@@ -263,6 +296,7 @@ void RingSync::abort(const std::string& why) const {
   uint32_t none = 0;
   ring_header(base_)->failed_by.compare_exchange_strong(none, static_cast<uint32_t>(rank_) + 1,
                                                         std::memory_order_acq_rel);
+  wake_everyone();
 }
 
 void RingSync::fail(const std::string& msg) const {
@@ -309,11 +343,13 @@ bool RingSync::hurry() const {
 void RingSync::drained() {
   drained_ = true;
   mine()->state.store(static_cast<uint32_t>(RingRankState::DRAINED), std::memory_order_release);
+  wake_everyone();
 }
 
 bool RingSync::settle(const std::function<bool()>& done, Clock::time_point deadline) const {
   if (done() || opts_.wait.poll(done)) return true;
   constexpr auto kGrace = std::chrono::seconds(1);
+  Bell& bell = mine()->bell;
   bool hurried = false;
   for (;;) {
     if (!hurried && hurry()) {
@@ -321,7 +357,11 @@ bool RingSync::settle(const std::function<bool()>& done, Clock::time_point deadl
       deadline = std::min(deadline, Clock::now() + kGrace);
     }
     if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(WaitPolicy::sleep_us(deadline)));
+    // Peers ring on leaving or failing; device work rings nobody: a slice then.
+    const uint32_t seen = bell.seq.load(std::memory_order_seq_cst);
+    bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (!done()) futex_wait(&bell.seq, seen, WaitPolicy::sleep_us(deadline));
+    bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (done()) return true;
   }
 }

@@ -9,8 +9,9 @@
 //    each window slot with the step and call it holds;
 //  - records the job's first failure once, for every rank to raise;
 //  - holds a liveness lock (liveness.h), so a waiter tells a dead peer from a slow one.
-// Every wait follows WaitPolicy: poll, then sleep in slices, checking between slices the
-// abort record, the deadline, the peers' liveness and their calls.
+// Every wait follows WaitPolicy: poll, then sleep on this rank's doorbell (woken by the
+// change it waits for) in slices of at most WaitPolicy::kCheckEvery, checking between
+// slices the abort record, the deadline, the peers' liveness and their calls.
 #pragma once
 
 #include <chrono>
@@ -109,6 +110,8 @@ class RingSync {
   RingRank* mine() const { return ring_rank(base_, rank_); }
   RingRank* of(int r) const { return ring_rank(base_, r); }
   RingRankState state_of(int r) const;
+  void wake(int r) const;
+  void wake_everyone() const;
   template <class Ready>
   void wait(const OpCall& call, Ready ready, const Awaited& what);
   void check(const OpCall& call, const Awaited& what);
