@@ -57,7 +57,7 @@ void ProcessGroupPycomm::setTimeout(std::chrono::milliseconds timeout) {
 // threads and the segment.
 void ProcessGroupPycomm::shutdown() {
 #ifdef PYCOMM_CUDA
-  cuda_.reset();  // waits for the GPU, then unmaps the peers' windows
+  cuda_.reset();  // waits (bounded) for the GPU and the peers, then unmaps the windows
 #endif
   if (worker_) worker_->stop();
   worker_.reset();
@@ -70,6 +70,10 @@ void ProcessGroupPycomm::shutdown() {
 }
 
 void ProcessGroupPycomm::abort() {
+#ifdef PYCOMM_CUDA
+  if (cuda_)
+    cuda_->abort("pycomm: rank " + std::to_string(getRank()) + " aborted the process group");
+#endif
   if (comm_) {
     comm_->shared().set_abort("pycomm: rank " + std::to_string(getRank()) +
                               " aborted the process group");
@@ -82,6 +86,14 @@ pycomm::Communicator& ProcessGroupPycomm::comm() {
               ": the process group was shut down (destroy_process_group) and cannot run ops");
   return *comm_;
 }
+
+#ifdef PYCOMM_CUDA
+CudaCollectives& ProcessGroupPycomm::cuda() {
+  TORCH_CHECK(cuda_ != nullptr, "pycomm: rank ", getRank(),
+              ": the process group was shut down (destroy_process_group) and cannot run ops");
+  return *cuda_;
+}
+#endif
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, const char* title,
                                                            std::vector<at::Tensor> outputs,

@@ -123,6 +123,9 @@ class ProcessGroupPycomm : public c10d::Backend {
   void complete_p2p(const c10::intrusive_ptr<PycommWork>& work, std::exception_ptr error,
                     std::shared_ptr<void> staged);
   pycomm::Communicator& comm();
+#ifdef PYCOMM_CUDA
+  CudaCollectives& cuda();  // throws, like comm(), once the group was shut down
+#endif
   void check_peer(int peer, const char* op) const;
 
   Leftovers leftovers_;  // declared first: destroyed after the threads that park in it

@@ -12,7 +12,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
                                                              const c10d::AllreduceOptions& opts) {
   at::Tensor t = single(tensors, "all_reduce", getRank());
 #ifdef PYCOMM_CUDA
-  if (t.defined() && t.is_cuda()) return cuda_->all_reduce(t, opts.reduceOp);
+  if (t.defined() && t.is_cuda()) return cuda().all_reduce(t, opts.reduceOp);
 #endif
   pycomm::DType dt = checked_dtype(t, "all_reduce", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "all_reduce", getRank());
@@ -29,7 +29,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK_VALUE(!tensors.empty(), "pycomm: all_reduce_coalesced got no tensors");
 #ifdef PYCOMM_CUDA
-  if (any_cuda(tensors)) return cuda_->all_reduce_coalesced(tensors, opts.reduceOp);
+  if (any_cuda(tensors)) return cuda().all_reduce_coalesced(tensors, opts.reduceOp);
 #endif
   pycomm::DType dt = checked_dtype(tensors[0], "all_reduce_coalesced", getRank());
   for (const auto& t : tensors) {
@@ -50,7 +50,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Ten
                                                              const c10d::BroadcastOptions& opts) {
   at::Tensor t = single(tensors, "broadcast", getRank());
 #ifdef PYCOMM_CUDA
-  if (t.defined() && t.is_cuda()) return cuda_->broadcast(t, static_cast<int>(opts.rootRank));
+  if (t.defined() && t.is_cuda()) return cuda().broadcast(t, static_cast<int>(opts.rootRank));
 #endif
   pycomm::DType dt = checked_dtype(t, "broadcast", getRank());
   int root = static_cast<int>(opts.rootRank);
@@ -84,7 +84,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
 #ifdef PYCOMM_CUDA
   if (in.defined() && in.is_cuda()) {
     TORCH_CHECK_VALUE(outputs.size() == 1, "pycomm: all_gather takes one output list per rank");
-    return cuda_->all_gather(outputs[0], in);
+    return cuda().all_gather(outputs[0], in);
   }
 #endif
   pycomm::DType dt = checked_dtype(in, "all_gather", getRank());
@@ -103,7 +103,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
 #ifdef PYCOMM_CUDA
-  if (input.defined() && input.is_cuda()) return cuda_->all_gather_base(output, input);
+  if (input.defined() && input.is_cuda()) return cuda().all_gather_base(output, input);
 #endif
   pycomm::DType dt = checked_dtype(input, "all_gather_into_tensor", getRank());
   checked_dtype(output, "all_gather_into_tensor", getRank());
@@ -221,7 +221,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
 #ifdef PYCOMM_CUDA
   if (out.defined() && out.is_cuda()) {
     TORCH_CHECK_VALUE(inputs.size() == 1, "pycomm: reduce_scatter takes one input list per rank");
-    return cuda_->reduce_scatter(out, inputs[0], opts.reduceOp);
+    return cuda().reduce_scatter(out, inputs[0], opts.reduceOp);
   }
 #endif
   pycomm::DType dt = checked_dtype(out, "reduce_scatter", getRank());
@@ -243,7 +243,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
 #ifdef PYCOMM_CUDA
   if (input.defined() && input.is_cuda())
-    return cuda_->reduce_scatter_base(output, input, opts.reduceOp);
+    return cuda().reduce_scatter_base(output, input, opts.reduceOp);
 #endif
   const char* name = "reduce_scatter_tensor";
   pycomm::DType dt = checked_dtype(input, name, getRank());
