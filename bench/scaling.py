@@ -60,7 +60,12 @@ def _rank(rank: int, world: int, args: argparse.Namespace, port: int, out: str) 
         dist.barrier()
         after = shm_used_bytes()
         latency = _latency_us(group, args.size, args.iters)
-        rows[backend] = {"shm_total": after - before, "latency_us": latency}
+        # A message for the ring: its channels (one per rank) are reserved on first use.
+        dist.all_reduce(torch.ones(args.ring_bytes // 4), group=group)
+        dist.barrier()
+        after_ring = shm_used_bytes()
+        rows[backend] = {"shm_total": after - before, "shm_ring_total": after_ring - before,
+                         "latency_us": latency}
         dist.barrier()
         dist.destroy_process_group(group)
     gathered: list = [None] * world
@@ -69,6 +74,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, port: int, out: str) 
         summary = {
             b: {
                 "shm_per_rank": max(0, gathered[0][b]["shm_total"]) / world,
+                "shm_per_rank_after_ring": max(0, gathered[0][b]["shm_ring_total"]) / world,
                 "latency_us": statistics.median(r[b]["latency_us"] for r in gathered),
             }
             for b in args.backends
@@ -101,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backends", default="pycomm,gloo")
     p.add_argument("--size", type=int, default=1024, help="all_reduce message bytes")
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--ring-bytes", type=int, default=4 << 20,
+                   help="then one all_reduce this large (ring-sized), and memory again")
     p.add_argument("--json", help="write the table here too")
     args = p.parse_args(argv)
     args.backends = args.backends.split(",")
@@ -108,15 +116,17 @@ def main(argv: list[str] | None = None) -> None:
     worlds = [int(w) for w in args.worlds.split(",")]
     cores = len(os.sched_getaffinity(0))
     head = f"{'ranks':>5} " + " ".join(
-        f"{b + ' MiB/rank':>18} {b + ' us':>12}" for b in args.backends)
-    print(f"# {cores} CPUs; all_reduce of {args.size} B, {args.iters} calls back to back")
+        f"{b + ' MiB/rank':>18} {'+ring':>8} {b + ' us':>12}" for b in args.backends)
+    print(f"# {cores} CPUs; all_reduce of {args.size} B, {args.iters} calls back to back; "
+          f"+ring: MiB/rank after one {args.ring_bytes} B all_reduce too")
     print(head)
     table = {}
     for world in worlds:
         res = measure(world, args)
         table[world] = res
-        cells = " ".join(f"{_mib(res[b]['shm_per_rank']):>18} {res[b]['latency_us']:12.1f}"
-                         for b in args.backends)
+        cells = " ".join(f"{_mib(res[b]['shm_per_rank']):>18} "
+                         f"{_mib(res[b]['shm_per_rank_after_ring']):>8} "
+                         f"{res[b]['latency_us']:12.1f}" for b in args.backends)
         print(f"{world:>5} {cells}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -83,10 +83,22 @@ def island_ids(store: dist.Store, group_rank: int, group_size: int) -> list[int]
         key = host_key()
     if group_size == 1:
         return [0]
-    store.set(f"{_KEY}{group_rank}", key)
-    keys = [v.decode() for v in store.multi_get([f"{_KEY}{r}" for r in range(group_size)])]
+    store.set(f"{_KEY}{group_rank}", f"{local_size or 'unset'}\n{key}")
+    posted = [v.decode().split("\n", 1)
+              for v in store.multi_get([f"{_KEY}{r}" for r in range(group_size)])]
+    _check_local_sizes_agree([size for size, _ in posted], group_rank)
     first: dict[str, int] = {}
-    return [first.setdefault(k, len(first)) for k in keys]
+    return [first.setdefault(k, len(first)) for _, k in posted]
+
+
+def _check_local_sizes_agree(sizes: list[str], group_rank: int) -> None:
+    """Every rank must see the same hosts: a PYCOMM_LOCAL_SIZE set differently on some
+    ranks would split them into islands that disagree (and hang). Every rank reads every
+    rank's value, so all raise together."""
+    if len(set(sizes)) > 1:
+        by_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(sizes))
+        raise ValueError(f"pycomm: PYCOMM_LOCAL_SIZE must be the same on every rank of a group "
+                         f"(rank {group_rank} sees {by_rank})")
 
 
 def _members(ids: list[int]) -> list[list[int]]:

@@ -113,3 +113,26 @@ def test_16_bit_floats_round_like_torch_over_every_value(dtype):
         assert bool(same.all()), (dtype, a[~same][:4], b[~same][:4], out[~same][:4])
         _C._reduce_into(out, a, b, "max")  # the pair kernel converts the same way
         assert torch.equal(out, torch.maximum(a, b))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_nan_wins_min_max_whatever_the_order(dtype, op):
+    """MIN/MAX propagate NaN like torch.minimum/maximum (and the CUDA kernels): the result
+    must not depend on which rank's value comes first."""
+    from pycomm import _C
+
+    n = 67  # a vector body and a tail
+    a = torch.arange(n, dtype=torch.float32).to(dtype)
+    b = torch.arange(n, 0, -1, dtype=torch.float32).to(dtype)
+    a[::3] = float("nan")
+    b[1::5] = float("nan")
+    want = FOLDS[op](a, b)
+    for x, y in ((a, b), (b, a)):
+        pair = torch.empty(n, dtype=dtype)
+        _C._reduce_into(pair, x, y, op)
+        torch.testing.assert_close(pair, want, equal_nan=True, rtol=0, atol=0)
+        for srcs in ([x, y], [x, y, x], [y, x, y]):
+            out = torch.empty(n, dtype=dtype)
+            _C._reduce_copy([out], srcs, op)
+            torch.testing.assert_close(out, want, equal_nan=True, rtol=0, atol=0)

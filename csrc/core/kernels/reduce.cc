@@ -8,6 +8,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/kernels/element_ops.h"
 #include "core/kernels/float16.h"
 #include "core/kernels/kernel_attrs.h"
 #include "core/runtime/errors.h"
@@ -21,8 +22,8 @@ template <typename T>
 struct Arith {  // T is the computing type (float, double, or an unsigned int for wraparound)
   static PYCOMM_INLINE T sum(T a, T b) { return static_cast<T>(a + b); }
   static PYCOMM_INLINE T prod(T a, T b) { return static_cast<T>(a * b); }
-  static PYCOMM_INLINE T min(T a, T b) { return b < a ? b : a; }
-  static PYCOMM_INLINE T max(T a, T b) { return a < b ? b : a; }
+  static PYCOMM_INLINE T min(T a, T b) { return nan_wins(a, b, b < a ? b : a); }
+  static PYCOMM_INLINE T max(T a, T b) { return nan_wins(a, b, a < b ? b : a); }
 };
 
 // One loop per (op), all written the same way: load, combine, scale, store.

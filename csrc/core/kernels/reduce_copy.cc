@@ -5,8 +5,8 @@
 // result wanted in several places (the zero-copy all_reduce pushes it to every rank) is
 // stored there without being read back.
 #include <cstdint>
-#include <type_traits>
 
+#include "core/kernels/element_ops.h"
 #include "core/kernels/float16.h"
 #include "core/kernels/kernel_attrs.h"
 #include "core/kernels/reduce.h"
@@ -51,8 +51,8 @@ struct Combine {
   using C = typename E::Compute;
   static PYCOMM_INLINE C sum(C a, C b) { return static_cast<C>(a + b); }
   static PYCOMM_INLINE C prod(C a, C b) { return static_cast<C>(a * b); }
-  static PYCOMM_INLINE C min(C a, C b) { return E::less(b, a) ? b : a; }
-  static PYCOMM_INLINE C max(C a, C b) { return E::less(a, b) ? b : a; }
+  static PYCOMM_INLINE C min(C a, C b) { return nan_wins(a, b, E::less(b, a) ? b : a); }
+  static PYCOMM_INLINE C max(C a, C b) { return nan_wins(a, b, E::less(a, b) ? b : a); }
   static PYCOMM_INLINE C band(C a, C b) { return static_cast<C>(a & b); }
   static PYCOMM_INLINE C bor(C a, C b) { return static_cast<C>(a | b); }
   static PYCOMM_INLINE C bxor(C a, C b) { return static_cast<C>(a ^ b); }
