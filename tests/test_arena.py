@@ -34,6 +34,13 @@ def test_empty_and_zeros_shapes_dtypes_and_stats():
     assert pycomm.arena_stats()["live"] == before["live"]
 
 
+def test_a_shape_too_large_to_address_is_refused_before_allocating():
+    before = pycomm.arena_stats()
+    with pytest.raises(ValueError, match="more bytes than an address space holds"):
+        pycomm.empty((1 << 40, 1 << 40), dtype=torch.float32)
+    assert pycomm.arena_stats()["live"] == before["live"]
+
+
 def test_freed_neighbours_coalesce_and_big_requests_get_their_own_slab():
     start = pycomm.arena_stats()
     blocks = [pycomm.empty(1 << 20, dtype=torch.uint8) for _ in range(3)]

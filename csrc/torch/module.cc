@@ -25,12 +25,15 @@ namespace py = pybind11;
 namespace {
 
 at::Tensor arena_empty(const std::vector<int64_t>& sizes, c10::ScalarType dtype) {
-  int64_t numel = 1;
+  uint64_t bytes = c10::elementSize(dtype);
   for (int64_t s : sizes) {
     TORCH_CHECK_VALUE(s >= 0, "pycomm.empty: negative dimension ", s);
-    numel *= s;
+    // Checked before anything is allocated: an overflowing size would otherwise
+    // allocate a small block that from_blob then refuses (and it would leak).
+    TORCH_CHECK_VALUE(!__builtin_mul_overflow(bytes, static_cast<uint64_t>(s), &bytes),
+                      "pycomm.empty: shape ", c10::IntArrayRef(sizes), " of ", dtype,
+                      " is more bytes than an address space holds");
   }
-  size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
   void* p = pycomm_torch::translated([&] { return pycomm::Arena::instance().allocate(bytes); });
   return at::from_blob(
       p, sizes, [](void* ptr) { pycomm::Arena::instance().release(ptr); },
