@@ -19,7 +19,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
   return enqueue(c10d::OpType::ALLREDUCE, "pycomm:all_reduce", {t}, opts.asyncOp,
                  [this, t, dt, rs] {
                    Staged buf(t);
-                   if (rs.premul) buf.get().mul_(rs.factor);
+                   rs.scale_owned(buf.get());
                    comm().all_reduce(buf.ptr(), buf.numel(), dt, rs.op);
                    buf.commit();
                  });
@@ -40,7 +40,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced", tensors,
                  opts.asyncOp, [this, tensors, dt, rs]() mutable {
                    at::Tensor flat = flat_copy(tensors);
-                   if (rs.premul) flat.mul_(rs.factor);
+                   rs.scale_owned(flat);
                    comm().all_reduce(flat.data_ptr(), flat.numel(), dt, rs.op);
                    unflatten_into(flat, tensors);
                  });
@@ -71,7 +71,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(std::vector<at::Tensor
   return enqueue(c10d::OpType::REDUCE, "pycomm:reduce", {t}, opts.asyncOp, [this, t, dt, rs, root] {
     Staged buf(t);
     // PREMUL_SUM scales a copy: non-root tensors must come back unchanged.
-    at::Tensor in = rs.premul ? buf.get().mul(rs.factor) : buf.get();
+    at::Tensor in = rs.input_of(buf.get());
     comm().reduce(in.data_ptr(), buf.ptr(), buf.numel(), dt, rs.op, root);
     if (getRank() == root) buf.commit();
   });
@@ -233,7 +233,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
                  [this, out, ins, dt, rs] {
                    Staged buf(out);
                    at::Tensor flat = flat_copy(ins);
-                   if (rs.premul) flat.mul_(rs.factor);
+                   rs.scale_owned(flat);
                    comm().reduce_scatter(flat.data_ptr(), buf.ptr(), buf.numel(), dt, rs.op);
                    buf.commit();
                  });
@@ -255,7 +255,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor", {out},
                  opts.asyncOp, [this, out, in, dt, rs] {
                    Staged buf(out);
-                   at::Tensor src = rs.premul ? in.mul(rs.factor).contiguous() : in.contiguous();
+                   at::Tensor src = rs.input_of(in);
                    comm().reduce_scatter(src.data_ptr(), buf.ptr(), buf.numel(), dt, rs.op);
                    buf.commit();
                  });
@@ -280,8 +280,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
                    for (size_t i = 0; i < inputs.size(); ++i) {
                      Staged buf(outputs[i]);
                      const ReduceSpec& rs = specs[i];
-                     at::Tensor src =
-                         rs.premul ? inputs[i].mul(rs.factor).contiguous() : inputs[i].contiguous();
+                     at::Tensor src = rs.input_of(inputs[i]);
                      comm().reduce_scatter(src.data_ptr(), buf.ptr(), buf.numel(), dts[i], rs.op);
                      buf.commit();
                    }

@@ -169,7 +169,7 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::all_reduce(at::Tensor& t,
   auto r = cuda_reduce_spec(op, dt, "all_reduce", rank_);
   return on_stream(c10d::OpType::ALLREDUCE, t, {t}, [&](cudaStream_t s) {
     Staged buf(t);
-    if (r.premul) buf.get().mul_(r.factor);
+    r.scale_owned(buf.get());
     ring(t, "all_reduce").all_reduce(buf.ptr(), buf.ptr(), buf.numel(), dt, r.op, s);
     buf.commit();
   });
@@ -187,7 +187,7 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::all_reduce_coalesced(
   auto r = cuda_reduce_spec(op, dt, name, rank_);
   return on_stream(c10d::OpType::ALLREDUCE_COALESCED, tensors[0], tensors, [&](cudaStream_t s) {
     at::Tensor flat = flat_copy(tensors);
-    if (r.premul) flat.mul_(r.factor);
+    r.scale_owned(flat);
     ring(flat, name).all_reduce(flat.data_ptr(), flat.data_ptr(), flat.numel(), dt, r.op, s);
     unflatten_into(flat, tensors);
   });
@@ -247,7 +247,7 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::reduce_scatter_base(at::Tensor& 
   check_numel_ratio(in, out, size_, "reduce_scatter", "input", "output", rank_);
   auto r = cuda_reduce_spec(op, dt, "reduce_scatter", rank_);
   return on_stream(c10d::OpType::_REDUCE_SCATTER_BASE, in, {out}, [&](cudaStream_t s) {
-    at::Tensor src = r.premul ? in.mul(r.factor) : in.contiguous();
+    at::Tensor src = r.input_of(in);
     Staged dst(out);
     ring(in, "reduce_scatter").reduce_scatter(dst.ptr(), src.data_ptr(), dst.numel(), dt, r.op, s);
     dst.commit();
@@ -270,7 +270,7 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::reduce_scatter(at::Tensor& out,
   auto r = cuda_reduce_spec(op, dt, "reduce_scatter", rank_);
   return on_stream(c10d::OpType::REDUCE_SCATTER, out, {out}, [&](cudaStream_t s) {
     at::Tensor flat = flat_copy(ins);
-    if (r.premul) flat.mul_(r.factor);
+    r.scale_owned(flat);
     Staged dst(out);
     ring(out, "reduce_scatter")
         .reduce_scatter(dst.ptr(), flat.data_ptr(), dst.numel(), dt, r.op, s);

@@ -16,8 +16,7 @@ namespace {
 struct Reduction {
   c10d::ReduceOp inner;
   bool avg = false;
-  bool premul = false;
-  double factor = 1.0;
+  ReduceSpec spec;  // its PREMUL_SUM scaling
 };
 
 Reduction reduction(const c10d::ReduceOp& op, const at::Tensor& t, const char* name, int rank) {
@@ -25,8 +24,7 @@ Reduction reduction(const c10d::ReduceOp& op, const at::Tensor& t, const char* n
   Reduction r{c10d::ReduceOp(c10d::ReduceOp::SUM)};
   if (op.op_ != c10d::ReduceOp::AVG && !rs.premul) r.inner = c10d::ReduceOp(op.op_);
   r.avg = op.op_ == c10d::ReduceOp::AVG;
-  r.premul = rs.premul;
-  r.factor = rs.factor;
+  r.spec = rs;
   return r;
 }
 
@@ -291,7 +289,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::allreduce(std::vector<at::Te
                  [this, t, red](const Op& op) {
                    Staged buf(t);
                    at::Tensor flat = buf.get().view({-1});
-                   if (red.premul) flat.mul_(red.factor);
+                   red.spec.scale_owned(flat);
                    all_reduce_flat(op, flat, red.inner);
                    if (red.avg) flat.div_(getSize());
                    buf.commit();
@@ -307,7 +305,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::allreduce_coalesced(
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, name, tensors, opts.asyncOp,
                  [this, tensors, red](const Op& op) mutable {
                    at::Tensor flat = flat_copy(tensors);
-                   if (red.premul) flat.mul_(red.factor);
+                   red.spec.scale_owned(flat);
                    all_reduce_flat(op, flat, red.inner);
                    if (red.avg) flat.div_(getSize());
                    unflatten_into(flat, tensors);
@@ -326,7 +324,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::reduce(std::vector<at::Tenso
   return enqueue(c10d::OpType::REDUCE, "reduce", {t}, opts.asyncOp,
                  [this, t, red, root](const Op& op) mutable {
                    at::Tensor flat = t.reshape({-1}).clone();
-                   if (red.premul) flat.mul_(red.factor);
+                   red.spec.scale_owned(flat);
                    all_reduce_flat(op, flat, red.inner);
                    if (red.avg) flat.div_(getSize());
                    if (getRank() == root) t.copy_(flat.view(t.sizes()));
@@ -429,7 +427,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::_reduce_scatter_base(
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, name, {out}, opts.asyncOp,
                  [this, out, in, red](const Op& op) {
                    Staged buf(out);
-                   at::Tensor src = red.premul ? in.mul(red.factor) : in.contiguous();
+                   at::Tensor src = red.spec.input_of(in);
                    reduce_scatter_flat(op, buf.get().view({-1}), src.view({-1}), red.inner);
                    if (red.avg) buf.get().div_(getSize());
                    buf.commit();
@@ -449,7 +447,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::reduce_scatter(
                  [this, out, ins, red](const Op& op) {
                    Staged buf(out);
                    at::Tensor src = flat_copy(ins);
-                   if (red.premul) src.mul_(red.factor);
+                   red.spec.scale_owned(src);
                    reduce_scatter_flat(op, buf.get().view({-1}), src, red.inner);
                    if (red.avg) buf.get().div_(getSize());
                    buf.commit();
@@ -473,8 +471,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::reduce_scatter_tensor_coales
                    for (size_t i = 0; i < inputs.size(); ++i) {
                      Staged buf(outputs[i]);
                      const Reduction& red = reds[i];
-                     at::Tensor src =
-                         red.premul ? inputs[i].mul(red.factor) : inputs[i].contiguous();
+                     at::Tensor src = red.spec.input_of(inputs[i]);
                      reduce_scatter_flat(op, buf.get().view({-1}), src.view({-1}), red.inner);
                      if (red.avg) buf.get().div_(getSize());
                      buf.commit();

@@ -16,6 +16,17 @@ struct ReduceSpec {
   pycomm::RedOp op = pycomm::RedOp::SUM;
   bool premul = false;  // PREMUL_SUM: scale the input by `factor`, then SUM
   double factor = 1.0;
+
+  // PREMUL_SUM's scaling of a buffer the op owns or overwrites anyway (a staged or flat
+  // copy, an in-place all_reduce's tensor).
+  void scale_owned(at::Tensor& owned) const {
+    if (premul) owned.mul_(factor);
+  }
+  // What a reduction sends of a user's input: a scaled copy for PREMUL_SUM (the input
+  // itself must stay as it was), else the input, contiguous.
+  at::Tensor input_of(const at::Tensor& t) const {
+    return premul ? t.mul(factor).contiguous() : t.contiguous();
+  }
 };
 
 // The one tensor of a single-device op; anything else is a ValueError.
