@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import importlib
 import re
 import sys
 import time
@@ -52,6 +53,7 @@ CASE_TIMEOUT_S = 40.0  # a case's reference side may take this long before it co
 HANG_MIN_S = 8.0
 HANG_FACTOR = 5.0
 SIZES = ((0,), (1,), (7,), (3, 5), (70_001,))  # 70_001 float64: past pycomm's small-op path
+LATE_S = 0.05  # how late the last rank starts where a case needs one rank to be late
 PREMUL_FACTOR = 0.75  # x * 0.75 is exact for small integers, so the reference is exact
 
 REFERENCE_ROLE, CANDIDATE_ROLE = "reference", "candidate"
@@ -116,8 +118,16 @@ def _timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=PG_TIMEOUT_S)
 
 
-def setup() -> str:
-    """Create the reference gloo group over every rank; returns the candidate's backend."""
+def setup(name: str) -> str:
+    """Create the reference gloo group over every rank, and import what case ``name``
+    needs; returns the candidate's backend.
+
+    Imports happen here so that a case's time is its own (the candidate's hang limit
+    scales with the reference's time): DDP's constructor imports torch._dynamo, two
+    seconds, which only the cases that need it pay for.
+    """
+    for module in CASES[name].imports:
+        importlib.import_module(module)
     _sides()
     return dist.get_backend()
 
@@ -147,6 +157,7 @@ class Case:
     timeout_s: float = CASE_TIMEOUT_S
     gloo_candidate_skip: str = ""  # why gloo cannot be the candidate (self-validation)
     exact_world2: bool = False  # with a tolerance: still exact at world size 2 (why in tol_why)
+    imports: tuple[str, ...] = ()  # modules to import before the case (slow imports)
 
 
 CASES: dict[str, Case] = {}
@@ -224,6 +235,12 @@ def flat(value: Any) -> torch.Tensor:
         return value.detach().reshape(-1).clone()
     parts = [flat(v) for v in value]
     return torch.cat(parts) if parts else torch.empty(0)
+
+
+def future_data(work: Any) -> torch.Tensor:
+    """The data of ``work``'s future, waited for (the Work contract case checks that
+    ``.value()`` alone would do after ``work.wait()``)."""
+    return flat(work.get_future().wait())
 
 
 def shape_of(value: Any) -> Any:
@@ -330,6 +347,11 @@ def _then_with_collective(side: Side) -> dict[str, torch.Tensor]:
     torch's PowerSGD hook does exactly this from DDP's comm hook future."""
     g = side.group
     x, y, z = (ints(f"then_collective/{k}", (6,)) for k in "xyz")
+    if side.rank == side.size - 1:
+        # late: elsewhere the callback is attached while the op runs, so it runs on
+        # the thread that completes the op (attached to a done future, it would run
+        # at once in the caller, and the case would prove nothing)
+        time.sleep(LATE_S)
 
     def second(f: Any) -> torch.Tensor:
         got = dist.all_reduce(y, group=g, async_op=True).get_future().wait()
@@ -374,7 +396,7 @@ def _broadcast(side: Side) -> dict[str, Any]:
         work = dist.broadcast(t, src=root, group=side.group, async_op=True)
         out[f"root {root} async wait"] = work.wait()
         out[f"root {root} async"] = t
-        out[f"root {root} async future value"] = flat(work.get_future().value())
+        out[f"root {root} async future value"] = future_data(work)
     return out
 
 
@@ -409,7 +431,7 @@ def _all_gather(side: Side) -> dict[str, Any]:
     work = dist.all_gather(outs, ints("all_gather/async", (5,)), group=g, async_op=True)
     out["async wait"] = work.wait()
     out["async"] = outs
-    out["async future value"] = flat(work.get_future().value())
+    out["async future value"] = future_data(work)
     return out
 
 
@@ -453,7 +475,7 @@ def _all_gather_into_tensor(side: Side) -> dict[str, Any]:
     work = dist.all_gather_into_tensor(dst, mine, group=g, async_op=True)
     out["async wait"] = work.wait()
     out["async"] = dst
-    value = work.get_future().value()
+    value = work.get_future().wait()  # done: the Work contract case checks .value()
     out["async future value"] = flat(value)
     out["info:async future value structure"] = shape_of(value)
     return out
@@ -616,7 +638,7 @@ def _all_to_all_single(side: Side) -> dict[str, Any]:
     work = dist.all_to_all_single(dst, src, group=g, async_op=True)
     out["async wait"] = work.wait()
     out["async"] = dst
-    out["async future value"] = flat(work.get_future().value())
+    out["async future value"] = future_data(work)
     return out
 
 
@@ -641,7 +663,7 @@ def _barrier(side: Side) -> dict[str, Any]:
     waited = left >= arrived.item()
     work = dist.barrier(group=g, async_op=True)
     return {"returns": first, "blocked until the last rank arrived": waited,
-            "async wait": work.wait(), "async future value": flat(work.get_future().value())}
+            "async wait": work.wait(), "async future value": future_data(work)}
 
 
 @case("monitored_barrier", replicated=True)
@@ -668,8 +690,13 @@ def _work_probe(make: Callable[[], Any]) -> dict[str, Any]:
 
     A callback registered before the wait sleeps 50 ms before it records that it
     ran: gloo completes the future (running its callbacks inline) before it marks
-    the Work done, so after ``wait()`` returns, the callback has finished.
+    the Work done, so after ``wait()`` returns, the callback has finished. The last
+    rank starts each op late, so that elsewhere the op is still running when the
+    callback is attached (a callback attached to a done future runs at once, in the
+    caller, and would prove nothing).
     """
+    if dist.get_rank() == dist.get_world_size() - 1:
+        time.sleep(LATE_S)
     work = make()
     try:
         fut = work.get_future()
@@ -686,16 +713,20 @@ def _work_probe(make: Callable[[], Any]) -> dict[str, Any]:
 
     chained = fut.then(slow) if fut is not None else None
     waited = work.wait()
+    # read everything at once, before anything else could let a late future complete
+    done, callbacks_ran = fut is None or fut.done(), fut is None or bool(ran)
     result = {
         "wait() returns": waited,
         "is_completed() after wait": work.is_completed(),
-        "future done after wait (or no future)": fut is None or fut.done(),
-        "then-callback finished before wait returned (or no future)": fut is None or bool(ran),
+        "future done after wait (or no future)": done,
+        "then-callback finished before wait returned (or no future)": callbacks_ran,
     }
     if fut is None:
         result["future value"] = na("gloo has no future for this op")
     else:
-        result["future value"] = flat(fut.value())
+        # .value() on a future that is not done raises an internal assert: wait() instead,
+        # so an early Work shows up as the two flags above, not as an exception
+        result["future value"] = flat(fut.value() if done else fut.wait())
         result["then-chain value"] = chained.wait()
     return result
 
@@ -1100,7 +1131,8 @@ def _mesh(side: Side) -> Any:
         "cpu", shape, mesh_dim_names=names, backend_override=override))
 
 
-@case("DeviceMesh: collectives over each mesh dimension", function="init_device_mesh")
+@case("DeviceMesh: collectives over each mesh dimension", function="init_device_mesh",
+      imports=("torch.distributed.device_mesh", "torch.distributed.tensor"))
 def _device_mesh(side: Side) -> dict[str, Any]:
     mesh, out = _mesh(side), {}
     out["coordinate"] = mesh.get_coordinate()
@@ -1117,7 +1149,8 @@ def _device_mesh(side: Side) -> dict[str, Any]:
     return out
 
 
-@case("DTensor redistribute (functional collectives)", function="DTensor")
+@case("DTensor redistribute (functional collectives)", function="DTensor",
+      imports=("torch.distributed.device_mesh", "torch.distributed.tensor"))
 def _dtensor(side: Side) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
@@ -1183,6 +1216,8 @@ def _overlap(side: Side) -> dict[str, Any]:
 # ============================================================================ DDP hooks
 
 DDP_STEPS = 6
+DDP_IMPORTS = ("torch._dynamo", "torch.nn.parallel",
+               "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook")
 DDP_LR = 0.05
 
 
@@ -1267,6 +1302,11 @@ def _ddp_steps(side: Side, hook: str) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(1000 * step + side.rank)
         x, y = torch.randn(12, 16, generator=gen), torch.randn(12, 8, generator=gen)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
+        if powersgd and side.rank == side.size - 1:
+            # late, as some rank always is: elsewhere the hook's callbacks (which issue
+            # collectives and wait) are attached while its all_reduce runs, so they run
+            # on the thread that completes it, not at once in the caller
+            time.sleep(LATE_S)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -1307,7 +1347,7 @@ for _hook, (_tol, _why) in _DDP_TOLS.items():
         f"{_hook}_hook")
     case(f"DDP + {_hook_path}", function="DDP comm hook", tol=_tol,
          tol_why=_why + "; exact at world 2 (a + b has one order)", exact_world2=True,
-         replicated="params", timeout_s=60.0)(_make(_hook))
+         replicated="params", timeout_s=60.0, imports=DDP_IMPORTS)(_make(_hook))
 
 
 def describe_error(text: str) -> str:

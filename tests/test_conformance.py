@@ -193,7 +193,7 @@ def run_case(pool: RankPool, name: str, backend: str) -> Verdict:
     case = S.CASES[name]
     head = f"{name} @ world {pool.world_size}"
     try:
-        pool.run(S.setup, timeout_s=SETUP_TIMEOUT_S)
+        pool.run(S.setup, name, timeout_s=SETUP_TIMEOUT_S)
     except RankFailure as exc:
         return Verdict("ERROR", f"setup: {S.describe_error(str(exc))}", f"{head}: setup: {exc}")
     try:
