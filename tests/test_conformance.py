@@ -28,6 +28,7 @@ import datetime
 import math
 import os
 import re
+import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +95,12 @@ class Comparison:
         if isinstance(ref, torch.Tensor) or isinstance(cand, torch.Tensor):
             self._tensors(ref, cand, path)
         elif isinstance(ref, dict) and isinstance(cand, dict):
-            if list(ref) != list(cand):
-                self._differ(path, f"keys {list(ref)}", f"keys {list(cand)}")
+            for info in (False, True):  # info: keys on one side only are notes
+                left = [k for k in ref if str(k).startswith("info:") == info]
+                right = [k for k in cand if str(k).startswith("info:") == info]
+                if left != right:
+                    self._differ((*path, "info:keys") if info else path,
+                                 f"keys {left}", f"keys {right}")
             for key in ref:
                 if key in cand:
                     self.walk(ref[key], cand[key], (*path, str(key)))
@@ -244,15 +249,24 @@ def _cell(verdict: Verdict | None, footnotes: list[str]) -> str:
     return f"**{verdict.status}** {note(verdict.detail)}"
 
 
+def _git_head() -> str:
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%h %s"], capture_output=True,
+                             text=True, timeout=10, cwd=os.path.dirname(__file__))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip()[:100] or "unknown"
+
+
 def write_report(path: str, backend: str) -> None:
     footnotes: list[str] = []
     lines = [
         f"# Conformance: {backend} against gloo (torch {torch.__version__})",
         "",
-        f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} by "
-        "tests/test_conformance.py. Each case ran on the candidate's default group and on a "
-        "gloo group over the same ranks, with identical integer-valued inputs; results are "
-        "compared exactly unless a tolerance is shown.",
+        f"Generated {datetime.datetime.now().isoformat(timespec='seconds')} at commit "
+        f"`{_git_head()}` by tests/test_conformance.py. Each case ran on the candidate's "
+        "default group and on a gloo group over the same ranks, with identical integer-valued "
+        "inputs; results are compared exactly unless a tolerance is shown.",
         "",
         "| case | torch function | " + " | ".join(f"world {n}" for n in WORLD_SIZES) + " |",
         "|---|---|" + "---|" * len(WORLD_SIZES),
