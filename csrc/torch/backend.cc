@@ -124,11 +124,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, co
   return work;
 }
 
+// Any rank of the group, itself included (torch allows send to self), or any source.
 void ProcessGroupPycomm::check_peer(int peer, const char* op) const {
   if (peer == pycomm::kAnySource) return;
-  TORCH_CHECK_VALUE(peer >= 0 && peer < getSize() && peer != getRank(), "pycomm: ", op, " on rank ",
-                    getRank(), ": peer ", peer, " is not another rank of this group of ",
-                    getSize());
+  TORCH_CHECK_VALUE(peer >= 0 && peer < getSize(), "pycomm: ", op, " on rank ", getRank(),
+                    ": peer ", peer, " is not a rank of this group of ", getSize());
 }
 
 // A p2p future that someone asked for may carry callbacks: they must not run on the

@@ -120,6 +120,8 @@ class ProcessGroupPycomm : public c10d::Backend {
                                          std::vector<at::Tensor> outputs, bool async_op,
                                          std::function<void()> body);
   c10::intrusive_ptr<c10d::Work> point_to_point(bool is_send, at::Tensor t, int peer, int tag);
+  c10::intrusive_ptr<c10d::Work> all_gather_uneven(std::vector<at::Tensor> outs, at::Tensor in,
+                                                   pycomm::DType dt, bool async_op);
   void complete_p2p(const c10::intrusive_ptr<PycommWork>& work, std::exception_ptr error,
                     std::shared_ptr<void> staged);
   pycomm::Communicator& comm();

@@ -90,13 +90,41 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
   pycomm::DType dt = checked_dtype(in, "all_gather", getRank());
   TORCH_CHECK_VALUE(outputs.size() == 1, "pycomm: all_gather takes one output list per rank");
   std::vector<at::Tensor> outs = outputs[0];
-  check_list(outs, in, getSize(), "all_gather", "the output list", getRank());
+  if (check_gather_list(outs, in, getSize(), "all_gather", getRank()))
+    return all_gather_uneven(outs, in, dt, opts.asyncOp);
   return enqueue(c10d::OpType::ALLGATHER, "pycomm:all_gather", outs, opts.asyncOp,
                  [this, in, outs, dt]() mutable {
                    at::Tensor src = in.contiguous();
                    at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
                    comm().all_gather(src.data_ptr(), flat.data_ptr(), src.numel(), dt);
                    unflatten_into(flat, outs);
+                 });
+}
+
+// Sizes that differ between ranks (torch allows them): an all_to_all in which every rank
+// sends its one input to everyone, and each pair checks its size.
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::all_gather_uneven(std::vector<at::Tensor> outs,
+                                                                     at::Tensor in,
+                                                                     pycomm::DType dt,
+                                                                     bool async_op) {
+  pycomm::AllToAllArgs args;
+  args.dtype = dt;
+  size_t off = 0;
+  for (const auto& o : outs) {
+    args.send_counts.push_back(in.numel());
+    args.send_offsets.push_back(0);
+    args.recv_counts.push_back(o.numel());
+    args.recv_offsets.push_back(off);
+    off += o.numel();
+  }
+  return enqueue(c10d::OpType::ALLGATHER, "pycomm:all_gather", outs, async_op,
+                 [this, in, outs, args, off]() mutable {
+                   at::Tensor src = in.contiguous();
+                   at::Tensor dst = at::empty({static_cast<int64_t>(off)}, src.options());
+                   args.in = src.data_ptr();
+                   args.out = dst.data_ptr();
+                   comm().all_to_all(args);
+                   unflatten_into(dst, outs);
                  });
 }
 

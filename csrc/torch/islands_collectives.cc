@@ -370,7 +370,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::allgather(
   TORCH_CHECK_VALUE(outputs.size() == 1, "pycomm: all_gather on rank ", getRank(),
                     " takes one output list");
   std::vector<at::Tensor> outs = outputs[0];
-  check_list(outs, in, getSize(), "all_gather", "the output list", getRank());
+  if (check_gather_list(outs, in, getSize(), "all_gather", getRank())) {
+    // Sizes differ between ranks: every rank sends its one input to everyone.
+    std::vector<at::Tensor> ins(getSize(), in);
+    c10d::AllToAllOptions a2a;
+    a2a.timeout = opts.timeout;
+    a2a.asyncOp = opts.asyncOp;
+    return alltoall(outs, ins, a2a);
+  }
   return enqueue(c10d::OpType::ALLGATHER, "all_gather", outs, opts.asyncOp,
                  [this, in, outs](const Op& op) mutable {
                    at::Tensor src = in.contiguous();

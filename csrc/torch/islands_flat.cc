@@ -188,9 +188,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::point_to_point(bool is_send,
                                                                    int peer, int tag) {
   const char* name = is_send ? "send" : "recv";
   checked_dtype(t, name, getRank());
-  TORCH_CHECK_VALUE(peer >= 0 && peer < getSize() && peer != getRank(), "pycomm: ", name,
-                    " on rank ", getRank(), ": peer ", peer,
-                    " is not another rank of this group of ", getSize());
+  TORCH_CHECK_VALUE(peer >= 0 && peer < getSize(), "pycomm: ", name, " on rank ", getRank(),
+                    ": peer ", peer, " is not a rank of this group of ", getSize());
   check_usable();
   std::vector<at::Tensor> ts;
   if (layout_.island_of[peer] == island()) {  // same island: shared memory

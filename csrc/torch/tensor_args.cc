@@ -168,6 +168,22 @@ void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int
   }
 }
 
+bool check_gather_list(const std::vector<at::Tensor>& list, const at::Tensor& in, int64_t n,
+                       const char* op, int rank) {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == n, who(op, rank), ": the output list has ",
+                    list.size(), " tensors, expected one per rank (", n, ")");
+  bool uneven = false;
+  for (const auto& t : list) {
+    checked_dtype(t, op, rank);
+    check_same_dtype(in, t, op, rank);
+    uneven = uneven || t.numel() != in.numel();
+  }
+  TORCH_CHECK_VALUE(list[rank].numel() == in.numel(), who(op, rank), ": output ", rank,
+                    " (this rank's) has shape ", shape_str(list[rank]), " but the input has shape ",
+                    shape_str(in));
+  return uneven;
+}
+
 std::vector<at::Tensor> coalesced_gather_outputs(
     const std::vector<std::vector<at::Tensor>>& outputs, const std::vector<at::Tensor>& inputs,
     int64_t n, const char* op, int rank) {

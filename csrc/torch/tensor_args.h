@@ -45,6 +45,10 @@ std::string shape_str(const at::Tensor& t);
 // `n` tensors (one per rank) like `like`: CPU, its dtype, its number of elements.
 void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int64_t n,
                 const char* op, const char* what, int rank);
+// all_gather's output list: `n` tensors of the input's dtype, this rank's the input's
+// size. Returns whether the sizes differ between ranks (torch allows that).
+bool check_gather_list(const std::vector<at::Tensor>& list, const at::Tensor& in, int64_t n,
+                       const char* op, int rank);
 // all_gather_coalesced's lists, in torch's layout: `outputs[r][i]` receives rank r's
 // `inputs[i]` (n lists of inputs.size() tensors). Checks them and returns the outputs in
 // rank-major order, the order of the inputs gathered flat.

@@ -71,7 +71,9 @@ void P2PEngine::take_inbox() {
         WaitPolicy::deadline_after(a.call.start, std::chrono::milliseconds(timeout_ms_.load()));
     a.req = std::move(req);
     log_.log(LogLevel::TRACE, what(a.req) + " posted");
-    if (a.req.is_send) {
+    if (a.req.is_send && a.req.peer == shared_.rank()) {
+      send_to_self(std::move(a));
+    } else if (a.req.is_send) {
       int peer = a.req.peer;
       a.call.desc.seq = ++sent_msgs_[peer];  // the message's number between the two
       sends_[peer].push_back(std::move(a));
@@ -114,6 +116,25 @@ void P2PEngine::post_recv(Active a) {
     return;
   }
   posted_.push_back(std::move(a));
+}
+
+// torch allows a rank to send to itself: the message goes straight to a matching recv,
+// or waits, copied, as a stashed message from this rank; the send is done either way.
+void P2PEngine::send_to_self(Active a) {
+  const int me = shared_.rank();
+  if (auto recv = take_posted(me, a.req.tag)) {
+    if (recv->bytes != a.bytes) {
+      finish(*recv, size_mismatch(*recv, me, a.bytes), me);
+    } else {
+      std::memcpy(recv->req.data, a.req.data, a.bytes);
+      finish(*recv, nullptr, me);
+    }
+  } else {
+    Stash& s = stashed_.emplace_back(Stash{me, a.req.tag, a.bytes});
+    s.data.assign(static_cast<char*>(a.req.data), static_cast<char*>(a.req.data) + a.bytes);
+    s.complete = true;
+  }
+  finish(a, nullptr, me);
 }
 
 std::unique_ptr<P2PEngine::Active> P2PEngine::take_posted(int peer, int tag) {

@@ -82,6 +82,7 @@ class P2PEngine {
   void loop();
   void take_inbox();
   void post_recv(Active a);
+  void send_to_self(Active a);
   bool step_send(int peer);
   bool step_recv(int peer);
   bool start_message(int peer, const SlotHeader& h);
