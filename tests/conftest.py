@@ -16,11 +16,10 @@ import os
 import signal
 from pathlib import Path
 
+import _leaks
 import _skip_policy
 import pytest
 import torch.distributed as dist
-
-SHM_DIR = Path("/dev/shm")
 
 
 def pycomm_unavailable() -> str | None:
@@ -59,7 +58,7 @@ def _pycomm_missing(config: pytest.Config, what: str) -> None:
         return
     if config.getoption("--backend") == "gloo":
         pytest.skip(f"gloo: {what} needs pycomm, which is not loaded here ({reason})")
-    pytest.fail(f"{what} needs pycomm, which cannot be loaded: {reason}. A broken or "
+    pytest.fail(f"{what} needs pycomm, which cannot be loaded ({reason}). A broken or "
                 "missing build fails the tests; PYCOMM_TEST_BACKEND=gloo runs the "
                 "backend-agnostic tests on gloo without it.", pytrace=False)
 
@@ -81,8 +80,8 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 def _pycomm_shm() -> set[str]:
-    """Names in /dev/shm that belong to pycomm."""
-    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith("pycomm")}
+    """Names in /dev/shm that belong to pycomm (not to a concurrent run: tests/_leaks.py)."""
+    return _leaks.pycomm_shm()
 
 
 def _helper_pids() -> set[int]:

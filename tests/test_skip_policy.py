@@ -157,7 +157,7 @@ def _copy_with_broken_extension(tmp_path: Path) -> Path:
         (tree / "pycomm" / src.name).write_text(src.read_text())
     (tree / "pycomm" / "_C.py").write_text(
         'raise ImportError("undefined symbol: _ZN6pycomm4fake (a broken build)")\n')
-    for name in ("conftest.py", "_skip_policy.py"):
+    for name in ("conftest.py", "_skip_policy.py", "_leaks.py"):
         (tree / "tests" / name).write_text((TESTS / name).read_text())
     (tree / "tests" / "test_generated.py").write_text(textwrap.dedent(BROKEN_BUILD))
     return tree
