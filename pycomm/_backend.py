@@ -61,6 +61,20 @@ def _timeout_seconds(timeout: datetime.timedelta | float | None) -> float:
     return seconds
 
 
+def incarnation_store(store: dist.Store, group_rank: int, group_size: int) -> dist.Store:
+    """The part of ``store`` that belongs to this incarnation of the group.
+
+    torch names groups by a counter it restarts at ``destroy_process_group()``, so a
+    group created again over the same store gets the same key prefix, where the last
+    incarnation's keys (segment names, error records) still lie. Every rank counts the
+    incarnations in the store itself, by its place in the group (size and rank): each
+    incarnation fills every place once, so all members count alike and meet under a
+    fresh prefix, even when a group of that name had other members or sizes before.
+    """
+    generation = store.add(f"pycomm/incarnation/{group_size}/{group_rank}", 1)
+    return dist.PrefixStore(f"pycomm/{generation}/", store)
+
+
 def _create_backend(
     store: dist.Store, group_rank: int, group_size: int, timeout: datetime.timedelta
 ) -> Any:
@@ -73,6 +87,7 @@ def _create_backend(
 
     seconds = _timeout_seconds(timeout)
     ext = _extension()
+    store = incarnation_store(store, group_rank, group_size)
     ids = islands.island_ids(store, group_rank, group_size)
     islands.log_choice(group_rank, group_size, ids)
     if max(ids) == 0:

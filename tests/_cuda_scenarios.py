@@ -120,3 +120,89 @@ def cupy_all_reduce() -> str:
     n = dist.get_world_size()
     want = n * (n + 1) / 2
     return "" if float(arr[0]) == want and float(arr[-1]) == want else f"got {arr[:3]}"
+
+
+def _fresh_group(name: str, timeout_s: float = 60.0):
+    """A pycomm backend of its own (own segment, own CUDA ring) over the default store."""
+    import pycomm  # type: ignore[import-not-found]
+
+    store = dist.PrefixStore(name, dist.distributed_c10d._get_default_store())
+    return pycomm._C.ProcessGroupPycomm(store, dist.get_rank(), dist.get_world_size(),
+                                        timeout_s)
+
+
+def op_after_shutdown_raises() -> str:
+    """A CUDA op on a backend that was shut down raises instead of dereferencing null."""
+    dev = _device()
+    pg = _fresh_group("after-shutdown")
+    t = torch.ones(4, device=dev)
+    pg.allreduce([t]).wait()
+    torch.cuda.synchronize()
+    pg.shutdown()
+    try:
+        pg.allreduce([t])
+    except RuntimeError as exc:
+        return "" if "was shut down" in str(exc) else f"unexpected error: {exc}"
+    return "a CUDA all_reduce after shutdown did not raise"
+
+
+def abort_reaches_peers_in_a_cuda_op() -> str:
+    """Rank 0 aborts while the others wait in a CUDA all_reduce for its steps: they
+    raise within seconds (the timeout is 60 s), naming rank 0."""
+    import time
+
+    dev, rank = _device(), dist.get_rank()
+    pg = _fresh_group("abort-cuda")
+    t = torch.ones(1 << 16, device=dev)
+    pg.allreduce([t]).wait()  # the ring exists on every rank
+    torch.cuda.synchronize()
+    if rank == 0:
+        time.sleep(1.0)
+        pg.abort()
+        return ""
+    start = time.monotonic()
+    try:
+        pg.allreduce([t])
+    except RuntimeError as exc:
+        took = time.monotonic() - start
+        ok = "rank 0 aborted the process group" in str(exc) and took < 15.0
+        return "" if ok else f"after {took:.1f} s: {exc}"
+    finally:
+        pg.shutdown()
+    return "the all_reduce did not raise after rank 0 aborted"
+
+
+def list_forms_complete_after_copy_back() -> list[str]:
+    """Ops on a side stream, waited for from the main stream: the list forms' copies back
+    into the caller's tensors are covered by wait()."""
+    dev, rank, n = _device(), dist.get_rank(), dist.get_world_size()
+    count = 1 << 22
+    side = torch.cuda.Stream()
+    failures = []
+    with torch.cuda.stream(side):
+        outs = [torch.zeros(count, device=dev) for _ in range(n)]
+        gather = dist.all_gather(outs, torch.full((count,), float(rank + 1), device=dev),
+                                 async_op=True)
+        parts = [torch.ones(count, device=dev) for _ in range(4)]
+        coalesced = dist.all_reduce_coalesced(parts, async_op=True)
+    gather.wait()
+    coalesced.wait()
+    got = [float(o.sum()) / count for o in outs]  # on the main stream, right after wait()
+    if got != [float(r + 1) for r in range(n)]:
+        failures.append(f"all_gather list after wait(): {got}")
+    sums = [float(p.sum()) / count for p in parts]
+    if sums != [float(n)] * 4:
+        failures.append(f"all_reduce_coalesced after wait(): {sums}")
+    return failures
+
+
+def is_completed_follows_the_gpu() -> str:
+    """is_completed() is False while the GPU has not run the op, True once it has."""
+    dev = _device()
+    t = torch.ones(1024, device=dev)
+    torch.cuda._sleep(2_000_000_000)  # keeps this stream busy for about a second
+    work = dist.all_reduce(t, async_op=True)
+    early = work.is_completed()
+    torch.cuda.synchronize()
+    late = work.is_completed()
+    return "" if (not early and late) else f"is_completed(): {early} while queued, {late} after"

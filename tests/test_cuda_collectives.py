@@ -63,3 +63,23 @@ def test_cupy_array_through_dlpack(pool):
         pytest.skip("no CuPy (pip install '.[cupy]')")
     for rank, failure in enumerate(pool.run(sc.cupy_all_reduce)):
         assert failure == "", f"rank {rank}: {failure}"
+
+
+def test_a_cuda_op_after_shutdown_raises(pool):
+    for rank, failure in enumerate(pool.run(sc.op_after_shutdown_raises)):
+        assert failure == "", f"rank {rank}: {failure}"
+
+
+def test_abort_reaches_peers_waiting_in_a_cuda_op(pool):
+    for rank, failure in enumerate(pool.run(sc.abort_reaches_peers_in_a_cuda_op)):
+        assert failure == "", f"rank {rank}: {failure}"
+
+
+def test_list_forms_are_complete_when_wait_returns(pool):
+    for rank, failures in enumerate(pool.run(sc.list_forms_complete_after_copy_back)):
+        assert failures == [], f"rank {rank}: {failures}"
+
+
+def test_is_completed_asks_the_gpu(pool):
+    for rank, failure in enumerate(pool.run(sc.is_completed_follows_the_gpu)):
+        assert failure == "", f"rank {rank}: {failure}"

@@ -163,12 +163,14 @@ def test_unsupported_input_is_rejected(case):
 
 
 def _first_collective_error() -> str:
-    exc, _ = _expect_error(lambda: dist.all_reduce(torch.ones(4)), RuntimeError)
+    # Large enough for the ring: its channel is reserved in /dev/shm on first use.
+    exc, _ = _expect_error(lambda: dist.all_reduce(torch.ones(1 << 20)), RuntimeError)
     return str(exc)
 
 
 def test_shm_too_small_names_the_size_needed():
-    """16 GiB slots cannot fit in this machine's /dev/shm (24 GiB, several per peer)."""
+    """16 GiB slots cannot fit in this machine's /dev/shm (24 GiB, several per channel):
+    the first collective that needs a channel says how much it needed and had."""
     env = {"PYCOMM_CHUNK_BYTES": str(16 << 30)}
     try:  # the error may come from init_process_group or from the first collective
         messages = run(_first_collective_error, env=env)

@@ -1,18 +1,17 @@
 // Lifecycle, the worker hand-off and send/recv of ProcessGroupPycomm; the collectives
 // are in backend_collectives.cc.
-#include "torch/backend.h"
+#include "backend.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <map>
 #include <string>
 
-#include "torch/store_rendezvous.h"
-#include "torch/tensor_args.h"
-#include "torch/work.h"
+#include "store_rendezvous.h"
+#include "tensor_args.h"
+#include "work.h"
 
 namespace pycomm_torch {
-namespace {}  // namespace
 
 void Leftovers::park(c10::intrusive_ptr<c10d::Work> work, std::function<void()> body,
                      std::shared_ptr<void> extra) {
@@ -37,7 +36,7 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
     comm_ = std::make_unique<pycomm::Communicator>(rdv, rank, size, cfg, timeout);
   });
   p2p_ = std::make_unique<pycomm::P2PEngine>(comm_->shared(), comm_->logger(), timeout);
-  worker_ = std::make_unique<pycomm::Worker>();
+  worker_ = std::make_unique<pycomm::Worker>(timeout);
 #ifdef PYCOMM_CUDA
   cuda_ = std::make_unique<CudaCollectives>(store, rank, size, timeout);
 #endif
@@ -48,6 +47,7 @@ ProcessGroupPycomm::~ProcessGroupPycomm() { shutdown(); }
 void ProcessGroupPycomm::setTimeout(std::chrono::milliseconds timeout) {
   if (comm_) comm_->set_timeout(timeout);
   if (p2p_) p2p_->set_timeout(timeout);
+  if (worker_) worker_->set_stall_after(timeout);
 #ifdef PYCOMM_CUDA
   if (cuda_) cuda_->set_timeout(timeout);
 #endif
@@ -57,17 +57,23 @@ void ProcessGroupPycomm::setTimeout(std::chrono::milliseconds timeout) {
 // threads and the segment.
 void ProcessGroupPycomm::shutdown() {
 #ifdef PYCOMM_CUDA
-  cuda_.reset();  // waits for the GPU, then unmaps the peers' windows
+  cuda_.reset();  // waits (bounded) for the GPU and the peers, then unmaps the windows
 #endif
   if (worker_) worker_->stop();
   worker_.reset();
-  p2p_.reset();
+  p2p_.reset();  // fails what is still posted; may hand completions to the callback thread
+  if (p2p_callbacks_) p2p_callbacks_->stop();
+  p2p_callbacks_.reset();
   if (comm_) comm_->depart();
   comm_.reset();
   leftovers_.drop_all();
 }
 
 void ProcessGroupPycomm::abort() {
+#ifdef PYCOMM_CUDA
+  if (cuda_)
+    cuda_->abort("pycomm: rank " + std::to_string(getRank()) + " aborted the process group");
+#endif
   if (comm_) {
     comm_->shared().set_abort("pycomm: rank " + std::to_string(getRank()) +
                               " aborted the process group");
@@ -81,13 +87,23 @@ pycomm::Communicator& ProcessGroupPycomm::comm() {
   return *comm_;
 }
 
+#ifdef PYCOMM_CUDA
+CudaCollectives& ProcessGroupPycomm::cuda() {
+  TORCH_CHECK(cuda_ != nullptr, "pycomm: rank ", getRank(),
+              ": the process group was shut down (destroy_process_group) and cannot run ops");
+  return *cuda_;
+}
+#endif
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, const char* title,
                                                            std::vector<at::Tensor> outputs,
                                                            bool async_op,
                                                            std::function<void()> body) {
   comm();  // fail now, in the caller, if shut down
-  leftovers_.drop_all();
-  auto work = c10::make_intrusive<PycommWork>(getRank(), type, title, std::move(outputs));
+  // Not from a callback on the worker: only the caller's thread may drop user tensors.
+  if (!worker_->on_worker_thread()) leftovers_.drop_all();
+  auto work =
+      c10::make_intrusive<PycommWork>(getRank(), type, title, std::move(outputs), worker_.get());
   std::function<void()> task = [this, work, body = std::move(body)]() mutable {
     std::exception_ptr error;
     try {
@@ -99,17 +115,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, co
     } catch (...) {
       error = translate_current_exception();
     }
+    // Callbacks run here, on this group's worker: an op they issue runs nested, at the
+    // same point of the group's order on every rank.
     work->complete(error);
     leftovers_.park(std::move(work), std::move(body));
   };
-  if (async_op || !worker_->run_inline(task)) worker_->submit(std::move(task));
+  dispatch(*worker_, work, async_op, std::move(task));
   return work;
 }
 
 void ProcessGroupPycomm::check_peer(int peer, const char* op) const {
+  if (peer == pycomm::kAnySource) return;
   TORCH_CHECK_VALUE(peer >= 0 && peer < getSize() && peer != getRank(), "pycomm: ", op, " on rank ",
                     getRank(), ": peer ", peer, " is not another rank of this group of ",
                     getSize());
+}
+
+// A p2p future that someone asked for may carry callbacks: they must not run on the
+// engine thread (a callback that waits for another send/recv would stop the engine that
+// must complete it), so such completions go to a thread of their own.
+void ProcessGroupPycomm::complete_p2p(const c10::intrusive_ptr<PycommWork>& work,
+                                      std::exception_ptr error, std::shared_ptr<void> staged) {
+  auto complete = [this, work, error, staged]() mutable {
+    work->complete(error);
+    leftovers_.park(std::move(work), {}, std::move(staged));
+  };
+  if (!work->future_requested()) return complete();
+  std::call_once(p2p_callbacks_once_,
+                 [this] { p2p_callbacks_ = std::make_unique<pycomm::Worker>(); });
+  p2p_callbacks_->submit(std::move(complete));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, at::Tensor t,
@@ -131,7 +165,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, 
   req.dtype = dtype;
   req.count = staged->numel();
   req.data = staged->ptr();
-  req.done = [this, work, staged, is_send](std::exception_ptr error) mutable {
+  req.done = [this, work, staged, is_send](std::exception_ptr error, int source) mutable {
     if (!error && !is_send) {
       try {
         c10::impl::ExcludeDispatchKeyGuard no_autograd(
@@ -141,8 +175,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, 
         error = std::current_exception();
       }
     }
-    work->complete(error ? translate_exception(error) : nullptr);
-    leftovers_.park(std::move(work), {}, std::move(staged));
+    work->set_source_rank(source);
+    complete_p2p(work, error ? translate_exception(error) : nullptr, std::move(staged));
   };
   p2p_->submit(std::move(req));
   return work;
@@ -180,10 +214,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::recv(std::vector<at::Tensor>&
   return point_to_point(false, single(tensors, "recv", getRank()), src, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::recvAnysource(std::vector<at::Tensor>&, int) {
-  TORCH_CHECK(false,
-              "pycomm: recv from any source (dist.recv without src) is not supported; "
-              "name the source rank");
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                                 int tag) {
+  return point_to_point(false, single(tensors, "recv", getRank()), pycomm::kAnySource, tag);
 }
 
 }  // namespace pycomm_torch

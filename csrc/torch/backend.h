@@ -14,7 +14,8 @@
 #include "core/runtime/communicator.h"
 #include "core/runtime/worker.h"
 #include "core/transport/p2p_engine.h"
-#include "torch/cuda_collectives.h"  // empty unless PYCOMM_CUDA
+#include "cuda_collectives.h"  // empty unless PYCOMM_CUDA
+#include "work.h"
 
 namespace pycomm_torch {
 
@@ -119,7 +120,12 @@ class ProcessGroupPycomm : public c10d::Backend {
                                          std::vector<at::Tensor> outputs, bool async_op,
                                          std::function<void()> body);
   c10::intrusive_ptr<c10d::Work> point_to_point(bool is_send, at::Tensor t, int peer, int tag);
+  void complete_p2p(const c10::intrusive_ptr<PycommWork>& work, std::exception_ptr error,
+                    std::shared_ptr<void> staged);
   pycomm::Communicator& comm();
+#ifdef PYCOMM_CUDA
+  CudaCollectives& cuda();  // throws, like comm(), once the group was shut down
+#endif
   void check_peer(int peer, const char* op) const;
 
   Leftovers leftovers_;  // declared first: destroyed after the threads that park in it
@@ -129,6 +135,9 @@ class ProcessGroupPycomm : public c10d::Backend {
   std::unique_ptr<pycomm::Communicator> comm_;
   std::unique_ptr<pycomm::P2PEngine> p2p_;
   std::unique_ptr<pycomm::Worker> worker_;
+  // Completes p2p Works whose future was asked for (started on first need).
+  std::unique_ptr<pycomm::Worker> p2p_callbacks_;
+  std::once_flag p2p_callbacks_once_;
 };
 
 }  // namespace pycomm_torch

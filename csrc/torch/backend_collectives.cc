@@ -3,8 +3,8 @@
 // exactly one core collective.
 #include <ATen/ATen.h>
 
-#include "torch/backend.h"
-#include "torch/tensor_args.h"
+#include "backend.h"
+#include "tensor_args.h"
 
 namespace pycomm_torch {
 
@@ -12,7 +12,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
                                                              const c10d::AllreduceOptions& opts) {
   at::Tensor t = single(tensors, "all_reduce", getRank());
 #ifdef PYCOMM_CUDA
-  if (t.defined() && t.is_cuda()) return cuda_->all_reduce(t, opts.reduceOp);
+  if (t.defined() && t.is_cuda()) return cuda().all_reduce(t, opts.reduceOp);
 #endif
   pycomm::DType dt = checked_dtype(t, "all_reduce", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "all_reduce", getRank());
@@ -29,7 +29,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   TORCH_CHECK_VALUE(!tensors.empty(), "pycomm: all_reduce_coalesced got no tensors");
 #ifdef PYCOMM_CUDA
-  if (any_cuda(tensors)) return cuda_->all_reduce_coalesced(tensors, opts.reduceOp);
+  if (any_cuda(tensors)) return cuda().all_reduce_coalesced(tensors, opts.reduceOp);
 #endif
   pycomm::DType dt = checked_dtype(tensors[0], "all_reduce_coalesced", getRank());
   for (const auto& t : tensors) {
@@ -50,7 +50,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Ten
                                                              const c10d::BroadcastOptions& opts) {
   at::Tensor t = single(tensors, "broadcast", getRank());
 #ifdef PYCOMM_CUDA
-  if (t.defined() && t.is_cuda()) return cuda_->broadcast(t, static_cast<int>(opts.rootRank));
+  if (t.defined() && t.is_cuda()) return cuda().broadcast(t, static_cast<int>(opts.rootRank));
 #endif
   pycomm::DType dt = checked_dtype(t, "broadcast", getRank());
   int root = static_cast<int>(opts.rootRank);
@@ -84,7 +84,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
 #ifdef PYCOMM_CUDA
   if (in.defined() && in.is_cuda()) {
     TORCH_CHECK_VALUE(outputs.size() == 1, "pycomm: all_gather takes one output list per rank");
-    return cuda_->all_gather(outputs[0], in);
+    return cuda().all_gather(outputs[0], in);
   }
 #endif
   pycomm::DType dt = checked_dtype(in, "all_gather", getRank());
@@ -103,7 +103,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
 #ifdef PYCOMM_CUDA
-  if (input.defined() && input.is_cuda()) return cuda_->all_gather_base(output, input);
+  if (input.defined() && input.is_cuda()) return cuda().all_gather_base(output, input);
 #endif
   pycomm::DType dt = checked_dtype(input, "all_gather_into_tensor", getRank());
   checked_dtype(output, "all_gather_into_tensor", getRank());
@@ -143,27 +143,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
                  });
 }
 
+// One all_gather of every input flattened together: rank r's block of the result is
+// its inputs, in order, which is outputs[r] in order.
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const char* name = "all_gather_coalesced";
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "pycomm: ", name, ": ", outputs.size(),
-                    " output lists for ", inputs.size(), " inputs");
-  std::vector<pycomm::DType> dts;
-  std::vector<at::Tensor> all_outs;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    dts.push_back(checked_dtype(inputs[i], name, getRank()));
-    check_list(outputs[i], inputs[i], getSize(), name, "an output list", getRank());
-    all_outs.insert(all_outs.end(), outputs[i].begin(), outputs[i].end());
-  }
-  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "pycomm:all_gather_coalesced", all_outs,
-                 opts.asyncOp, [this, outputs, inputs, dts]() mutable {
-                   for (size_t i = 0; i < inputs.size(); ++i) {
-                     at::Tensor src = inputs[i].contiguous();
-                     at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
-                     comm().all_gather(src.data_ptr(), flat.data_ptr(), src.numel(), dts[i]);
-                     unflatten_into(flat, outputs[i]);
-                   }
+  std::vector<at::Tensor> outs =
+      coalesced_gather_outputs(outputs, inputs, getSize(), name, getRank());
+  pycomm::DType dt = checked_dtype(inputs[0], name, getRank());
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "pycomm:all_gather_coalesced", outs,
+                 opts.asyncOp, [this, outs, inputs, dt]() mutable {
+                   at::Tensor src = flat_copy(inputs);
+                   at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
+                   comm().all_gather(src.data_ptr(), flat.data_ptr(), src.numel(), dt);
+                   unflatten_into(flat, outs);
                  });
 }
 
@@ -227,7 +221,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter(
 #ifdef PYCOMM_CUDA
   if (out.defined() && out.is_cuda()) {
     TORCH_CHECK_VALUE(inputs.size() == 1, "pycomm: reduce_scatter takes one input list per rank");
-    return cuda_->reduce_scatter(out, inputs[0], opts.reduceOp);
+    return cuda().reduce_scatter(out, inputs[0], opts.reduceOp);
   }
 #endif
   pycomm::DType dt = checked_dtype(out, "reduce_scatter", getRank());
@@ -249,7 +243,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
 #ifdef PYCOMM_CUDA
   if (input.defined() && input.is_cuda())
-    return cuda_->reduce_scatter_base(output, input, opts.reduceOp);
+    return cuda().reduce_scatter_base(output, input, opts.reduceOp);
 #endif
   const char* name = "reduce_scatter_tensor";
   pycomm::DType dt = checked_dtype(input, name, getRank());

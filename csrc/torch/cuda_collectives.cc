@@ -1,6 +1,6 @@
 #ifdef PYCOMM_CUDA
 
-#include "torch/cuda_collectives.h"
+#include "cuda_collectives.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,8 +12,8 @@
 #include "core/runtime/errors.h"
 #include "cuda/ipc_ring.cuh"
 #include "cuda/reduce_kernels.cuh"
-#include "torch/store_rendezvous.h"
-#include "torch/tensor_args.h"
+#include "store_rendezvous.h"
+#include "tensor_args.h"
 
 namespace pycomm_torch {
 namespace {
@@ -29,6 +29,12 @@ pycomm::DType cuda_dtype(const at::Tensor& t, const char* op, int rank) {
   return dense_dtype(t, op, rank);
 }
 
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op, int rank) {
+  TORCH_CHECK_VALUE(a.device() == b.device(), who(op, rank), ": got tensors on ", a.device().str(),
+                    " and ", b.device().str(),
+                    "; every tensor of one call must be on the same GPU");
+}
+
 // The CPU path's reduce spec (PREMUL_SUM scales the input first), limited to the ops
 // the CUDA kernels have.
 ReduceSpec cuda_reduce_spec(const c10d::ReduceOp& op, pycomm::DType t, const char* what, int rank) {
@@ -40,42 +46,69 @@ ReduceSpec cuda_reduce_spec(const c10d::ReduceOp& op, pycomm::DType t, const cha
   return spec;
 }
 
-// Complete once enqueued; the op's end is an event on the stream it ran on.
+// Like NCCL's Work: returned once the op is enqueued on `stream`; its end is an event
+// recorded there after everything the op enqueues (copies back into the caller's tensors
+// included). isCompleted() asks the GPU; wait() and synchronize() make the caller's
+// current stream wait for the event, without blocking the host.
 class CudaWork : public c10d::Work {
  public:
   CudaWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, c10::Device device,
-           cudaStream_t stream)
+           cudaStream_t stream, uint64_t seq)
       : c10d::Work(rank, type, "pycomm:cuda"),
         outputs_(std::move(outputs)),
+        device_(device),
+        seq_(seq),
         future_(c10::make_intrusive<c10::ivalue::Future>(
             c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device})) {
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
     C10_CUDA_CHECK(cudaEventRecord(done_, stream));
     future_->markCompleted(c10::IValue(outputs_));  // records its own events on `stream`
-    finish();
   }
   ~CudaWork() override { cudaEventDestroy(done_); }
-  bool wait(std::chrono::milliseconds) override {
-    C10_CUDA_CHECK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream().stream(), done_, 0));
+
+  bool isCompleted() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (completed_) return true;
+    }
+    cudaError_t e = cudaEventQuery(done_);
+    if (e == cudaErrorNotReady) return false;
+    if (e == cudaSuccess) {
+      finish();
+    } else {
+      (void)cudaGetLastError();
+      finish(translate_exception(std::make_exception_ptr(pycomm::CommError(
+          "pycomm: rank " + std::to_string(rank_) + ": CUDA op (seq " + std::to_string(seq_) +
+          ") failed on the GPU: " + cudaGetErrorString(e)))));
+    }
     return true;
   }
+  void synchronize() override {
+    c10::cuda::CUDAGuard guard(device_);
+    C10_CUDA_CHECK(
+        cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device_.index()).stream(), done_, 0));
+  }
+  void blockCurrentStream() override { synchronize(); }
+  // Like NCCL's: orders the current stream after the op, blocks nothing; raises if the
+  // GPU already reported the op failed.
+  bool wait(std::chrono::milliseconds) override {
+    synchronize();
+    if (isCompleted()) {
+      if (auto error = exception()) std::rethrow_exception(error);
+    }
+    return true;
+  }
+  uint64_t getSequencenumber() const override { return seq_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
 
  private:
   std::vector<at::Tensor> outputs_;
+  c10::Device device_;
+  uint64_t seq_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   cudaEvent_t done_{};
 };
-
-template <class F>
-c10::intrusive_ptr<c10d::Work> run_on_stream(int rank, c10d::OpType type, const at::Tensor& t,
-                                             std::vector<at::Tensor> outputs, F body) {
-  c10::cuda::CUDAGuard guard(t.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
-  translated([&] { body(stream); });
-  return c10::make_intrusive<CudaWork>(rank, type, std::move(outputs), t.device(), stream);
-}
 
 }  // namespace
 
@@ -101,6 +134,18 @@ void CudaCollectives::abort(const std::string& why) {
   if (ring_) ring_->abort(why);
 }
 
+// Runs `body` on the current stream of `t`'s device; the Work's event is recorded after
+// all of it, so copies back into the caller's tensors are covered too.
+template <class F>
+c10::intrusive_ptr<c10d::Work> CudaCollectives::on_stream(c10d::OpType type, const at::Tensor& t,
+                                                          std::vector<at::Tensor> outputs, F body) {
+  c10::cuda::CUDAGuard guard(t.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+  translated([&] { body(stream); });
+  return c10::make_intrusive<CudaWork>(rank_, type, std::move(outputs), t.device(), stream,
+                                       ring_ ? ring_->seq() : 0);
+}
+
 // Created by the first CUDA op (every rank reaches it in the same call), on that
 // tensor's device; one device per rank, as with NCCL.
 pycomm::cuda::IpcRing& CudaCollectives::ring(const at::Tensor& t, const char* op) {
@@ -122,7 +167,7 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::all_reduce(at::Tensor& t,
                                                            const c10d::ReduceOp& op) {
   auto dt = cuda_dtype(t, "all_reduce", rank_);
   auto r = cuda_reduce_spec(op, dt, "all_reduce", rank_);
-  return run_on_stream(rank_, c10d::OpType::ALLREDUCE, t, {t}, [&](cudaStream_t s) {
+  return on_stream(c10d::OpType::ALLREDUCE, t, {t}, [&](cudaStream_t s) {
     Staged buf(t);
     if (r.premul) buf.get().mul_(r.factor);
     ring(t, "all_reduce").all_reduce(buf.ptr(), buf.ptr(), buf.numel(), dt, r.op, s);
@@ -132,21 +177,27 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::all_reduce(at::Tensor& t,
 
 c10::intrusive_ptr<c10d::Work> CudaCollectives::all_reduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {
+  const char* name = "all_reduce_coalesced";
+  auto dt = cuda_dtype(tensors[0], name, rank_);
   for (auto& t : tensors) {
-    cuda_dtype(t, "all_reduce_coalesced", rank_);
-    check_same_dtype(tensors[0], t, "all_reduce_coalesced", rank_);
+    cuda_dtype(t, name, rank_);
+    check_same_dtype(tensors[0], t, name, rank_);
+    check_same_device(tensors[0], t, name, rank_);
   }
-  at::Tensor flat = flat_copy(tensors);
-  auto work = all_reduce(flat, op);
-  unflatten_into(flat, tensors);
-  return work;
+  auto r = cuda_reduce_spec(op, dt, name, rank_);
+  return on_stream(c10d::OpType::ALLREDUCE_COALESCED, tensors[0], tensors, [&](cudaStream_t s) {
+    at::Tensor flat = flat_copy(tensors);
+    if (r.premul) flat.mul_(r.factor);
+    ring(flat, name).all_reduce(flat.data_ptr(), flat.data_ptr(), flat.numel(), dt, r.op, s);
+    unflatten_into(flat, tensors);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CudaCollectives::broadcast(at::Tensor& t, int root) {
   auto dt = cuda_dtype(t, "broadcast", rank_);
   TORCH_CHECK_VALUE(root >= 0 && root < size_, who("broadcast", rank_), ": root ", root,
                     " is not a rank of this group of ", size_);
-  return run_on_stream(rank_, c10d::OpType::BROADCAST, t, {t}, [&](cudaStream_t s) {
+  return on_stream(c10d::OpType::BROADCAST, t, {t}, [&](cudaStream_t s) {
     Staged buf(t);
     ring(t, "broadcast").broadcast(buf.ptr(), buf.numel(), dt, root, s);
     buf.commit();
@@ -157,8 +208,9 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::all_gather_base(at::Tensor& out,
   auto dt = cuda_dtype(in, "all_gather", rank_);
   cuda_dtype(out, "all_gather", rank_);
   check_same_dtype(out, in, "all_gather", rank_);
+  check_same_device(in, out, "all_gather", rank_);
   check_numel_ratio(out, in, size_, "all_gather", "output", "input", rank_);
-  return run_on_stream(rank_, c10d::OpType::_ALLGATHER_BASE, in, {out}, [&](cudaStream_t s) {
+  return on_stream(c10d::OpType::_ALLGATHER_BASE, in, {out}, [&](cudaStream_t s) {
     at::Tensor src = in.contiguous();
     Staged dst(out);
     ring(in, "all_gather").all_gather(dst.ptr(), src.data_ptr(), src.numel(), dt, s);
@@ -168,17 +220,22 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::all_gather_base(at::Tensor& out,
 
 c10::intrusive_ptr<c10d::Work> CudaCollectives::all_gather(std::vector<at::Tensor>& outs,
                                                            at::Tensor& in) {
+  auto dt = cuda_dtype(in, "all_gather", rank_);
   TORCH_CHECK_VALUE(static_cast<int>(outs.size()) == size_, who("all_gather", rank_), ": got ",
                     outs.size(), " output tensors for a group of ", size_);
   for (auto& o : outs) {
+    cuda_dtype(o, "all_gather", rank_);
     check_same_dtype(o, in, "all_gather", rank_);
+    check_same_device(in, o, "all_gather", rank_);
     TORCH_CHECK_VALUE(o.numel() == in.numel(), who("all_gather", rank_), ": output ", shape_str(o),
                       " and input ", shape_str(in), " differ in size");
   }
-  at::Tensor flat = at::empty({in.numel() * size_}, in.options());
-  auto work = all_gather_base(flat, in);
-  unflatten_into(flat, outs);
-  return work;
+  return on_stream(c10d::OpType::ALLGATHER, in, outs, [&](cudaStream_t s) {
+    at::Tensor src = in.contiguous();
+    at::Tensor flat = at::empty({src.numel() * size_}, src.options());
+    ring(in, "all_gather").all_gather(flat.data_ptr(), src.data_ptr(), src.numel(), dt, s);
+    unflatten_into(flat, outs);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CudaCollectives::reduce_scatter_base(at::Tensor& out, at::Tensor& in,
@@ -186,9 +243,10 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::reduce_scatter_base(at::Tensor& 
   auto dt = cuda_dtype(in, "reduce_scatter", rank_);
   cuda_dtype(out, "reduce_scatter", rank_);
   check_same_dtype(out, in, "reduce_scatter", rank_);
+  check_same_device(in, out, "reduce_scatter", rank_);
   check_numel_ratio(in, out, size_, "reduce_scatter", "input", "output", rank_);
   auto r = cuda_reduce_spec(op, dt, "reduce_scatter", rank_);
-  return run_on_stream(rank_, c10d::OpType::_REDUCE_SCATTER_BASE, in, {out}, [&](cudaStream_t s) {
+  return on_stream(c10d::OpType::_REDUCE_SCATTER_BASE, in, {out}, [&](cudaStream_t s) {
     at::Tensor src = r.premul ? in.mul(r.factor) : in.contiguous();
     Staged dst(out);
     ring(in, "reduce_scatter").reduce_scatter(dst.ptr(), src.data_ptr(), dst.numel(), dt, r.op, s);
@@ -199,15 +257,25 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::reduce_scatter_base(at::Tensor& 
 c10::intrusive_ptr<c10d::Work> CudaCollectives::reduce_scatter(at::Tensor& out,
                                                                std::vector<at::Tensor>& ins,
                                                                const c10d::ReduceOp& op) {
+  auto dt = cuda_dtype(out, "reduce_scatter", rank_);
   TORCH_CHECK_VALUE(static_cast<int>(ins.size()) == size_, who("reduce_scatter", rank_), ": got ",
                     ins.size(), " input tensors for a group of ", size_);
   for (auto& i : ins) {
+    cuda_dtype(i, "reduce_scatter", rank_);
     check_same_dtype(i, out, "reduce_scatter", rank_);
+    check_same_device(out, i, "reduce_scatter", rank_);
     TORCH_CHECK_VALUE(i.numel() == out.numel(), who("reduce_scatter", rank_), ": input ",
                       shape_str(i), " and output ", shape_str(out), " differ in size");
   }
-  at::Tensor flat = flat_copy(ins);
-  return reduce_scatter_base(out, flat, op);
+  auto r = cuda_reduce_spec(op, dt, "reduce_scatter", rank_);
+  return on_stream(c10d::OpType::REDUCE_SCATTER, out, {out}, [&](cudaStream_t s) {
+    at::Tensor flat = flat_copy(ins);
+    if (r.premul) flat.mul_(r.factor);
+    Staged dst(out);
+    ring(out, "reduce_scatter")
+        .reduce_scatter(dst.ptr(), flat.data_ptr(), dst.numel(), dt, r.op, s);
+    dst.commit();
+  });
 }
 
 }  // namespace pycomm_torch

@@ -1,7 +1,8 @@
 // The CUDA half of ProcessGroupPycomm (built only with PYCOMM_CUDA): collectives on CUDA
 // tensors through the CUDA-IPC ring (csrc/cuda/ipc_ring), on the caller's current stream.
-// Each returns a Work that is complete once enqueued, like NCCL's: wait() makes the
-// current stream wait for the op, and the future is marked complete with CUDA events.
+// Each returns once the op is enqueued, with a Work like NCCL's: isCompleted() asks the
+// GPU, wait() makes the current stream wait for the op (list forms' copies back
+// included), and the future is marked complete with CUDA events.
 #pragma once
 
 #ifdef PYCOMM_CUDA
@@ -10,6 +11,7 @@
 
 #include <chrono>
 #include <memory>
+#include <string>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -30,7 +32,8 @@ class CudaCollectives {
   ~CudaCollectives();
 
   c10::intrusive_ptr<c10d::Work> all_reduce(at::Tensor& t, const c10d::ReduceOp& op);
-  // Flattened into one buffer, reduced, copied back (all on the stream, so ordered).
+  // Flattened into one buffer, reduced, copied back (all on the stream, before the
+  // Work's event).
   c10::intrusive_ptr<c10d::Work> all_reduce_coalesced(std::vector<at::Tensor>& tensors,
                                                       const c10d::ReduceOp& op);
   c10::intrusive_ptr<c10d::Work> broadcast(at::Tensor& t, int root);
@@ -41,10 +44,15 @@ class CudaCollectives {
   c10::intrusive_ptr<c10d::Work> reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& ins,
                                                 const c10d::ReduceOp& op);
   void set_timeout(std::chrono::milliseconds t);
+  // Records `why` as the job's failure in the ring: peers waiting in a CUDA op raise it
+  // at once (no-op before the first CUDA op, when there is no ring yet).
   void abort(const std::string& why);
 
  private:
   pycomm::cuda::IpcRing& ring(const at::Tensor& t, const char* op);
+  template <class F>
+  c10::intrusive_ptr<c10d::Work> on_stream(c10d::OpType type, const at::Tensor& t,
+                                           std::vector<at::Tensor> outputs, F body);
 
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_, size_;

@@ -1,12 +1,19 @@
-#include "torch/cuda_host.h"
+#include "cuda_host.h"
 
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
+#include <cctype>
+#include <memory>
 #include <string>
 
 #include "cuda/host/ipc_handles.h"
 #include "cuda/host/ring_plan.h"
 #include "cuda/host/ring_sim.h"
+#include "cuda/host/ring_sync.h"
+#include "cuda/host/ring_walk.h"
+#include "store_rendezvous.h"
+#include "tensor_args.h"
 
 #ifdef PYCOMM_CUDA
 #include <ATen/ATen.h>
@@ -14,7 +21,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "cuda/reduce_kernels.cuh"
-#include "torch/tensor_args.h"
 #endif
 
 namespace py = pybind11;
@@ -93,6 +99,101 @@ pycomm::IpcWindowInfo info_from(const py::dict& d) {
   return i;
 }
 
+pycomm::DType dtype_named(const std::string& name) {
+  for (auto t : {pycomm::DType::F32, pycomm::DType::F64, pycomm::DType::F16, pycomm::DType::BF16,
+                 pycomm::DType::I8, pycomm::DType::U8, pycomm::DType::I32, pycomm::DType::I64,
+                 pycomm::DType::BOOL}) {
+    if (name == pycomm::dtype_name(t)) return t;
+  }
+  throw py::value_error("pycomm: no dtype '" + name + "'");
+}
+
+pycomm::RedOp redop_named(std::string name) {
+  for (auto& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (name == "NONE") return pycomm::RedOp::NONE;
+  for (auto op : {pycomm::RedOp::SUM, pycomm::RedOp::AVG, pycomm::RedOp::PROD, pycomm::RedOp::MIN,
+                  pycomm::RedOp::MAX}) {
+    if (name == pycomm::redop_name(op)) return op;
+  }
+  throw py::value_error("pycomm: no reduction '" + name + "'");
+}
+
+// Device work that does nothing: the ring's host protocol alone.
+class NoDeviceIo : public pycomm::StepIo {
+ public:
+  void after_prev_wrote(int) override {}
+  void after_next_read(int) override {}
+  void run(const pycomm::RingStep&, int, int) override {}
+  void wrote(int) override {}
+  void read(int) override {}
+};
+
+// The CUDA ring's host synchronisation (ring_sync.h) over a c10d store, for tests that
+// run it in real processes without a GPU: walks the same plans as the GPU path, with
+// no device work.
+class RingSyncProbe {
+ public:
+  RingSyncProbe(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int slots,
+                double timeout_s) {
+    pycomm::RingSyncOptions opts;
+    opts.slots = slots;
+    opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+    StoreRendezvous rdv(store);
+    sync_ = translated([&] { return std::make_unique<pycomm::RingSync>(rdv, rank, size, opts); });
+  }
+
+  // Numbers and publishes the call, then walks this rank's plan; returns the seq.
+  uint64_t walk(const std::string& kind, size_t count, const std::string& dtype,
+                const std::string& op, int root, size_t chunk_elems) {
+    auto& sync = open();
+    return translated([&] {
+      auto plan =
+          pycomm::plan_ring(ring_kind(kind), count, sync.rank(), sync.size(), root, chunk_elems);
+      auto call = pycomm::begin_ring_call(sync, ring_kind(kind), dtype_named(dtype), count,
+                                          redop_named(op), root);
+      NoDeviceIo io;
+      pycomm::walk_ring(sync, call, plan, io);
+      return call.desc.seq;
+    });
+  }
+
+  // Numbers and publishes the call, then waits for the predecessor to post `step`
+  // without posting anything itself.
+  uint64_t begin_and_wait(const std::string& kind, size_t count, const std::string& dtype,
+                          const std::string& op, int root, int64_t step) {
+    auto& sync = open();
+    return translated([&] {
+      auto call = pycomm::begin_ring_call(sync, ring_kind(kind), dtype_named(dtype), count,
+                                          redop_named(op), root);
+      if (step >= 0) sync.wait_posted(call, static_cast<uint64_t>(step));
+      return call.desc.seq;
+    });
+  }
+
+  void abort(const std::string& why) { open().abort(why); }
+  int failed_by() { return open().failed_by(); }
+  std::string abort_message() { return open().abort_message(); }
+  bool peer_alive(int r) { return open().peer_alive(r); }
+
+  // Teardown as IpcRing does it: drained, then wait (bounded) for both neighbours.
+  bool drain(double timeout_s) {
+    auto& sync = open();
+    sync.drained();
+    auto deadline = pycomm::WaitPolicy::deadline_after(
+        pycomm::Clock::now(), std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+    return sync.size() == 1 ||
+           (sync.wait_drained(sync.next(), deadline) && sync.wait_drained(sync.prev(), deadline));
+  }
+  void close() { sync_.reset(); }
+
+ private:
+  pycomm::RingSync& open() {
+    if (!sync_) throw py::value_error("pycomm: this _RingSync was closed");
+    return *sync_;
+  }
+  std::unique_ptr<pycomm::RingSync> sync_;
+};
+
 #ifdef PYCOMM_CUDA
 // The copy-reduce kernel alone, on the current stream (for bench/gpu_check.sh).
 void cuda_copy_reduce(at::Tensor& out, const std::vector<at::Tensor>& srcs, const std::string& op,
@@ -154,6 +255,24 @@ void register_cuda_host(py::module& m) {
         pycomm::check_ipc_peer(info_from(mine), info_from(peer));
       },
       py::arg("mine"), py::arg("peer"));
+  using gil_free = py::call_guard<py::gil_scoped_release>;
+  py::class_<RingSyncProbe>(m, "_RingSync",
+                            "The CUDA ring's host synchronisation without a GPU (for tests).")
+      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, int, double>(),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("slots") = 4,
+           py::arg("timeout_s") = 60.0, gil_free())
+      .def("walk", &RingSyncProbe::walk, py::arg("kind"), py::arg("count"),
+           py::arg("dtype") = "float32", py::arg("op") = "sum", py::arg("root") = 0,
+           py::arg("chunk_elems") = 1, gil_free())
+      .def("begin_and_wait", &RingSyncProbe::begin_and_wait, py::arg("kind"), py::arg("count"),
+           py::arg("dtype") = "float32", py::arg("op") = "sum", py::arg("root") = 0,
+           py::arg("step") = -1, gil_free())
+      .def("abort", &RingSyncProbe::abort, py::arg("why"), gil_free())
+      .def("failed_by", &RingSyncProbe::failed_by)
+      .def("abort_message", &RingSyncProbe::abort_message)
+      .def("peer_alive", &RingSyncProbe::peer_alive, py::arg("rank"))
+      .def("drain", &RingSyncProbe::drain, py::arg("timeout_s"), gil_free())
+      .def("close", &RingSyncProbe::close, gil_free());
 #ifdef PYCOMM_CUDA
   m.def("_cuda_copy_reduce", &cuda_copy_reduce, py::arg("out"), py::arg("srcs"),
         py::arg("op") = "sum", py::arg("scale") = 1.0);

@@ -1,9 +1,9 @@
-#include "torch/fused.h"
+#include "fused.h"
 
 #include <ATen/Parallel.h>
 
+#include "fused_checks.h"
 #include "recompute/fused_ops.h"
-#include "torch/fused_checks.h"
 
 namespace pycomm_torch {
 namespace {

@@ -7,8 +7,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "cuda/fused_kernels.cuh"
-#include "torch/fused.h"
-#include "torch/fused_checks.h"
+#include "fused.h"
+#include "fused_checks.h"
 
 namespace py = pybind11;
 

@@ -1,6 +1,6 @@
 // Layout, lifecycle and failure handling of ProcessGroupIslands; the hierarchical
 // collectives are in islands_collectives.cc, the flat ones and send/recv in islands_flat.cc.
-#include "torch/islands.h"
+#include "islands.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
@@ -10,8 +10,8 @@
 
 #include "core/runtime/config.h"
 #include "core/runtime/errors.h"
-#include "torch/tensor_args.h"
-#include "torch/work.h"
+#include "tensor_args.h"
+#include "work.h"
 
 namespace pycomm_torch {
 namespace {
@@ -90,7 +90,7 @@ ProcessGroupIslands::ProcessGroupIslands(const c10::intrusive_ptr<c10d::Store>& 
   TORCH_CHECK_VALUE(engines_.world, "pycomm: islands: no inter-island engine for all ranks");
   TORCH_CHECK_VALUE(!layout_.even() || engines_.shard, "pycomm: islands: no shard engine");
   TORCH_CHECK_VALUE(!is_leader() || engines_.leaders, "pycomm: islands: no leaders engine");
-  worker_ = std::make_unique<pycomm::Worker>();
+  worker_ = std::make_unique<pycomm::Worker>(timeout);
   if (log_.enabled(pycomm::LogLevel::INFO)) {
     log_.log(pycomm::LogLevel::INFO,
              "islands: " + layout_.describe() + "; this rank is island " +
@@ -106,6 +106,7 @@ ProcessGroupIslands::~ProcessGroupIslands() { shutdown(); }
 void ProcessGroupIslands::setTimeout(std::chrono::milliseconds timeout) {
   timeout_ = timeout;
   if (local_) local_->setTimeout(timeout);
+  if (worker_) worker_->set_stall_after(timeout);
   for (auto* e : {&engines_.world, &engines_.shard, &engines_.leaders}) {
     if (*e) (*e)->setTimeout(timeout);
   }
@@ -145,10 +146,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::enqueue(c10d::OpType type, c
                                                             bool async_op,
                                                             std::function<void(const Op&)> body) {
   check_usable();
-  leftovers_.drop_all();
+  if (!worker_->on_worker_thread()) leftovers_.drop_all();  // (see ProcessGroupPycomm)
   Op op{name, ++seq_};
   std::string title = std::string("pycomm:") + name;
-  auto work = c10::make_intrusive<PycommWork>(getRank(), type, title.c_str(), std::move(outputs));
+  auto work = c10::make_intrusive<PycommWork>(getRank(), type, title.c_str(), std::move(outputs),
+                                              worker_.get());
   std::function<void()> task = [this, work, op, body = std::move(body)]() mutable {
     std::exception_ptr error;
     try {
@@ -167,7 +169,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::enqueue(c10d::OpType type, c
     leftovers_.park(std::move(work), {},
                     std::make_shared<std::function<void(const Op&)>>(std::move(body)));
   };
-  if (async_op || !worker_->run_inline(task)) worker_->submit(std::move(task));
+  dispatch(*worker_, work, async_op, std::move(task));
   return work;
 }
 

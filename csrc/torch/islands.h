@@ -21,9 +21,9 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
+#include "backend.h"
 #include "core/runtime/log.h"
 #include "core/runtime/worker.h"
-#include "torch/backend.h"
 
 namespace pycomm_torch {
 
@@ -74,6 +74,9 @@ class ProcessGroupIslands : public c10d::Backend {
                                            const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;

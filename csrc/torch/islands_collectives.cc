@@ -5,8 +5,8 @@
 
 #include <algorithm>
 
-#include "torch/islands.h"
-#include "torch/tensor_args.h"
+#include "islands.h"
+#include "tensor_args.h"
 
 namespace pycomm_torch {
 namespace {
@@ -376,6 +376,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::allgather(
   return enqueue(c10d::OpType::ALLGATHER, "all_gather", outs, opts.asyncOp,
                  [this, in, outs](const Op& op) mutable {
                    at::Tensor src = in.contiguous();
+                   at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
+                   all_gather_flat(op, as_bytes(flat), as_bytes(src));
+                   unflatten_into(flat, outs);
+                 });
+}
+
+// As ProcessGroupPycomm's: one all_gather of the inputs flattened together.
+c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  std::vector<at::Tensor> outs =
+      coalesced_gather_outputs(outputs, inputs, getSize(), "all_gather_coalesced", getRank());
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "all_gather_coalesced", outs, opts.asyncOp,
+                 [this, inputs, outs](const Op& op) mutable {
+                   at::Tensor src = flat_copy(inputs);
                    at::Tensor flat = at::empty({src.numel() * getSize()}, src.options());
                    all_gather_flat(op, as_bytes(flat), as_bytes(src));
                    unflatten_into(flat, outs);

@@ -3,8 +3,8 @@
 // engine between islands).
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include "torch/islands.h"
-#include "torch/tensor_args.h"
+#include "islands.h"
+#include "tensor_args.h"
 
 namespace pycomm_torch {
 
@@ -219,10 +219,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::recv(std::vector<at::Tensor>
   return point_to_point(false, single(tensors, "recv", getRank()), src, tag);
 }
 
+// A message from any rank may come through shared memory or the network engine, and
+// taking it from one must not lose one that came through the other meanwhile.
 c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::recvAnysource(std::vector<at::Tensor>&, int) {
   TORCH_CHECK(false,
-              "pycomm: recv from any source (dist.recv without src) is not supported; "
-              "name the source rank");
+              "pycomm: recv from any source (dist.recv without src) is not supported by a "
+              "group that spans several hosts (islands); name the source rank. Groups within "
+              "one host support it.");
 }
 
 }  // namespace pycomm_torch

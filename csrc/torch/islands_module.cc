@@ -1,7 +1,7 @@
 // The Python face of ProcessGroupIslands (pycomm._C.ProcessGroupIslands).
 #include <torch/csrc/utils/pybind.h>
 
-#include "torch/islands.h"
+#include "islands.h"
 
 namespace py = pybind11;
 using pycomm_torch::IslandEngines;

@@ -8,16 +8,17 @@
 #include <string>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "backend.h"
 #include "core/kernels/reduce.h"
 #include "core/memory/arena.h"
 #include "core/runtime/config.h"
+#include "core/runtime/faults.h"
 #include "core/transport/shm_segment.h"
-#include "torch/backend.h"
-#include "torch/cuda_host.h"
-#include "torch/fused.h"
-#include "torch/islands.h"
-#include "torch/storage_binding.h"
-#include "torch/tensor_args.h"
+#include "cuda_host.h"
+#include "fused.h"
+#include "islands.h"
+#include "storage_binding.h"
+#include "tensor_args.h"
 
 namespace py = pybind11;
 
@@ -157,6 +158,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pycomm_torch::register_fused_cuda(m);  // fused_*_cuda
 #endif
   m.def("in_arena", &in_arena, py::arg("tensor"), "Whether the tensor's data lies in the arena.");
+  m.def(
+      "_inject_offer_faults",
+      [](uint64_t offset_skew, uint64_t inode_skew) {
+        pycomm::Faults::offer_offset_skew.store(offset_skew);
+        pycomm::Faults::offer_inode_skew.store(inode_skew);
+      },
+      py::arg("offset_skew") = 0, py::arg("inode_skew") = 0,
+      "Tests only: this rank's zero-copy offers post skewed offsets / slab inodes, as a "
+      "broken or hostile peer would (0, 0 restores honest offers).");
 #ifdef PYCOMM_CUDA
   constexpr bool kCudaBuilt = true;
 #else
@@ -176,4 +186,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                               rc == 0 ? static_cast<int64_t>(st.st_size) : -1);
       },
       py::arg("bytes"));
+  m.def(
+      "_open_segment",
+      [](const std::string& name, size_t bytes) {
+        // Opens a segment as a joining rank would (the same checks), then lets it go.
+        pycomm_torch::translated([&] { pycomm::ShmSegment::open(name, bytes); });
+      },
+      py::arg("name"), py::arg("bytes"), "Tests only: map `name` as a joining rank would.");
 }

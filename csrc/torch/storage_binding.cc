@@ -1,4 +1,4 @@
-#include "torch/storage_binding.h"
+#include "storage_binding.h"
 
 #include <c10/core/StorageImpl.h>
 

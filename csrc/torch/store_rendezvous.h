@@ -20,6 +20,12 @@ class StoreRendezvous : public pycomm::Rendezvous {
     auto v = store_->get(key);
     return std::string(v.begin(), v.end());
   }
+  void remove(const std::string& key) override {
+    try {
+      store_->deleteKey(key);
+    } catch (...) {  // a store without deleteKey, or one already gone: keys just stay
+    }
+  }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

@@ -1,4 +1,4 @@
-#include "torch/tensor_args.h"
+#include "tensor_args.h"
 
 #include <c10/util/Exception.h>
 
@@ -166,6 +166,31 @@ void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int
                       " holds a tensor of shape ", shape_str(t), " but the input has shape ",
                       shape_str(like));
   }
+}
+
+std::vector<at::Tensor> coalesced_gather_outputs(
+    const std::vector<std::vector<at::Tensor>>& outputs, const std::vector<at::Tensor>& inputs,
+    int64_t n, const char* op, int rank) {
+  TORCH_CHECK_VALUE(!inputs.empty(), who(op, rank), ": got no input tensors");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(outputs.size()) == n, who(op, rank), ": got ",
+                    outputs.size(), " output lists, expected one per rank (", n,
+                    "): output_tensor_lists[r][i] receives rank r's input_tensor_list[i]");
+  std::vector<at::Tensor> rank_major;
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK_VALUE(outputs[r].size() == inputs.size(), who(op, rank), ": output list ", r,
+                      " has ", outputs[r].size(), " tensors for ", inputs.size(), " inputs");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor& o = outputs[r][i];
+      checked_dtype(o, op, rank);
+      check_same_dtype(inputs[0], inputs[i], op, rank);
+      check_same_dtype(inputs[i], o, op, rank);
+      TORCH_CHECK_VALUE(o.numel() == inputs[i].numel(), who(op, rank), ": output ", r, "[", i,
+                        "] has shape ", shape_str(o), " but input ", i, " has shape ",
+                        shape_str(inputs[i]));
+      rank_major.push_back(o);
+    }
+  }
+  return rank_major;
 }
 
 void check_all_to_all_lists(const std::vector<at::Tensor>& inputs,

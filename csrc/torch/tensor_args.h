@@ -34,6 +34,12 @@ std::string shape_str(const at::Tensor& t);
 // `n` tensors (one per rank) like `like`: CPU, its dtype, its number of elements.
 void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int64_t n,
                 const char* op, const char* what, int rank);
+// all_gather_coalesced's lists, in torch's layout: `outputs[r][i]` receives rank r's
+// `inputs[i]` (n lists of inputs.size() tensors). Checks them and returns the outputs in
+// rank-major order, the order of the inputs gathered flat.
+std::vector<at::Tensor> coalesced_gather_outputs(
+    const std::vector<std::vector<at::Tensor>>& outputs, const std::vector<at::Tensor>& inputs,
+    int64_t n, const char* op, int rank);
 // all_to_all's lists: `n` inputs and `n` outputs, CPU, all of the first input's dtype.
 void check_all_to_all_lists(const std::vector<at::Tensor>& inputs,
                             const std::vector<at::Tensor>& outputs, int n, const char* op,

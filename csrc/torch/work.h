@@ -1,29 +1,56 @@
-// The Work (and its Future) that every pycomm op returns; completed by the thread that
-// ran the op, which is what DDP's reducer and `async_op=True` rely on.
+// The Work (and its Future) that every pycomm op returns, and how an op is run for it.
 #pragma once
 
 #include <ATen/core/ivalue.h>
 
+#include <atomic>
 #include <exception>
+#include <functional>
+#include <string>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
+
+#include "core/runtime/worker.h"
 
 namespace pycomm_torch {
 
 class PycommWork : public c10d::Work {
  public:
+  // `runs_on`: the worker that runs the op, if any (a wait from one of its own tasks
+  // must run the op itself).
   PycommWork(int rank, c10d::OpType type, const char* profiling_title,
-             std::vector<at::Tensor> outputs);
+             std::vector<at::Tensor> outputs, pycomm::Worker* runs_on = nullptr);
 
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override { return outputs_; }
+  int sourceRank() const override { return source_rank_.load(); }
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
 
-  // Marks the op done: wakes wait(), then completes (or fails) the future.
+  // Completes (or fails) the future, running its callbacks on this thread, then marks
+  // the Work finished: once wait() returns, every callback has run and the future's
+  // value can be read (gloo's order).
   void complete(std::exception_ptr error);
+  void set_source_rank(int rank) { source_rank_.store(rank); }
+  // Whether anyone has asked for the future (only then can callbacks be attached
+  // before completion).
+  bool future_requested() const { return future_requested_.load(); }
+  const std::string& title() const { return title_; }
+  int rank() const { return rank_; }
 
  private:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  pycomm::Worker* runs_on_;
+  std::string title_;
+  std::atomic<int> source_rank_{-1};
+  std::atomic<bool> future_requested_{false};
 };
+
+// Runs `task` (which completes `work`) on `worker` in call order: at once when issued
+// from one of the worker's own tasks (a future callback), right here when synchronous
+// and nothing is queued, else queued. A queued task the worker gives up on (see
+// Worker's stall watch) fails its Work with the reason instead of never running.
+void dispatch(pycomm::Worker& worker, const c10::intrusive_ptr<PycommWork>& work, bool async_op,
+              std::function<void()> task);
 
 }  // namespace pycomm_torch

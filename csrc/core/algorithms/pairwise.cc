@@ -7,6 +7,7 @@
 #include "core/algorithms/algorithms.h"
 #include "core/memory/arena.h"
 #include "core/runtime/errors.h"
+#include "core/runtime/faults.h"
 #include "core/transport/peer_memory.h"
 
 namespace pycomm {
@@ -61,6 +62,7 @@ namespace {
 struct AllToAllOffer {
   uint32_t pull_me;
   uint32_t world;
+  uint64_t pid_ns;  // peers read in place only within one PID namespace
   ArenaLocation where;
   struct Block {
     uint64_t offset, count;  // elements
@@ -81,13 +83,35 @@ size_t all_to_all_offer_bytes(int world) {
   return offsetof(AllToAllOffer, blocks) + world * sizeof(AllToAllOffer::Block);
 }
 
+// Whether `from` lets `to` read its blocks in place (both decide it alike).
+bool pulls(const AllToAllOffer& from, const AllToAllOffer& to) {
+  return from.pull_me && from.pid_ns != 0 && from.pid_ns == to.pid_ns;
+}
+
+// Where `b` lies in `from`'s input, as mapped here; its extent is checked against the
+// slab (overflow-safe: the block table comes from the peer).
+const char* pulled_block(PeerMemory& peers, int from, const AllToAllOffer& theirs,
+                         const AllToAllOffer::Block& b, size_t es, int me) {
+  uint64_t begin, count, end;
+  if (__builtin_mul_overflow(b.offset, es, &begin) || __builtin_mul_overflow(b.count, es, &count) ||
+      __builtin_add_overflow(begin, count, &end)) {
+    throw CommError("pycomm: all_to_all: rank " + std::to_string(from) +
+                    " posted a block for rank " + std::to_string(me) + " whose bytes overflow (" +
+                    std::to_string(b.offset) + " + " + std::to_string(b.count) + " elements)");
+  }
+  return peers.resolve(from, theirs.where, end) + begin;
+}
+
 int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const AllToAllArgs& a) {
   const int n = t.world(), r = t.rank();
   const size_t es = dtype_size(a.dtype);
   auto* mine = static_cast<AllToAllOffer*>(t.direct_buffer(op));
   const size_t in_bytes = input_bytes(a);
-  mine->pull_me = in_bytes > 0 && Arena::instance().locate(a.in, in_bytes, &mine->where);
+  ArenaLocation where;
+  mine->pull_me = in_bytes > 0 && Arena::instance().locate(a.in, in_bytes, &where);
+  mine->where = posted(where);
   mine->world = static_cast<uint32_t>(n);
+  mine->pid_ns = pid_namespace_id();
   for (int q = 0; q < n; ++q) mine->blocks[q] = {a.send_offsets[q], a.send_counts[q]};
   t.post_direct(op);
 
@@ -95,27 +119,32 @@ int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const All
   auto* out = static_cast<char*>(a.out);
   std::memmove(out + a.recv_offsets[r] * es, in + a.send_offsets[r] * es, a.send_counts[r] * es);
   int pulled = 0;
+  bool pulled_from_me = false;
   for (int d = 1; d < n; ++d) {
     const int to = (r + d) % n, from = (r - d + n) % n;
     const auto* theirs = static_cast<const AllToAllOffer*>(t.wait_direct(from, op));
+    const auto* receiver = static_cast<const AllToAllOffer*>(t.wait_direct(to, op));
     char* dst = out + a.recv_offsets[from] * es;
-    if (theirs->pull_me) {
+    const bool pull = pulls(*theirs, *mine);
+    if (pull) {
       const AllToAllOffer::Block b = theirs->blocks[r];
       if (b.count != a.recv_counts[from]) {
         throw InvalidArgument("pycomm: all_to_all: rank " + std::to_string(r) + " expects " +
                               std::to_string(a.recv_counts[from]) + " elements from rank " +
                               std::to_string(from) + ", which sends it " + std::to_string(b.count));
       }
-      std::memcpy(dst, peers.resolve(from, theirs->where) + b.offset * es, b.count * es);
+      std::memcpy(dst, pulled_block(peers, from, *theirs, b, es, r), b.count * es);
       ++pulled;
     }
     // Whoever pulls from us is not sent to; whoever offers is not received from.
-    exchange(t, op, mine->pull_me ? -1 : to, in + a.send_offsets[to] * es, a.send_counts[to] * es,
-             theirs->pull_me ? -1 : from, dst, a.recv_counts[from] * es);
+    const bool pulled_by_to = pulls(*mine, *receiver);
+    pulled_from_me = pulled_from_me || pulled_by_to;
+    exchange(t, op, pulled_by_to ? -1 : to, in + a.send_offsets[to] * es, a.send_counts[to] * es,
+             pull ? -1 : from, dst, a.recv_counts[from] * es);
   }
   // Nobody returns (and lets its input change) while a peer may still be reading it.
   t.post_stage(op, 1);
-  if (mine->pull_me) t.wait_stage(op, 1);
+  if (pulled_from_me) t.wait_stage(op, 1);
   return pulled;
 }
 

@@ -5,6 +5,7 @@
 
 #include "core/algorithms/ring_prims.h"
 #include "core/kernels/reduce.h"
+#include "core/runtime/faults.h"
 
 namespace pycomm {
 namespace {
@@ -12,6 +13,7 @@ namespace {
 struct Offer {
   uint32_t in_arena;
   uint32_t pad;
+  uint64_t pid_ns;  // see pid_namespace_id()
   ArenaLocation where;
 };
 
@@ -35,22 +37,30 @@ Piece own_part(size_t count, int n, int r, size_t es) {
 
 }  // namespace
 
-std::vector<char*> negotiate_zero_copy(Transport& t, PeerMemory& peers, const OpCall& op,
-                                       const void* mine, size_t bytes) {
+ZeroCopyPlan negotiate_zero_copy(Transport& t, PeerMemory& peers, const OpCall& op,
+                                 const void* mine, size_t bytes) {
   auto* offer = static_cast<Offer*>(t.direct_buffer(op));
-  offer->in_arena = mine != nullptr && Arena::instance().locate(mine, bytes, &offer->where);
+  ArenaLocation where;
+  offer->in_arena = mine != nullptr && Arena::instance().locate(mine, bytes, &where);
+  offer->where = posted(where);
+  offer->pid_ns = pid_namespace_id();
   t.post_direct(op);
-  std::vector<char*> bufs(t.world(), nullptr);
-  bool all = true;
-  for (int r = 0; r < t.world(); ++r) {
-    const auto* theirs = static_cast<const Offer*>(t.wait_direct(r, op));
-    all = all && theirs->in_arena;
-    if (all)
-      bufs[r] = r == t.rank() ? static_cast<char*>(const_cast<void*>(mine))
-                              : peers.resolve(r, theirs->where);
+  std::vector<const Offer*> offers(t.world());
+  for (int r = 0; r < t.world(); ++r) offers[r] = static_cast<const Offer*>(t.wait_direct(r, op));
+  ZeroCopyPlan plan;
+  for (const Offer* o : offers) {
+    if (!o->in_arena) plan.why_not = "not every rank's buffer is in the arena";
   }
-  if (!all) bufs.clear();
-  return bufs;
+  for (const Offer* o : offers) {
+    if (o->pid_ns == 0 || o->pid_ns != offers[0]->pid_ns)
+      plan.why_not = "the ranks are in different PID namespaces";
+  }
+  if (*plan.why_not != '\0') return plan;
+  for (int r = 0; r < t.world(); ++r) {
+    plan.bufs.push_back(r == t.rank() ? static_cast<char*>(const_cast<void*>(mine))
+                                      : peers.resolve(r, offers[r]->where, bytes));
+  }
+  return plan;
 }
 
 // Each rank owns one contiguous part of the tensor (split on cache lines, so no two

@@ -13,11 +13,18 @@
 
 namespace pycomm {
 
+// What the ranks found out together: every rank's buffer as mapped here, or none, and
+// then why not (the same on every rank, so all fall back together).
+struct ZeroCopyPlan {
+  std::vector<char*> bufs;
+  const char* why_not = "";
+};
+
 // Posts where this rank's buffer `mine` (bytes long) lives, if it is in the arena, and
-// reads everyone's posts. Returns each rank's buffer as mapped here, or an empty vector
-// when some rank's buffer is not in the arena (then all ranks fall back together).
-std::vector<char*> negotiate_zero_copy(Transport& t, PeerMemory& peers, const OpCall& op,
-                                       const void* mine, size_t bytes);
+// reads everyone's posts. Zero-copy needs every buffer in the arena and every rank in
+// one PID namespace (peers' arena memory is opened through /proc/<pid>).
+ZeroCopyPlan negotiate_zero_copy(Transport& t, PeerMemory& peers, const OpCall& op,
+                                 const void* mine, size_t bytes);
 
 // `bufs` from negotiate_zero_copy. all_reduce works in place on bufs[rank];
 // reduce_scatter and all_gather read bufs (the inputs) and write a.out.

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -58,7 +59,15 @@ Arena::Slab* Arena::new_slab(size_t min_bytes) {
                     " MiB shared-memory arena slab: " + strerror(rc) +
                     " (PYCOMM_ARENA_SLAB_BYTES sets the slab size)");
   }
-  auto slab = std::make_unique<Slab>(Slab{fd, next_id_++, static_cast<char*>(base), bytes, {}});
+  struct stat st;
+  fstat(fd, &st);
+  auto slab = std::make_unique<Slab>(Slab{fd,
+                                          next_id_++,
+                                          static_cast<char*>(base),
+                                          bytes,
+                                          static_cast<uint64_t>(st.st_dev),
+                                          static_cast<uint64_t>(st.st_ino),
+                                          {}});
   slab->free[0] = bytes;
   slabs_.push_back(std::move(slab));
   return slabs_.back().get();
@@ -129,7 +138,8 @@ bool Arena::locate(const void* ptr, size_t bytes, ArenaLocation* out) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& s : slabs_) {
     if (p >= s->base && p + bytes <= s->base + s->bytes) {
-      *out = ArenaLocation{s->fd, s->id, s->bytes, static_cast<uint64_t>(p - s->base)};
+      *out = ArenaLocation{s->fd,  0,     s->id, s->bytes, static_cast<uint64_t>(p - s->base),
+                           s->dev, s->ino};
       return true;
     }
   }

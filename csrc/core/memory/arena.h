@@ -15,12 +15,16 @@
 
 namespace pycomm {
 
-// Where a byte range of the arena lives, as a peer needs to know it.
+// Where a byte range of the arena lives, as a peer needs to know it. The peer checks
+// that what it opens is this very file (device and inode) before it maps it.
 struct ArenaLocation {
-  int32_t fd = -1;       // the slab's memfd in the owner process
+  int32_t fd = -1;  // the slab's memfd in the owner process
+  uint32_t pad = 0;
   uint64_t slab_id = 0;  // unique per process, never reused
   uint64_t slab_bytes = 0;
   uint64_t offset = 0;  // of the range within the slab
+  uint64_t dev = 0;     // st_dev and st_ino of the memfd
+  uint64_t ino = 0;
 };
 
 struct ArenaStats {
@@ -50,6 +54,7 @@ class Arena {
     uint64_t id;
     char* base;
     size_t bytes;
+    uint64_t dev, ino;              // the memfd's identity
     std::map<size_t, size_t> free;  // offset -> length, coalesced
   };
   Slab* new_slab(size_t min_bytes);

@@ -9,11 +9,10 @@
 #include "core/algorithms/zero_copy.h"
 #include "core/kernels/reduce.h"
 #include "core/runtime/errors.h"
+#include "core/runtime/group_segment.h"
 
 namespace pycomm {
 namespace {
-
-const char* kSegmentKey = "pycomm/segment";
 
 std::string kib(size_t bytes) {
   char buf[32];
@@ -33,17 +32,6 @@ std::string hostname() {
 // Oversubscribed ranks (more ranks than cores) must not burn the core the peer they wait
 // for needs, so they yield from the first poll (measured, bench/README.md: 4 ranks on
 // 2 cores, 16 B all_reduce 13.8 us with 2 us of spinning, 7.2 us with none).
-// The direct algorithm takes one step where the ring takes 2(n-1), but reads every
-// rank's whole message. Measured here (bench/README.md): with a core per rank the ring
-// wins from 64 KiB up, so direct stops at 16 KiB; oversubscribed, every ring step waits
-// for a descheduled peer and direct wins up to 64 KiB.
-size_t direct_bytes_for(const Config& cfg, int world) {
-  if (std::getenv("PYCOMM_DIRECT_BYTES") != nullptr) return cfg.direct_bytes;
-  unsigned cores = std::thread::hardware_concurrency();
-  bool oversubscribed = cores != 0 && static_cast<unsigned>(world) > cores;
-  return oversubscribed ? 64 << 10 : 16 << 10;
-}
-
 uint32_t spin_us_for(const Config& cfg, int world) {
   unsigned cores = std::thread::hardware_concurrency();
   if (std::getenv("PYCOMM_SPIN_US") == nullptr && cores != 0 &&
@@ -57,89 +45,46 @@ uint32_t spin_us_for(const Config& cfg, int world) {
 
 Communicator::Communicator(Rendezvous& rdv, int rank, int world, const Config& cfg,
                            std::chrono::milliseconds timeout)
-    : rank_(rank), world_(world), cfg_(cfg), log_(cfg.log, rank, world), timeout_(timeout) {
+    : rank_(rank),
+      world_(world),
+      cfg_(cfg),
+      log_(cfg.log, rank, world),
+      timeout_ms_(timeout.count()) {
   if (world < 1 || rank < 0 || rank >= world) {
     throw InvalidArgument("pycomm: rank " + std::to_string(rank) + " is not in a group of " +
                           std::to_string(world));
   }
-  create_or_open(rdv);
-  RankControl* me = shared_->control(rank_);
-  me->pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
-  me->state.store(static_cast<uint32_t>(RankState::ALIVE), std::memory_order_release);
-  waiter_ = std::make_unique<Waiter>(*shared_, COLL, spin_us_for(cfg_, world_), cfg_.yield_us);
+  GroupSegment g = establish_segment(rdv, rank_, world_, cfg_, log_);
+  segment_ = std::move(g.segment);
+  shared_ = std::make_unique<Shared>(segment_, g.layout, rank_, world_);
+  shared_->join();
+  waiter_ = std::make_unique<Waiter>(*shared_, COLL,
+                                     WaitPolicy(spin_us_for(cfg_, world_), cfg_.yield_us));
   transport_ = std::make_unique<Transport>(*shared_, COLL, *waiter_);
   peers_ = std::make_unique<PeerMemory>(*shared_);
-  const SegmentHeader* h = shared_->header();
-  log_.log(LogLevel::INFO, "init: rank " + std::to_string(rank_) + " of " + std::to_string(world_) +
-                               " on host " + hostname() + ", segment " + kib(segment_.size()) +
-                               " (" + std::to_string(h->slots) + " slots x " + kib(h->slot_bytes) +
-                               " per channel, direct up to " + kib(h->direct_bytes) +
-                               "), timeout " + std::to_string(timeout_.count() / 1000.0) + " s");
+  log_.log(LogLevel::INFO,
+           "init: rank " + std::to_string(rank_) + " of " + std::to_string(world_) + " on host " +
+               hostname() + ", segment " + kib(g.layout.eager_bytes()) + " now, channels of " +
+               std::to_string(cfg_.slots) + " slots x " + kib(cfg_.chunk_bytes) +
+               " as used, direct up to " + kib(cfg_.direct_bytes) + ", algorithm " +
+               algo_name(cfg_.algo) + ", zero-copy " + (cfg_.zero_copy ? "on" : "off") +
+               ", timeout " + std::to_string(timeout.count() / 1000.0) + " s");
 }
 
 Communicator::~Communicator() { depart(); }
 
 void Communicator::depart() {
-  if (shared_) {
-    shared_->control(rank_)->state.store(static_cast<uint32_t>(RankState::DEPARTED));
-  }
-}
-
-// Rank 0 creates the segment and publishes its name; the others map it and say so; once
-// all have, rank 0 unlinks the name. From then on nothing is left in /dev/shm even if
-// every process is killed: the kernel frees the memory with the last mapping.
-void Communicator::create_or_open(Rendezvous& rdv) {
-  if (rank_ == 0) {
-    cfg_.direct_bytes = direct_bytes_for(cfg_, world_);
-    Layout layout(world_, cfg_.slots, cfg_.chunk_bytes, cfg_.direct_bytes);
-    std::string what = "a " + std::to_string(world_) + "-rank communicator (" +
-                       std::to_string(cfg_.slots) + " slots x " + kib(cfg_.chunk_bytes) +
-                       " per channel)";
-    try {
-      segment_ = ShmSegment::create(layout.total_bytes(), layout.total_bytes(), what);
-    } catch (const std::exception& e) {
-      rdv.set(kSegmentKey, std::string("error:") + e.what());
-      throw;
-    }
-    auto* h = layout.header(segment_.data());
-    h->magic = kSegmentMagic;
-    h->world = world_;
-    h->slots = cfg_.slots;
-    h->slot_bytes = cfg_.chunk_bytes;
-    h->direct_bytes = cfg_.direct_bytes;
-    h->total_bytes = layout.total_bytes();
-    shared_ = std::make_unique<Shared>(segment_.data(), layout, rank_, world_);
-    rdv.set(kSegmentKey, "ok:" + std::to_string(layout.total_bytes()) + ":" + segment_.name());
-    for (int r = 1; r < world_; ++r) rdv.get("pycomm/opened/" + std::to_string(r));
-    segment_.unlink();
-    return;
-  }
-  std::string v = rdv.get(kSegmentKey);
-  if (v.rfind("error:", 0) == 0) {
-    throw CommError("pycomm: rank " + std::to_string(rank_) +
-                    " cannot join: rank 0 failed to set up shared memory: " + v.substr(6));
-  }
-  size_t colon = v.find(':', 3);
-  size_t total = std::stoull(v.substr(3, colon - 3));
-  segment_ = ShmSegment::open(v.substr(colon + 1), total);
-  // Rank 0's settings win (they are in the header), so ranks whose PYCOMM_* differ agree.
-  auto* h = static_cast<SegmentHeader*>(segment_.data());
-  if (h->magic != kSegmentMagic || h->world != world_ || h->total_bytes != total) {
-    throw CommError("pycomm: rank " + std::to_string(rank_) + ": segment " + segment_.name() +
-                    " is not a pycomm segment for " + std::to_string(world_) + " ranks");
-  }
-  Layout layout(world_, h->slots, h->slot_bytes, h->direct_bytes);
-  shared_ = std::make_unique<Shared>(segment_.data(), layout, rank_, world_);
-  rdv.set("pycomm/opened/" + std::to_string(rank_), "1");
+  if (shared_) shared_->depart();
 }
 
 OpCall Communicator::begin(OpKind kind, DType dtype, uint64_t count, RedOp op, int root) {
   OpCall c;
   c.desc = OpDesc{++seq_, kind, dtype, count, op, root};
   c.lane = COLL;
+  const auto timeout = std::chrono::milliseconds(timeout_ms_.load());
   c.start = Clock::now();
-  c.deadline = c.start + timeout_;
-  c.timeout_s = timeout_.count() / 1000.0;
+  c.deadline = WaitPolicy::deadline_after(c.start, timeout);
+  c.timeout_s = timeout.count() / 1000.0;
   waiter_->throw_if_aborted(c);
   RankControl* me = shared_->control(rank_);
   me->recent[c.desc.seq % 4].store(c.desc);
@@ -156,15 +101,14 @@ void Communicator::finish(const OpCall& op) {
 
 std::vector<char*> Communicator::negotiate(const OpCall& op, const void* mine, size_t bytes,
                                            const char* fallback) {
-  auto bufs = negotiate_zero_copy(*transport_, *peers_, op, mine, bytes);
+  ZeroCopyPlan plan = negotiate_zero_copy(*transport_, *peers_, op, mine, bytes);
   if (log_.enabled(LogLevel::INFO)) {
-    log_.log(
-        LogLevel::INFO,
-        "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) + ": " +
-            (bufs.empty() ? std::string(fallback) + " (not every rank's buffer is in the arena)"
-                          : "zero-copy (every rank's buffer is in the arena)"));
+    log_.log(LogLevel::INFO,
+             "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) + ": " +
+                 (plan.bufs.empty() ? std::string(fallback) + " (" + plan.why_not + ")"
+                                    : "zero-copy (every rank's buffer is in the arena)"));
   }
-  return bufs;
+  return plan.bufs;
 }
 
 // `algo` null: the body logs its own choice (it is made together with the other ranks).
@@ -176,8 +120,10 @@ void Communicator::run(OpCall& op, const char* algo, const std::string& why, Bod
   }
   try {
     body();
-  } catch (const CommError&) {
-    throw;  // already recorded for the job by the Waiter
+  } catch (const CommError& e) {
+    // Recorded for the job unless it came from the record (set_abort keeps the first).
+    shared_->set_abort(e.what());
+    throw;
   } catch (const std::exception& e) {
     shared_->set_abort("pycomm: " + where(op, rank_) + " failed: " + e.what());
     throw;
@@ -191,13 +137,13 @@ void Communicator::run(OpCall& op, const char* algo, const std::string& why, Bod
 }
 
 bool Communicator::use_direct(size_t bytes) const {
-  return cfg_.algo != Algo::RING && bytes <= shared_->header()->direct_bytes;
+  return cfg_.algo != Algo::RING && bytes <= cfg_.direct_bytes;
 }
 
 std::string Communicator::direct_reason(size_t bytes) const {
-  std::string limit = "PYCOMM_DIRECT_BYTES=" + std::to_string(shared_->header()->direct_bytes);
+  std::string limit = "PYCOMM_DIRECT_BYTES=" + std::to_string(cfg_.direct_bytes);
   if (cfg_.algo == Algo::RING) return "PYCOMM_ALGO=ring";
-  if (bytes <= shared_->header()->direct_bytes) return std::to_string(bytes) + " B <= " + limit;
+  if (bytes <= cfg_.direct_bytes) return std::to_string(bytes) + " B <= " + limit;
   return std::to_string(bytes) + " B > " + limit;
 }
 
@@ -308,7 +254,7 @@ void Communicator::all_to_all(const AllToAllArgs& args) {
   OpCall c = begin(OpKind::ALL_TO_ALL, args.dtype, 0, RedOp::NONE, -1);
   // Whether to post offers is decided on what every rank knows alike (settings, world),
   // never on its own sizes: uneven splits differ between ranks.
-  if (!try_zero_copy() || all_to_all_offer_bytes(world_) > shared_->header()->direct_bytes)
+  if (!try_zero_copy() || all_to_all_offer_bytes(world_) > cfg_.direct_bytes)
     return run(c, "pairwise", "", [&] { all_to_all_pairwise(*transport_, c, args); });
   run(c, nullptr, "", [&] {
     int pulled = all_to_all_pull(*transport_, *peers_, c, args);

@@ -4,6 +4,7 @@
 // P2PEngine on their own lane and thread.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -41,11 +42,12 @@ class Communicator {
 
   int rank() const { return rank_; }
   int world() const { return world_; }
-  uint64_t seq() const { return seq_; }
+  uint64_t seq() const { return seq_.load(std::memory_order_relaxed); }
   const Logger& logger() const { return log_; }
   const Shared& shared() const { return *shared_; }
   size_t segment_bytes() const { return segment_.size(); }
-  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+  // May be called from any thread while ops run (torch's setTimeout).
+  void set_timeout(std::chrono::milliseconds t) { timeout_ms_.store(t.count()); }
 
   // In place on `data` (count elements). `op` is the user's op (AVG included).
   void all_reduce(void* data, size_t count, DType dtype, RedOp op);
@@ -61,11 +63,10 @@ class Communicator {
   void scatter(const void* in, void* out, size_t count, DType dtype, int root);
   void barrier();
 
-  // Marks this rank as leaving cleanly (peers stop checking it for liveness).
+  // Marks this rank as leaving cleanly: a peer still waiting for it is told so at once.
   void depart();
 
  private:
-  void create_or_open(Rendezvous& rdv);
   OpCall begin(OpKind kind, DType dtype, uint64_t count, RedOp op, int root);
   void finish(const OpCall& op);
   template <class Body>
@@ -74,6 +75,7 @@ class Communicator {
   void run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos,
                 const void* offered);
   bool use_direct(size_t bytes) const;
+  // From the group's settings (rank 0's), so every rank decides alike.
   bool try_zero_copy() const { return cfg_.zero_copy && cfg_.algo == Algo::AUTO; }
   // Finds out with the other ranks whether every buffer is in the arena; logs the choice
   // (zero-copy, or `fallback`: the algorithm used otherwise).
@@ -86,13 +88,13 @@ class Communicator {
   int rank_, world_;
   Config cfg_;
   Logger log_;
-  std::chrono::milliseconds timeout_;
+  std::atomic<int64_t> timeout_ms_;
   ShmSegment segment_;
   std::unique_ptr<Shared> shared_;
   std::unique_ptr<Waiter> waiter_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<PeerMemory> peers_;
-  uint64_t seq_ = 0;
+  std::atomic<uint64_t> seq_{0};  // read by other threads (getSequenceNumberForGroup)
 };
 
 }  // namespace pycomm

@@ -8,9 +8,6 @@
 namespace pycomm {
 namespace {
 
-constexpr auto kScanEvery = std::chrono::milliseconds(20);
-constexpr int64_t kMaxSleepUs = 20000;
-
 std::string rank_list(const std::vector<int>& ranks) {
   std::string s = "[";
   for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
@@ -26,8 +23,7 @@ int64_t Waiter::check_or_leave(const OpCall& op, const std::vector<int>& who, Be
     bell->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     throw;
   }
-  auto left = std::chrono::duration_cast<std::chrono::microseconds>(op.deadline - Clock::now());
-  return std::max<int64_t>(1, std::min<int64_t>(kMaxSleepUs, left.count()));
+  return WaitPolicy::sleep_us(op.deadline);
 }
 
 void Waiter::throw_if_aborted(const OpCall& op) const {
@@ -47,12 +43,10 @@ void Waiter::check(const OpCall& op, const std::vector<int>& who) {
   auto now = Clock::now();
   if (now >= op.deadline) fail(timeout_message(op, who));
   if (now < next_scan_) return;
-  next_scan_ = now + kScanEvery;
+  next_scan_ = now + WaitPolicy::kCheckEvery;
   for (int r : who) {
-    if (!shared_.peer_alive(r)) {
-      fail("pycomm: " + where(op, shared_.rank()) + " failed: rank " + std::to_string(r) +
-           " (pid " + std::to_string(shared_.control(r)->pid.load()) + ") died");
-    }
+    std::string gone = shared_.peer_gone(r);
+    if (!gone.empty()) fail("pycomm: " + where(op, shared_.rank()) + " failed: " + gone);
   }
   if (op.lane == COLL) check_agreement(op);
 }

@@ -1,10 +1,8 @@
-// Waiting for another rank: poll briefly (cheap when the peer is about to answer), then
-// poll while yielding the core (so an oversubscribed peer, 4 ranks on 2 cores, gets to
-// run), then sleep on this rank's doorbell. Waking a sleeping thread costs tens to
-// hundreds of microseconds (more in a VM), so short waits must never sleep. While asleep it wakes
-// every few milliseconds to check the job: the abort record, the deadline, dead peers and ranks
-// that called something else for the same sequence number. Every failure is recorded for the whole
-// job.
+// Waiting for another rank over the shared segment, by the library's one WaitPolicy
+// (wait_policy.h): poll, poll while yielding, then sleep on this rank's doorbell. While
+// asleep it wakes every few milliseconds to check the job: the abort record, the
+// deadline, dead peers and ranks that called something else for the same sequence
+// number. Every failure is recorded for the whole job.
 #pragma once
 
 #include <sched.h>
@@ -16,32 +14,22 @@
 #include <vector>
 
 #include "core/runtime/futex.h"
+#include "core/runtime/wait_policy.h"
 #include "core/transport/shared_state.h"
 
 namespace pycomm {
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 class Waiter {
  public:
-  Waiter(const Shared& shared, Lane lane, uint32_t spin_us, uint32_t yield_us)
-      : shared_(shared),
-        lane_(lane),
-        spin_(std::chrono::microseconds(spin_us)),
-        yield_(std::chrono::microseconds(std::max(spin_us, yield_us))) {}
+  Waiter(const Shared& shared, Lane lane, WaitPolicy policy)
+      : shared_(shared), lane_(lane), policy_(policy) {}
 
   // Returns once ready() holds. `awaited(std::vector<int>&)` lists the ranks the wait
   // depends on (for liveness checks and messages). Throws CommError on failure.
   template <class Ready, class Awaited>
   void wait(const OpCall& op, Ready ready, Awaited awaited) {
     if (ready()) return;
-    if (poll(ready)) return;
+    if (policy_.poll(ready, shares_cpu_with_a_peer())) return;
     Bell& bell = shared_.bell(shared_.rank(), lane_);
     std::vector<int> who;
     for (;;) {
@@ -59,26 +47,8 @@ class Waiter {
     }
   }
 
-  // The two polling phases; true once ready() holds. Spinning is skipped when another
-  // rank last waited on this CPU: the scheduler has put us on one core, so the peer we
-  // wait for cannot run until we give the core up (spinning would only delay it).
-  template <class Ready>
-  bool poll(Ready ready) {
-    const auto start = Clock::now();
-    const auto spin = shares_cpu_with_a_peer() ? Clock::duration::zero() : spin_;
-    while (Clock::now() - start < spin) {
-      for (int i = 0; i < 32; ++i) {
-        if (ready()) return true;
-        cpu_relax();
-      }
-    }
-    while (Clock::now() - start < yield_) {
-      if (ready()) return true;
-      sched_yield();
-    }
-    return false;
-  }
-
+  // Spinning is skipped when another rank last waited on this CPU: the scheduler has
+  // put us on one core, so the peer we wait for cannot run until we give the core up.
   // Publishes this rank's CPU; true if another rank of the group last waited on it.
   bool shares_cpu_with_a_peer() const {
     const int cpu = sched_getcpu();
@@ -106,8 +76,7 @@ class Waiter {
 
   const Shared& shared_;
   Lane lane_;
-  Clock::duration spin_;
-  Clock::duration yield_;
+  WaitPolicy policy_;
   Clock::time_point next_scan_{};
 };
 

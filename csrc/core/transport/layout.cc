@@ -5,6 +5,8 @@
 namespace pycomm {
 namespace {
 
+constexpr size_t kPage = 4096;
+
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
 }  // namespace
@@ -39,15 +41,17 @@ bool PackedDesc::load(uint64_t seq, OpDesc* out) const {
 Layout::Layout(int world, uint32_t slots, size_t slot_bytes, size_t direct_bytes)
     : world_(world), slots_(slots) {
   slot_stride_ = sizeof(SlotHeader) + round_up(slot_bytes, kLine);
-  channel_stride_ = sizeof(ChannelCtl) + slots * slot_stride_;
+  // Whole pages, so reserving one channel never allocates a neighbour's page.
+  channel_stride_ = round_up(slots * slot_stride_, kPage);
   // At least 256 bytes: zero-copy negotiation posts its offers here even when the
   // direct algorithm itself is turned off.
   direct_stride_ = sizeof(DirectHeader) + round_up(std::max<size_t>(direct_bytes, 256), kLine);
-  controls_off_ = round_up(sizeof(SegmentHeader), 4096);
-  channels_off_ = round_up(controls_off_ + world * sizeof(RankControl), 4096);
-  size_t nchannels = 2 * static_cast<size_t>(world) * (world - 1);
-  direct_off_ = round_up(channels_off_ + nchannels * channel_stride_, 4096);
-  total_ = round_up(direct_off_ + 2 * static_cast<size_t>(world) * direct_stride_, 4096);
+  const size_t nchannels = 2 * static_cast<size_t>(world) * (world - 1);
+  controls_off_ = round_up(sizeof(SegmentHeader), kPage);
+  ctls_off_ = round_up(controls_off_ + world * sizeof(RankControl), kPage);
+  direct_off_ = round_up(ctls_off_ + nchannels * sizeof(ChannelCtl), kPage);
+  payloads_off_ = round_up(direct_off_ + 2 * static_cast<size_t>(world) * direct_stride_, kPage);
+  total_ = payloads_off_ + nchannels * channel_stride_;
 }
 
 RankControl* Layout::control(void* base, int rank) const {
@@ -64,13 +68,17 @@ size_t Layout::channel_index(Lane lane, int src, int dst) const {
 
 ChannelCtl* Layout::channel(void* base, Lane lane, int src, int dst) const {
   auto* p =
-      static_cast<char*>(base) + channels_off_ + channel_index(lane, src, dst) * channel_stride_;
+      static_cast<char*>(base) + ctls_off_ + channel_index(lane, src, dst) * sizeof(ChannelCtl);
   return reinterpret_cast<ChannelCtl*>(p);
 }
 
+Extent Layout::payload(Lane lane, int src, int dst) const {
+  return {payloads_off_ + channel_index(lane, src, dst) * channel_stride_, channel_stride_};
+}
+
 SlotHeader* Layout::slot(void* base, Lane lane, int src, int dst, uint64_t index) const {
-  auto* p = reinterpret_cast<char*>(channel(base, lane, src, dst)) + sizeof(ChannelCtl) +
-            (index % slots_) * slot_stride_;
+  auto* p =
+      static_cast<char*>(base) + payload(lane, src, dst).offset + (index % slots_) * slot_stride_;
   return reinterpret_cast<SlotHeader*>(p);
 }
 

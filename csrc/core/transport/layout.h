@@ -1,6 +1,7 @@
 // The shared-memory segment of one communicator, as every rank maps it:
 //
-//   SegmentHeader | RankControl x world | channels (2 lanes x world x (world-1)) | direct areas
+//   SegmentHeader | RankControl x world | ChannelCtl x channels | direct areas | payloads
+//   '---------------------- reserved at creation ----------------------------' '- holes -'
 //
 // A channel carries messages from one rank to one peer through `slots` fixed-size slots
 // (a single-producer single-consumer ring: the sender owns `head`, the receiver `tail`).
@@ -8,6 +9,11 @@
 // another thread), so a pending recv can never block a collective or the other way round.
 // Each rank's direct areas (two, used by alternate sequence numbers) hold a whole small
 // message that every peer reads at once.
+//
+// There are 2 x world x (world - 1) channels, but a ring only uses world of them and a
+// pipeline a few more, so their payloads are holes in the file until a sender first uses
+// its channel (Transport reserves it then): shared memory per rank stays about constant
+// as the world grows (a channel's counters, two cache lines, are reserved for all).
 #pragma once
 
 #include <atomic>
@@ -18,7 +24,7 @@
 
 namespace pycomm {
 
-constexpr uint64_t kSegmentMagic = 0x31766d6d6f637970ull;  // "pycommv1"
+constexpr uint64_t kSegmentMagic = 0x32766d6d6f637970ull;  // "pycommv2"
 constexpr size_t kLine = 64;
 
 enum Lane : int { COLL = 0, P2P = 1 };
@@ -38,11 +44,14 @@ struct PackedDesc {
   bool load(uint64_t seq, OpDesc* out) const;  // false if it does not hold `seq` (now)
 };
 
+// ABSENT until the rank has joined (taken its liveness lock), DEPARTED once it left
+// cleanly: a peer that waits for a departed rank says so instead of "died".
 enum class RankState : uint32_t { ABSENT = 0, ALIVE = 1, DEPARTED = 2 };
 
 struct alignas(kLine) RankControl {
   std::atomic<int32_t> pid{0};
   std::atomic<uint32_t> state{0};          // RankState
+  std::atomic<uint64_t> pid_ns{0};         // inode of /proc/self/ns/pid: pids mean the same
   std::atomic<int32_t> cpu{-1};            // the CPU it last started waiting on
   std::atomic<uint64_t> entered_seq{0};    // last collective this rank started
   std::atomic<uint64_t> completed_seq{0};  // last collective this rank finished
@@ -51,14 +60,27 @@ struct alignas(kLine) RankControl {
   Bell bells[2];                           // one per lane
 };
 
+// The group's settings, chosen by rank 0 and read by every rank from here, so ranks
+// whose PYCOMM_* differ still run the same algorithms.
+struct GroupSettings {
+  uint32_t slots;
+  uint32_t algo;  // Algo
+  uint64_t slot_bytes;
+  uint64_t direct_bytes;
+  uint32_t zero_copy;  // 0 or 1
+  uint32_t pad;
+};
+
 struct alignas(kLine) SegmentHeader {
   uint64_t magic;
   int32_t world;
-  uint32_t slots;
-  uint64_t slot_bytes;
-  uint64_t direct_bytes;
+  uint32_t pad;
   uint64_t total_bytes;
-  std::atomic<uint32_t> abort_flag{0};  // set once by the first rank that fails
+  GroupSettings settings;
+  // The first failure of the job: a rank claims the record (0 -> 1), writes the
+  // message, then publishes it (1 -> 2). A rank may die in between, so any non-zero
+  // flag means failed; the message is read only once published.
+  std::atomic<uint32_t> abort_flag{0};
   int32_t abort_rank;
   char abort_msg[2048];
 };
@@ -81,16 +103,26 @@ struct alignas(kLine) DirectHeader {
   OpDesc desc;
 };
 
+// A byte range of the segment.
+struct Extent {
+  size_t offset = 0;
+  size_t bytes = 0;
+};
+
 // Offsets of everything in a segment; every rank computes the same from the header.
 class Layout {
  public:
   Layout(int world, uint32_t slots, size_t slot_bytes, size_t direct_bytes);
 
   size_t total_bytes() const { return total_; }
+  // The part reserved when the segment is created; the payloads follow it.
+  size_t eager_bytes() const { return payloads_off_; }
   SegmentHeader* header(void* base) const { return static_cast<SegmentHeader*>(base); }
   RankControl* control(void* base, int rank) const;
   ChannelCtl* channel(void* base, Lane lane, int src, int dst) const;
   SlotHeader* slot(void* base, Lane lane, int src, int dst, uint64_t index) const;
+  // Where the slots of a channel live (reserved by its sender on first use).
+  Extent payload(Lane lane, int src, int dst) const;
   DirectHeader* direct(void* base, int rank, int parity) const;
   static void* payload(SlotHeader* h) { return h + 1; }
   static void* payload(DirectHeader* h) { return h + 1; }
@@ -101,9 +133,9 @@ class Layout {
   int world_;
   uint32_t slots_;
   size_t slot_stride_;     // header + payload
-  size_t channel_stride_;  // ctl + slots
+  size_t channel_stride_;  // slots
   size_t direct_stride_;
-  size_t controls_off_, channels_off_, direct_off_, total_;
+  size_t controls_off_, ctls_off_, direct_off_, payloads_off_, total_;
 };
 
 }  // namespace pycomm

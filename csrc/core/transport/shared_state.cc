@@ -1,16 +1,44 @@
 #include "core/transport/shared_state.h"
 
-#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
+#include <thread>
 
 #include "core/runtime/futex.h"
 
 namespace pycomm {
+namespace {
+
+// The abort flag: 0, or (rank + 1) << 2 | phase, phase 1 = claimed, 2 = message written.
+constexpr uint32_t kClaimed = 1, kPublished = 2;
+uint32_t abort_word(int rank, uint32_t phase) {
+  return (static_cast<uint32_t>(rank) + 1) << 2 | phase;
+}
+
+}  // namespace
+
+uint64_t pid_namespace_id() {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+void Shared::join() {
+  liveness_ = Liveness(segment_.fd(), rank_);
+  RankControl* me = control(rank_);
+  me->pid.store(static_cast<int32_t>(getpid()), std::memory_order_relaxed);
+  me->pid_ns.store(pid_namespace_id(), std::memory_order_relaxed);
+  me->state.store(static_cast<uint32_t>(RankState::ALIVE), std::memory_order_release);
+}
+
+void Shared::depart() {
+  control(rank_)->state.store(static_cast<uint32_t>(RankState::DEPARTED),
+                              std::memory_order_release);
+  ring_everyone(COLL);
+  ring_everyone(P2P);
+}
 
 void Shared::ring(int r, Lane lane) const {
   Bell& b = bell(r, lane);
@@ -24,42 +52,62 @@ void Shared::ring_everyone(Lane lane) const {
   for (int r = 0; r < world_; ++r) ring(r, lane);
 }
 
-bool Shared::aborted() const { return header()->abort_flag.load(std::memory_order_acquire) == 2; }
+bool Shared::aborted() const { return header()->abort_flag.load(std::memory_order_acquire) != 0; }
 
 std::string Shared::abort_message() const {
   const SegmentHeader* h = header();
-  return std::string(h->abort_msg, strnlen(h->abort_msg, sizeof(h->abort_msg)));
+  // The claiming rank writes the message right after claiming; give it a moment.
+  uint32_t flag = h->abort_flag.load(std::memory_order_acquire);
+  for (int i = 0; i < 200 && (flag & 3) == kClaimed; ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+    flag = h->abort_flag.load(std::memory_order_acquire);
+  }
+  if ((flag & 3) == kPublished)
+    return std::string(h->abort_msg, strnlen(h->abort_msg, sizeof(h->abort_msg)));
+  return "rank " + std::to_string((flag >> 2) - 1) + " failed, and exited before it could say why";
 }
 
 void Shared::set_abort(const std::string& msg) const {
   SegmentHeader* h = header();
   uint32_t expected = 0;
-  // 0 -> 1 claims the record, 1 -> 2 publishes it once the text is written.
-  if (h->abort_flag.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+  if (h->abort_flag.compare_exchange_strong(expected, abort_word(rank_, kClaimed),
+                                            std::memory_order_acq_rel)) {
     std::snprintf(h->abort_msg, sizeof(h->abort_msg), "%s", msg.c_str());
     h->abort_rank = rank_;
-    h->abort_flag.store(2, std::memory_order_release);
+    h->abort_flag.store(abort_word(rank_, kPublished), std::memory_order_release);
   }
   ring_everyone(COLL);
   ring_everyone(P2P);
 }
 
-bool Shared::peer_alive(int r) const {
-  int pid = control(r)->pid.load(std::memory_order_acquire);
-  if (pid <= 0) return true;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  // A killed child stays a zombie until its parent reaps it; it is dead all the same.
-  // comm, the second field, is "(name)" and may hold spaces: the state follows the last ')'.
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (std::getline(stat, line)) {
-    size_t close = line.rfind(')');
-    if (close != std::string::npos && close + 2 < line.size()) {
-      char state = line[close + 2];
-      return state != 'Z' && state != 'X';
-    }
+std::string Shared::peer_gone(int r) const {
+  auto state = static_cast<RankState>(control(r)->state.load(std::memory_order_acquire));
+  if (state == RankState::ABSENT) return "";
+  if (state == RankState::DEPARTED) {
+    return "rank " + std::to_string(r) + " left the group (destroy_process_group)";
   }
-  return true;
+  if (liveness_.alive(r)) return "";
+  // Read the state again: a rank that departs releases its lock right after.
+  if (static_cast<RankState>(control(r)->state.load(std::memory_order_acquire)) ==
+      RankState::DEPARTED) {
+    return "rank " + std::to_string(r) + " left the group (destroy_process_group)";
+  }
+  std::string pid = std::to_string(control(r)->pid.load(std::memory_order_relaxed));
+  if (!same_pid_namespace(r)) pid += " in another PID namespace";
+  return "rank " + std::to_string(r) + " (pid " + pid + ") died";
+}
+
+bool Shared::same_pid_namespace(int r) const {
+  uint64_t mine = control(rank_)->pid_ns.load(std::memory_order_relaxed);
+  return mine != 0 && control(r)->pid_ns.load(std::memory_order_relaxed) == mine;
+}
+
+void Shared::reserve_channel(Lane lane, int dst) const {
+  Extent e = layout_.payload(lane, rank_, dst);
+  segment_.reserve(e.offset, e.bytes,
+                   std::string(lane == COLL ? "the collective" : "the send/recv") +
+                       " channel from rank " + std::to_string(rank_) + " to rank " +
+                       std::to_string(dst));
 }
 
 std::string where(const OpCall& op, int rank) {

@@ -1,16 +1,17 @@
 // One rank's view of the mapped segment: where things are, doorbells, the abort record,
-// and whether a peer process is still alive.
+// whether a peer process is still alive, and the reservation of channel payloads.
 #pragma once
 
 #include <chrono>
 #include <string>
 
 #include "core/runtime/types.h"
+#include "core/runtime/wait_policy.h"
 #include "core/transport/layout.h"
+#include "core/transport/liveness.h"
+#include "core/transport/shm_segment.h"
 
 namespace pycomm {
-
-using Clock = std::chrono::steady_clock;
 
 // One running operation, as waits and error messages need to know it.
 struct OpCall {
@@ -23,8 +24,8 @@ struct OpCall {
 
 class Shared {
  public:
-  Shared(void* base, const Layout& layout, int rank, int world)
-      : base_(base), layout_(layout), rank_(rank), world_(world) {}
+  Shared(const ShmSegment& segment, const Layout& layout, int rank, int world)
+      : segment_(segment), base_(segment.data()), layout_(layout), rank_(rank), world_(world) {}
 
   int rank() const { return rank_; }
   int world() const { return world_; }
@@ -33,6 +34,12 @@ class Shared {
   SegmentHeader* header() const { return layout_.header(base_); }
   RankControl* control(int r) const { return layout_.control(base_, r); }
   Bell& bell(int r, Lane lane) const { return control(r)->bells[lane]; }
+
+  // Announces this rank to the others: takes its liveness lock, then publishes its
+  // pid and PID namespace and marks it alive.
+  void join();
+  // Marks this rank as having left cleanly (before its lock goes with the segment).
+  void depart();
 
   // Tells rank r that something it may be waiting for on `lane` has changed.
   void ring(int r, Lane lane) const;
@@ -44,17 +51,28 @@ class Shared {
   // Records `msg` unless another failure was recorded first; wakes every rank.
   void set_abort(const std::string& msg) const;
 
-  // False once rank r's process has exited (or is a zombie); true if unknown.
-  bool peer_alive(int r) const;
+  // "" while rank r is alive (or has not joined yet); otherwise why it is gone:
+  // "rank 2 (pid 31) died", "rank 2 left the group (destroy_process_group)".
+  std::string peer_gone(int r) const;
+  // Whether every rank that has joined shares this rank's PID namespace (pids and
+  // /proc/<pid> mean the same to all: needed to map peers' arena memory).
+  bool same_pid_namespace(int r) const;
+
+  // Allocates the payload of channel (lane, rank() -> dst) in /dev/shm (idempotent).
+  void reserve_channel(Lane lane, int dst) const;
 
  private:
+  const ShmSegment& segment_;
   void* base_;
   Layout layout_;
   int rank_;
   int world_;
+  Liveness liveness_;
 };
 
 // "all_reduce float32[1000] SUM (seq 7) on rank 0"
 std::string where(const OpCall& op, int rank);
+// The inode of this process's PID namespace (0 if it cannot be read).
+uint64_t pid_namespace_id();
 
 }  // namespace pycomm

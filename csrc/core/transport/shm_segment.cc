@@ -111,7 +111,10 @@ ShmSegment ShmSegment::create(size_t bytes, size_t eager_bytes, const std::strin
 // /dev/shm is full kills the process with SIGBUS.
 void ShmSegment::reserve(size_t offset, size_t bytes, const std::string& what) const {
   if (bytes == 0) return;
-  int rc = posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes));
+  // A range larger than what is free would be allocated page by page before failing.
+  const size_t free_bytes = shm_free_bytes();
+  int rc = bytes > free_bytes ? ENOSPC : 0;
+  if (rc == 0) rc = posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes));
   if (rc != 0) {
     throw CommError("pycomm: could not reserve " + mib(bytes) + " in /dev/shm for " + what + " (" +
                     strerror(rc) + "); /dev/shm has " + mib(shm_free_bytes()) +

@@ -9,10 +9,11 @@ Transport::Transport(const Shared& shared, Lane lane, Waiter& waiter)
     : shared_(shared),
       lane_(lane),
       waiter_(waiter),
-      chunk_bytes_(shared.header()->slot_bytes),
-      slots_(shared.header()->slots),
+      chunk_bytes_(shared.header()->settings.slot_bytes),
+      slots_(shared.header()->settings.slots),
       sent_(shared.world(), 0),
-      received_(shared.world(), 0) {}
+      received_(shared.world(), 0),
+      reserved_(shared.world(), false) {}
 
 // ---- channels ----------------------------------------------------------------------------
 
@@ -21,7 +22,8 @@ bool Transport::can_acquire(int peer) const {
   return sent_[peer] - ch->tail.load(std::memory_order_acquire) < slots_;
 }
 
-void* Transport::slot_payload_for_send(int peer) const {
+void* Transport::slot_payload_for_send(int peer) {
+  reserve(peer);
   return Layout::payload(shared_.layout().slot(shared_.base(), lane_, rank(), peer, sent_[peer]));
 }
 
@@ -33,6 +35,7 @@ void* Transport::acquire(int peer, const OpCall& op) {
 
 void Transport::publish(int peer, const OpCall& op, uint64_t offset, uint64_t bytes,
                         uint64_t msg_bytes) {
+  reserve(peer);
   ChannelCtl* ch = shared_.layout().channel(shared_.base(), lane_, rank(), peer);
   SlotHeader* h = shared_.layout().slot(shared_.base(), lane_, rank(), peer, sent_[peer]);
   h->desc = op.desc;

@@ -34,7 +34,7 @@ class Transport {
 
   // Non-blocking forms, for the send/recv engine.
   bool can_acquire(int peer) const;
-  void* slot_payload_for_send(int peer) const;
+  void* slot_payload_for_send(int peer);
   const SlotHeader* peek(int peer) const;  // the next unreleased slot from peer, or null
 
   // ---- direct areas (collective lane only) ---------------------------------------------
@@ -55,6 +55,13 @@ class Transport {
   // Waits until behind(r) is false for every other rank r.
   template <class Behind>
   void wait_for_peers(const OpCall& op, Behind behind);
+  // The channel to `peer` is reserved in /dev/shm on first use (see layout.h).
+  void reserve(int peer) {
+    if (!reserved_[peer]) {
+      shared_.reserve_channel(lane_, peer);
+      reserved_[peer] = true;
+    }
+  }
   [[noreturn]] void chunk_mismatch(int peer, const OpCall& op, const SlotHeader& h, uint64_t offset,
                                    uint64_t bytes, uint64_t msg_bytes);
 
@@ -65,6 +72,7 @@ class Transport {
   uint32_t slots_;
   std::vector<uint64_t> sent_;      // messages published to each peer (our copy of head)
   std::vector<uint64_t> received_;  // messages released from each peer (our copy of tail)
+  std::vector<bool> reserved_;      // whether our channel to each peer is reserved
 };
 
 }  // namespace pycomm
