@@ -121,6 +121,8 @@ def test_a_failing_run_keeps_its_own_exit_status(tmp_path):
     ("no CUDA GPU", "pycomm", True),
     ("no nvcc (neither on PATH nor in $CUDA_HOME/bin)", "pycomm", True),
     ("no network namespaces: `ip netns add` failed: Operation not permitted", "pycomm", True),
+    ("no PID namespaces: unshare --pid not permitted: Operation not permitted", "pycomm", True),
+    ("no root: making a file owned by another user needs it", "pycomm", True),
     ("not x86-64: the kernels' ISA clones are x86-64 only", "pycomm", True),
     ("no objdump (binutils)", "pycomm", True),
     ("gloo: ReduceOp.PREMUL_SUM is not supported", "gloo", True),
