@@ -308,6 +308,8 @@ class RankPool:
         pg_timeout_s: the process group's timeout.
         env: environment variables set in each rank before pycomm is imported, and
             before torch too unless every name starts with PYCOMM_ (see ``_context``).
+        rank_env: rank -> variables set in that rank only, after ``env`` (ranks started
+            with different settings, as a misconfigured job would be); same rules.
 
     Example::
 
@@ -316,11 +318,13 @@ class RankPool:
     """
 
     def __init__(self, world_size: int, backend: str = "pycomm", pg_timeout_s: float = 60.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None,
+                 rank_env: dict[int, dict[str, str]] | None = None):
         self.world_size = world_size
         self.backend = backend
         self.pg_timeout_s = pg_timeout_s
         self.env = dict(env or {})
+        self.rank_env = {rank: dict(v) for rank, v in (rank_env or {}).items()}
         self._procs: list = []
         self._conns: list[Connection] = []
         self._store: Any = None
@@ -341,14 +345,15 @@ class RankPool:
         # Port 0: the store binds a free port itself, so no race with other tests.
         self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
                                     wait_for_workers=False)
-        ctx = _context(self.env)
+        envs = [{**self.env, **self.rank_env.get(rank, {})} for rank in range(self.world_size)]
+        ctx = _context({key: "" for env in envs for key in env})
         self._log_dir = tempfile.mkdtemp(prefix="pycomm-ranks-")
         self._log_offsets = [0] * self.world_size
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             kwargs = dict(conn=child_conn, rank=rank, world_size=self.world_size,
                           port=self._store.port, backend=self.backend,
-                          pg_timeout_s=self.pg_timeout_s, env=self.env,
+                          pg_timeout_s=self.pg_timeout_s, env=envs[rank],
                           log_path=self._log_path(rank))
             proc = ctx.Process(target=exec, args=(_BOOTSTRAP, {"path": __file__, "kwargs": kwargs}),
                                name=f"pycomm-rank{rank}", daemon=True)
@@ -464,17 +469,19 @@ class RankPool:
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "pycomm",
               timeout_s: float = 180.0, pg_timeout_s: float = 60.0,
-              env: dict[str, str] | None = None) -> list:
+              env: dict[str, str] | None = None,
+              rank_env: dict[int, dict[str, str]] | None = None) -> list:
     """Run ``fn(*args)`` once on ``world_size`` fresh ranks; results ordered by rank.
 
-    Each rank applies ``env``, joins a fresh TCPStore, calls ``init_process_group``
-    (importing pycomm first when ``backend == "pycomm"``), runs ``fn`` and calls
-    ``destroy_process_group``. No process outlives the call.
+    Each rank applies ``env`` (then its entry of ``rank_env``), joins a fresh TCPStore,
+    calls ``init_process_group`` (importing pycomm first when ``backend == "pycomm"``),
+    runs ``fn`` and calls ``destroy_process_group``. No process outlives the call.
 
     Raises:
         RankFailure: listing every rank that raised, died, or timed out.
     """
-    pool = RankPool(world_size, backend=backend, pg_timeout_s=pg_timeout_s, env=env)
+    pool = RankPool(world_size, backend=backend, pg_timeout_s=pg_timeout_s, env=env,
+                    rank_env=rank_env)
     try:
         results = pool.run(fn, *args, timeout_s=timeout_s)
     except BaseException:

@@ -2,6 +2,10 @@
 
 ``PYCOMM_TEST_BACKEND=gloo`` (or ``--backend=gloo``) runs the collective tests
 against gloo, which validates the tests themselves without the pycomm extension.
+
+A pycomm that cannot be loaded fails every test that needs it (it never skips them),
+and a skip whose reason names no missing resource fails the session
+(tests/_skip_policy.py): a broken build cannot pass as a run of skips.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ import os
 import signal
 from pathlib import Path
 
+import _leaks
+import _skip_policy
 import pytest
 import torch.distributed as dist
-
-SHM_DIR = Path("/dev/shm")
 
 
 def pycomm_unavailable() -> str | None:
@@ -43,25 +47,41 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    _skip_policy.install(config)
+
+
+def _pycomm_missing(config: pytest.Config, what: str) -> None:
+    """Fail (skip only under --backend=gloo) when pycomm cannot be loaded."""
+    reason = pycomm_unavailable()
+    if reason is None:
+        return
+    if config.getoption("--backend") == "gloo":
+        pytest.skip(f"gloo: {what} needs pycomm, which is not loaded here ({reason})")
+    pytest.fail(f"{what} needs pycomm, which cannot be loaded ({reason}). A broken or "
+                "missing build fails the tests; PYCOMM_TEST_BACKEND=gloo runs the "
+                "backend-agnostic tests on gloo without it.", pytrace=False)
+
+
 @pytest.fixture(scope="session")
-def require_pycomm() -> None:
-    """Skip, saying why, when the pycomm backend is not available."""
-    if reason := pycomm_unavailable():
-        pytest.skip(reason)
+def require_pycomm(request: pytest.FixtureRequest) -> None:
+    """Fail, saying why, when the pycomm backend is not available (under
+    ``--backend=gloo``: skip, saying so)."""
+    _pycomm_missing(request.config, "this test")
 
 
 @pytest.fixture(scope="session")
 def backend(request: pytest.FixtureRequest) -> str:
-    """The backend under test; skips when it is pycomm and pycomm is not available."""
+    """The backend under test; fails when it is pycomm and pycomm is not available."""
     name: str = request.config.getoption("--backend")
-    if name == "pycomm" and (reason := pycomm_unavailable()):
-        pytest.skip(f"{reason} (PYCOMM_TEST_BACKEND=gloo runs these tests on gloo)")
+    if name == "pycomm":
+        _pycomm_missing(request.config, "the backend under test (pycomm)")
     return name
 
 
 def _pycomm_shm() -> set[str]:
-    """Names in /dev/shm that belong to pycomm."""
-    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith("pycomm")}
+    """Names in /dev/shm that belong to pycomm (not to a concurrent run: tests/_leaks.py)."""
+    return _leaks.pycomm_shm()
 
 
 def _helper_pids() -> set[int]:

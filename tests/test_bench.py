@@ -165,13 +165,13 @@ def test_smoke_every_op_and_backend_is_right(smoke):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-@pytest.mark.skipif(bool(_mpi.missing()), reason=_mpi.missing() or "Open MPI is installed")
+@pytest.mark.skipif(bool(_mpi.missing()), reason=f"no Open MPI/mpi4py: {_mpi.missing()}")
 def test_smoke_includes_open_mpi(smoke):
     doc = json.loads(smoke[1].read_text())
     assert {r["op"] for r in doc["results"] if r["backend"] == "mpi"} == set(_timing.OPS)
 
 
-@pytest.mark.skipif(bool(_mpi.missing()), reason=_mpi.missing() or "Open MPI is installed")
+@pytest.mark.skipif(bool(_mpi.missing()), reason=f"no Open MPI/mpi4py: {_mpi.missing()}")
 def test_open_mpi_moves_bfloat16_but_does_not_reduce_it(tmp_path, capfd):
     out = tmp_path / "bf16.json"
     main(["--backends", "mpi", "--ops", "all_reduce,all_gather", "-d", "bfloat16",

@@ -28,8 +28,9 @@ def _disassembly(symbol: str, clone: str) -> str:
     return match.group(1)
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 ISA clones only")
-@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+@pytest.mark.skipif(platform.machine() != "x86_64",
+                    reason="not x86-64: the kernels' ISA clones are x86-64 only")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils)")
 @pytest.mark.parametrize(
     ("symbol", "clone", "instruction"),
     [

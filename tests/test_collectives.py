@@ -52,7 +52,8 @@ def run_all(pool: RankPool, fn, *args, same: bool = False) -> list:
 
 
 def skip_on_gloo(backend: str, reason: str) -> None:
-    """Skip a case gloo cannot run; pycomm must run every case."""
+    """Skip a case gloo cannot run; pycomm must run every case (the skip policy allows
+    "gloo: ..." only under --backend=gloo)."""
     if backend == "gloo":
         pytest.skip(f"gloo: {reason}")
 
@@ -161,7 +162,7 @@ def _all_reduce_params():
 def test_all_reduce(pool, backend, op, dtype):
     if op == "PREMUL_SUM":
         if not hasattr(dist, "_make_nccl_premul_sum"):
-            pytest.skip("this torch has no dist._make_nccl_premul_sum")
+            pytest.skip(f"no torch API dist._make_nccl_premul_sum in torch {torch.__version__}")
         skip_on_gloo(backend, "ReduceOp.PREMUL_SUM is not supported")
     counts = COUNTS + ((BIG,) if op == "SUM" and dtype in ("float32", "bfloat16") else ())
     run_all(pool, _all_reduce_case, op, dtype, counts, same=True)
@@ -420,7 +421,7 @@ def _all_reduce_coalesced_case() -> None:
 
 def test_all_reduce_coalesced(pool):
     if not hasattr(dist, "all_reduce_coalesced"):
-        pytest.skip("this torch has no dist.all_reduce_coalesced")
+        pytest.skip(f"no torch API dist.all_reduce_coalesced in torch {torch.__version__}")
     run_all(pool, _all_reduce_coalesced_case)
 
 
@@ -439,7 +440,7 @@ def _coalesced_all_gather_case() -> None:
 
 def test_all_gather_under_coalescing_manager(pool):
     if not hasattr(dist, "_coalescing_manager"):
-        pytest.skip("this torch has no dist._coalescing_manager")
+        pytest.skip(f"no torch API dist._coalescing_manager in torch {torch.__version__}")
     run_all(pool, _coalesced_all_gather_case)
 
 

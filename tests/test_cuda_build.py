@@ -74,7 +74,7 @@ def test_cuda_source_compiles_for_sm80_and_sm90_without_spills(source, tmp_path,
                                                                 record_property):
     nvcc = _nvcc()
     if nvcc is None:
-        pytest.skip("nvcc not found (PATH or $CUDA_HOME/bin)")
+        pytest.skip("no nvcc (neither on PATH nor in $CUDA_HOME/bin)")
     gencode = [f for a in ARCHS for f in ("-gencode", f"arch=compute_{a},code=sm_{a}")]
     cmd = [nvcc, "-c", "-std=c++17", "-O3", *gencode, "-Xptxas", "-v",
            "-I", str(ROOT / "csrc"), str(source), "-o", str(tmp_path / f"{source.stem}.o")]
@@ -105,7 +105,7 @@ def test_torch_glue_type_checks_against_this_torch(source, tmp_path):
     cuda = next((Path(h) / "include" for h in homes
                  if (Path(h) / "include" / "cuda_runtime.h").exists()), None)
     if cuda is None or shutil.which("g++") is None:
-        pytest.skip("no CUDA toolkit headers or g++")
+        pytest.skip("no CUDA toolkit headers (cuda_runtime.h)" if cuda is None else "no g++")
     # g++ on host code is a quarter of nvcc's time; the glue launches no kernel itself.
     # The CPU wheel ships c10/cuda's headers but not the one its CMake generates.
     stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"

@@ -1,9 +1,13 @@
 """The pycomm backend on CUDA tensors (``pytest -m gpu``): 2 and 4 ranks sharing one GPU
 through the CUDA-IPC ring, every collective x dtype against the CPU reference, async
-ops on side streams, a DDP step, and a CuPy array via DLPack. Skipped without a GPU or
-without a CUDA build of pycomm._C."""
+ops on side streams, a DDP step, and a CuPy array via DLPack. Skipped without a GPU, or
+with a CPU-only pycomm._C where no nvcc could have built a CUDA one; a pycomm._C that
+does not load fails them (require_pycomm)."""
 
 from __future__ import annotations
+
+import importlib.util
+import shutil
 
 import pytest
 import torch
@@ -13,16 +17,23 @@ from tests import _cuda_scenarios as sc
 
 
 def _cuda_unavailable() -> str:
+    """A named missing resource, or "" (then the tests run, and fail if the build is bad)."""
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     try:
         from pycomm import _C  # type: ignore[attr-defined]
     except ImportError:
-        return "pycomm._C is not built"
-    return "" if _C.cuda_built() else "pycomm._C was built without CUDA"
+        return ""  # require_pycomm fails every test, saying why
+    if _C.cuda_built():
+        return ""
+    from torch.utils import cpp_extension
+
+    if shutil.which("nvcc") is None and cpp_extension.CUDA_HOME is None:
+        return "no nvcc: pycomm._C was built without CUDA"
+    return ""  # nvcc is here, so a CPU-only pycomm._C is a build to fix: the tests fail
 
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("require_pycomm"),
               pytest.mark.skipif(bool(_cuda_unavailable()), reason=_cuda_unavailable() or "-")]
 
 
@@ -48,7 +59,8 @@ def test_ddp_step_on_cuda_matches_one_process(pool):
 
 
 def test_cupy_array_through_dlpack(pool):
-    pytest.importorskip("cupy")
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("no CuPy (pip install '.[cupy]')")
     for rank, failure in enumerate(pool.run(sc.cupy_all_reduce)):
         assert failure == "", f"rank {rank}: {failure}"
 

@@ -30,7 +30,7 @@ def _cuda_include() -> Path | None:
 def test_cuda_glue_type_checks(source, tmp_path):
     cuda = _cuda_include()
     if cuda is None or shutil.which("g++") is None:
-        pytest.skip("no CUDA toolkit headers or g++")
+        pytest.skip("no CUDA toolkit headers (cuda_runtime.h)" if cuda is None else "no g++")
     # The CPU wheel ships c10/cuda's headers but not the one its CMake generates.
     stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
     stub.parent.mkdir(parents=True)

@@ -16,7 +16,11 @@ import pytest
 
 from tests._errors import error_message
 
-_C = pytest.importorskip("pycomm._C")
+pytestmark = pytest.mark.usefixtures("require_pycomm")  # fails, saying why, without it
+try:
+    from pycomm import _C  # type: ignore[attr-defined]
+except ImportError:  # every test then fails in require_pycomm (a named skip on gloo)
+    _C = None
 
 KINDS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]
 

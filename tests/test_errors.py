@@ -3,7 +3,7 @@
 Every case spawns fresh ranks (``run_ranks``) with a short group timeout, checks
 the error on each rank inside the rank, and relies on the autouse conftest check
 that /dev/shm is clean and no process is left. These tests need the pycomm
-backend (they do not run on gloo); they skip when it cannot be imported.
+backend (they do not run on gloo); they fail when it cannot be loaded.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from pycomm.testing import RankFailure, run_ranks
 
-pytestmark = pytest.mark.usefixtures("require_pycomm")  # skips, saying why, without it
+pytestmark = pytest.mark.usefixtures("require_pycomm")  # fails, saying why, without it
 
 PG_TIMEOUT_S = 5.0
 SLACK_S = 5.0  # "within the group timeout + a few seconds"

@@ -1,11 +1,14 @@
 """The fused recompute ops on CUDA against the CPU: the same values, the same masks.
 
-Needs a GPU and a CUDA build of pycomm._C (``fused_*_cuda``); skipped otherwise. The
+Needs a GPU and a CUDA build of pycomm._C (``fused_*_cuda``); skipped without a GPU, or
+without nvcc to build one (a pycomm._C that does not load fails them). The
 float32 references are torch's CPU ops; the dropout masks must equal the CPU kernels'
 bit for bit (one splitmix64 hash of (seed, element index) on both devices).
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -15,19 +18,25 @@ from parallel.recompute import fused_bias_dropout_add, fused_bias_gelu
 
 
 def _cuda_missing() -> str | None:
+    """A named missing resource, or None (then the tests run, and fail if the build is bad)."""
     if not torch.cuda.is_available():
         return "no CUDA device"
     from pycomm._backend import _extension, extension_error
 
-    if (why := extension_error()) is not None:
-        return why
-    if not hasattr(_extension(), "fused_bias_gelu_cuda"):
-        return "pycomm._C was built without CUDA (no fused_bias_gelu_cuda)"
-    return None
+    if extension_error() is not None:
+        return None  # require_pycomm fails every test, saying why
+    if hasattr(_extension(), "fused_bias_gelu_cuda"):
+        return None
+    from torch.utils import cpp_extension
+
+    if shutil.which("nvcc") is None and cpp_extension.CUDA_HOME is None:
+        return "no nvcc: pycomm._C was built without CUDA (no fused_bias_gelu_cuda)"
+    return None  # nvcc is here, so a CPU-only pycomm._C is a build to fix: the tests fail
 
 
 REASON = _cuda_missing()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("require_pycomm"),
+              pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 # odd sizes: rows shorter than a 16-byte pack, columns not a multiple of one (4 float32,
 # 8 bfloat16), a tail after the last pack, one long row, and the bench's MLP shape

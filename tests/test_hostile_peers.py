@@ -106,7 +106,7 @@ def test_segment_shorter_than_announced_is_refused(planted_segment):
 
 def test_segment_of_another_user_is_refused(planted_segment):
     if os.geteuid() != 0:
-        pytest.skip("needs root to make a file owned by another user (permission)")
+        pytest.skip("no root: making a file owned by another user needs it")
     planted_segment.write_bytes(b"\0" * 8192)
     planted_segment.chmod(0o600)
     os.chown(planted_segment, 65534, 65534)
@@ -159,9 +159,9 @@ def _unshare_unavailable() -> str | None:
         done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
                               capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"unshare not available ({exc})"
+        return f"no PID namespaces: unshare not available ({exc})"
     if done.returncode != 0:
-        return f"unshare --pid not permitted: {done.stderr.decode().strip()}"
+        return f"no PID namespaces: unshare --pid not permitted: {done.stderr.decode().strip()}"
     return None
 
 

@@ -142,10 +142,10 @@ NETNS_SCRIPT = textwrap.dedent("""
 
 def _netns_unavailable() -> str | None:
     if shutil.which("ip") is None:
-        return "no `ip` command"
+        return "no network namespaces: no `ip` command (iproute2)"
     probe = subprocess.run(["ip", "netns", "add", "pycomm-probe"], capture_output=True)
     if probe.returncode:
-        return f"cannot create a network namespace: {probe.stderr.decode().strip()}"
+        return f"no network namespaces: `ip netns add` failed: {probe.stderr.decode().strip()}"
     subprocess.run(["ip", "netns", "del", "pycomm-probe"], check=False)
     return None
 

@@ -153,6 +153,15 @@ def test_run_ranks_applies_env_and_tears_down():
     assert run_ranks(_env, 1, "TESTING_PROBE", backend=BACKEND, env=env) == ["7"]
 
 
+def test_rank_env_applies_per_rank_after_env():
+    env = {"PYCOMM_TESTING_PROBE": "all"}
+    rank_env = {1: {"PYCOMM_TESTING_PROBE": "one"}, 2: {"PYCOMM_TESTING_OTHER": "x"}}
+    got = run_ranks(_env, 3, "PYCOMM_TESTING_PROBE", backend=BACKEND, env=env, rank_env=rank_env)
+    assert got == ["all", "one", "all"]
+    got = run_ranks(_env, 3, "PYCOMM_TESTING_OTHER", backend=BACKEND, rank_env=rank_env)
+    assert got == [None, None, "x"]
+
+
 def test_run_ranks_reports_peer_stuck_in_collective():
     """After one rank fails the others get the group timeout to report their error."""
     with pytest.raises(RankFailure) as info:
