@@ -170,8 +170,13 @@ def _init_group(rank: int, world_size: int, port: int, backend: str, pg_timeout_
         import pycomm  # noqa: F401  (registers the backend)
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
+    # Ranks share this machine's cores: torch's own intra-op threads in every rank would
+    # only fight the other ranks for them (4 ranks on 2 cores ran up to 4.5x slower).
+    # A test that wants more sets PYCOMM_TEST_THREADS (or calls set_num_threads itself).
+    torch.set_num_threads(int(os.environ.get("PYCOMM_TEST_THREADS", "1")))
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
     timeout = timedelta(seconds=pg_timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
