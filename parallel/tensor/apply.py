@@ -62,20 +62,54 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
     """
     _check_gpt_like(model)
     gpt: Any = model  # duck-typed: the reference GPT's attribute names
-    sp = sequence_parallel
     for block in gpt.blocks:
-        block.attn = ParallelSelfAttention.from_dense(block.attn, group, sp,
-                                                      recompute_gather=recompute_gather)
-        block.mlp = ParallelMLP.from_dense(block.mlp, group, sp, recompute_gather=recompute_gather)
-    gpt.embed.wte = VocabParallelEmbedding.from_dense(gpt.embed.wte, group)
-    gpt.lm_head = ColumnParallelLinear.from_dense(
-        gpt.lm_head, group, gather_output=not parallel_output, sequence_parallel=sp,
-        recompute_gather=recompute_gather)
-    if sp:
-        gpt.embed.register_forward_hook(
-            lambda _m, _a, out: comms.scatter_to_sequence_region(out, group))
+        parallelize_block(block, group, sequence_parallel, recompute_gather)
+    parallelize_embedding(gpt.embed, group, sequence_parallel)
+    gpt.lm_head = parallelize_head(gpt.lm_head, group, sequence_parallel, parallel_output,
+                                   recompute_gather)
+    if sequence_parallel:
         _sum_partial_grads_after_backward(model, group)
     return model
+
+
+# -- the parts, for a model split into pipeline stages ---------------------------------------
+
+
+def parallelize_block(block: nn.Module, group: Group, sequence_parallel: bool = False,
+                      recompute_gather: bool = True) -> None:
+    """Swap a reference ``Block``'s attention and MLP for their parallel versions (this
+    rank's heads and hidden units of the same weights), in place."""
+    b: Any = block
+    b.attn = ParallelSelfAttention.from_dense(b.attn, group, sequence_parallel,
+                                              recompute_gather=recompute_gather)
+    b.mlp = ParallelMLP.from_dense(b.mlp, group, sequence_parallel,
+                                   recompute_gather=recompute_gather)
+
+
+def parallelize_embedding(embed: nn.Module, group: Group, sequence_parallel: bool = False) -> None:
+    """A vocab-parallel token embedding; with sequence parallelism the embedding's output
+    is split along the sequence (what the blocks then work on)."""
+    e: Any = embed
+    e.wte = VocabParallelEmbedding.from_dense(e.wte, group)
+    if sequence_parallel:
+        e.register_forward_hook(lambda _m, _a, out: comms.scatter_to_sequence_region(out, group))
+
+
+def parallelize_head(lm_head: nn.Linear, group: Group, sequence_parallel: bool = False,
+                     parallel_output: bool = True, recompute_gather: bool = True
+                     ) -> ColumnParallelLinear:
+    """The LM head as a column-parallel linear: logits split over the vocabulary
+    (``parallel_output``; use :func:`vocab_parallel_cross_entropy`) or gathered."""
+    return ColumnParallelLinear.from_dense(
+        lm_head, group, gather_output=not parallel_output, sequence_parallel=sequence_parallel,
+        recompute_gather=recompute_gather)
+
+
+def partial_grad_params(model: nn.Module) -> list[nn.Parameter]:
+    """With sequence parallelism, the parameters applied to a rank's part of the sequence
+    (norms, row-parallel biases): each rank's gradient is partial, and the true gradient
+    is their sum over the tensor-parallel group."""
+    return _sequence_parallel_params(model)
 
 
 def _sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:

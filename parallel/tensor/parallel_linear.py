@@ -22,6 +22,7 @@ from torch import nn
 
 from parallel.tensor import comms
 from parallel.tensor.comms import SEQ_DIM, Group
+from parallel.tensor.sharding import TPSpec, mark
 
 
 def _tp(group: Group) -> tuple[int, int]:
@@ -130,6 +131,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // world, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features // world)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's, per shard
+        mark(self.weight, TPSpec(0, interleave))
+        mark(self.bias, TPSpec(0, interleave))
 
     def _shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a dense weight or bias."""
@@ -196,6 +199,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // world))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        mark(self.weight, TPSpec(-1))
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True  # type: ignore[attr-defined]  # grads partial
 
@@ -247,6 +251,7 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = num_embeddings // world
         self.start = rank * self.per_rank
         self.weight = nn.Parameter(torch.randn(self.per_rank, embedding_dim))
+        mark(self.weight, TPSpec(0))
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, group: Group) -> VocabParallelEmbedding:

@@ -1,0 +1,106 @@
+"""The job's (pp, dp, tp) device mesh: every strategy's process group, built and checked once.
+
+Ranks are laid out as torch's ``DeviceMesh`` lays out a ``(pp, dp, tp)`` shape, tensor
+parallelism innermost (as Megatron-LM): the ``tp`` ranks of one model replica and stage
+are consecutive, the ``dp`` replicas of a stage next, the pipeline stages outermost.
+Every strategy takes its group from here, so groups agree with each other by
+construction: the pipeline neighbour of a rank has its ``dp`` and ``tp`` coordinates.
+
+Example::
+
+    dist.init_process_group("pycomm")
+    mesh = ParallelMesh(pp=1, dp=2, tp=2)          # 4 ranks
+    mesh.group("tp"), mesh.rank("dp"), mesh.size("pp")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DIMS = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the pipeline, data-parallel and tensor-parallel dimensions."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        bad = [f"{d}={getattr(self, d)!r}" for d in DIMS
+               if not isinstance(getattr(self, d), int) or getattr(self, d) < 1]
+        if bad:
+            raise ValueError(f"mesh: every dimension must be a positive int, got {', '.join(bad)}")
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def check_world(self, world: int) -> None:
+        """Raises ValueError naming every factor unless they multiply to ``world``."""
+        if self.world != world:
+            raise ValueError(f"mesh: pp({self.pp}) * dp({self.dp}) * tp({self.tp}) = "
+                             f"{self.world} != WORLD_SIZE({world})")
+
+    def __str__(self) -> str:
+        return f"pp{self.pp} x dp{self.dp} x tp{self.tp}"
+
+
+class ParallelMesh:
+    """The groups of a ``(pp, dp, tp)`` job, on torch's ``DeviceMesh``.
+
+    Collective: every rank of the default group constructs it with the same shape.
+
+    Args:
+        pp, dp, tp: the dimensions' sizes; their product must be the world size.
+        device_type: the mesh's device type (``"cpu"`` for pycomm's shared memory).
+
+    Raises:
+        ValueError: a dimension that is not a positive int, or sizes that do not
+            multiply to the world size (raised on every rank, before any group exists).
+    """
+
+    def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, device_type: str = "cpu"):
+        self.shape = MeshShape(pp, dp, tp)
+        self.shape.check_world(dist.get_world_size())
+        self.device_mesh: DeviceMesh = init_device_mesh(
+            device_type, (pp, dp, tp), mesh_dim_names=DIMS)
+        self._groups = {d: self.device_mesh.get_group(d) for d in DIMS}
+        coords = self.device_mesh.get_coordinate()
+        assert coords is not None  # every rank of the world is in the mesh
+        self._coords = dict(zip(DIMS, coords, strict=True))
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        """The process group along ``dim`` that holds this rank."""
+        return self._groups[_checked(dim)]
+
+    def size(self, dim: str) -> int:
+        return int(getattr(self.shape, _checked(dim)))
+
+    def rank(self, dim: str) -> int:
+        """This rank's coordinate along ``dim``."""
+        return self._coords[_checked(dim)]
+
+    @property
+    def coordinates(self) -> tuple[int, int, int]:
+        """This rank's ``(pp, dp, tp)`` coordinates."""
+        return self._coords["pp"], self._coords["dp"], self._coords["tp"]
+
+    def global_rank(self, pp: int, dp: int, tp: int) -> int:
+        """The world rank at coordinates ``(pp, dp, tp)``."""
+        return (pp * self.shape.dp + dp) * self.shape.tp + tp
+
+    def __repr__(self) -> str:
+        pp, dp, tp = self.coordinates
+        return f"ParallelMesh({self.shape}; this rank at pp={pp} dp={dp} tp={tp})"
+
+
+def _checked(dim: str) -> str:
+    if dim not in DIMS:
+        raise KeyError(f"mesh: no dimension {dim!r}; the dimensions are {DIMS}")
+    return dim
