@@ -52,15 +52,13 @@ def sum_partial_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup |
     """Phase 1: one all-reduce (SUM over ``group``) of every partial gradient at once."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
-    if len(grads) != len(params):
-        # Every TP rank must call the same all-reduce: a missing gradient is a zero one.
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-    if not grads:
+    if not params:
         return
+    # Every TP rank must call the same all-reduce: a missing gradient is a zero one.
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):

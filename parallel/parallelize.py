@@ -150,7 +150,8 @@ class ParallelModel:
             elif isinstance(layer, Block):
                 parallelize_block(layer, self.tp_group, sp)
             elif isinstance(layer, HeadLayer):
-                layer.lm_head = parallelize_head(layer.lm_head, self.tp_group, sp)
+                head: Any = layer
+                head.lm_head = parallelize_head(layer.lm_head, self.tp_group, sp)
 
     def _checkpoint_blocks(self) -> None:
         group = self.tp_group if self.config.partition_activations else None
