@@ -1,0 +1,77 @@
+"""The trainer's checkpoints: ``<ckpt_dir>/step_<N>`` folders written by ``engine.save``
+(each rank its part, keyed by mesh position), and resuming from the newest one in
+whatever layout this run has (``engine.load``).
+
+``extra`` carries the step, the seed and the model's shape: with the step, the data
+position follows (a batch depends only on ``(seed, step)``) and so does dropout (seeded
+per step), so the steps after a resume are the ones the uninterrupted run takes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from parallel.parallelize import ParallelModel
+from parallel.train.config import TrainConfig
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")  # "step_000010.partial" (an unfinished save) is not
+_MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
+
+
+class CheckpointsUnavailable(RuntimeError):
+    """This build's engine cannot save or load (ParallelModel.save / .load missing)."""
+
+
+def require_checkpoints(cfg: TrainConfig) -> None:
+    """Refuse, before any rank starts, a run that would need checkpoints this engine
+    cannot write: better than failing at the first save, hours in."""
+    if not (cfg.ckpt_every or cfg.resume):
+        return
+    missing = [m for m in ("save", "load") if not hasattr(ParallelModel, m)]
+    if missing:
+        raise CheckpointsUnavailable(
+            f"train: --ckpt-every/--resume need ParallelModel.{'/'.join(missing)} "
+            "(parallel/checkpoint.py), which this build of parallel.parallelize lacks")
+
+
+def step_dir(cfg: TrainConfig, step: int) -> Path:
+    return Path(cfg.ckpt_dir) / f"step_{step:06d}"
+
+
+def latest(ckpt_dir: str) -> Path | None:
+    """The complete checkpoint of the highest step in ``ckpt_dir``, if any."""
+    root = Path(ckpt_dir)
+    found = [(int(m.group(1)), p) for p in root.glob("step_*") if p.is_dir()
+             and (m := _STEP_DIR.match(p.name))] if root.is_dir() else []
+    return max(found)[1] if found else None
+
+
+def extra_of(cfg: TrainConfig, step: int) -> dict[str, Any]:
+    return {"step": step, "seed": cfg.seed, "layout": [cfg.dp, cfg.tp, cfg.pp],
+            "model": {k: getattr(cfg, k) for k in _MODEL_KEYS}}
+
+
+def save(engine: Any, cfg: TrainConfig, step: int) -> Path:
+    """Checkpoint ``step`` (collective over the world)."""
+    path = step_dir(cfg, step)
+    engine.save(path, extra_of(cfg, step))
+    return path
+
+
+def resume(engine: Any, cfg: TrainConfig) -> tuple[int, Path]:
+    """Load the newest checkpoint of ``cfg.ckpt_dir``; returns its step and path
+    (collective). Raises ValueError when there is none, or it was trained with another
+    model shape or seed (the steps after it would not continue that run)."""
+    path = latest(cfg.ckpt_dir)
+    if path is None:
+        raise ValueError(f"train: --resume, but {cfg.ckpt_dir} holds no complete "
+                         "checkpoint (step_<N> folder)")
+    extra = engine.load(path)
+    model = {k: getattr(cfg, k) for k in _MODEL_KEYS}
+    if extra.get("model") != model or extra.get("seed") != cfg.seed:
+        raise ValueError(f"train: {path} was trained with model {extra.get('model')} and "
+                         f"seed {extra.get('seed')}; this run has {model} and seed "
+                         f"{cfg.seed}")
+    return int(extra["step"]), path

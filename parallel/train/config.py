@@ -1,0 +1,205 @@
+"""The trainer's settings: one dataclass, read from a TOML file and overridden by flags.
+
+Every setting is a field of :class:`TrainConfig` whose metadata names its TOML table
+(``[model]``, ``[data]``, ``[training]``, ``[parallel]``, ``[checkpoint]``,
+``[output]``); the flag is the field's name with dashes (``n_layer`` -> ``--n-layer``).
+Precedence, as torchtitan's: the defaults here, then ``--config file.toml``, then the
+flags given on the command line. A key the file does not know is an error that names it,
+as is a value of the wrong type, so a typo cannot silently train the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parallel.mesh import MeshShape
+
+
+def _opt(table: str, default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
+    """A setting: its default, the TOML table it lives in, and its help line."""
+    return field(default=default, metadata={"table": table, "help": help, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of ``python -m parallel.train`` (see ``--help`` for each one)."""
+
+    # [model]: the byte-level GPT (vocabulary 256)
+    n_layer: int = _opt("model", 4, "transformer blocks")
+    n_head: int = _opt("model", 4, "attention heads")
+    n_embd: int = _opt("model", 128, "embedding width")
+    block_size: int = _opt("model", 128, "context length in bytes")
+    dropout: float = _opt("model", 0.0, "dropout probability")
+    # [data]
+    data: str = _opt("data", "", "a text file or a folder of them (default: the Python "
+                     "standard library's .py sources)")
+    val_fraction: float = _opt("data", 0.1, "the corpus's tail held out for validation")
+    batch_size: int = _opt("data", 16, "sequences per step (the global batch)")
+    # [training]
+    steps: int = _opt("training", 200, "optimizer steps")
+    seed: int = _opt("training", 1337, "weights, batches and dropout all derive from it")
+    lr: float = _opt("training", 1e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = _opt("training", 0.1, "the cosine decays to lr * this")
+    warmup_steps: int = _opt("training", 10, "linear warmup steps")
+    weight_decay: float = _opt("training", 0.1, "AdamW weight decay (matrices only)")
+    max_grad_norm: float = _opt("training", 1.0, "clip the global gradient norm (0: off)")
+    eval_every: int = _opt("training", 50, "validate every K steps and at the end (0: off)")
+    eval_batches: int = _opt("training", 4, "fixed held-out batches per validation")
+    # [parallel]: mesh sizes, in (dp, tp, pp) order everywhere in the trainer
+    dp: int = _opt("parallel", 1, "data-parallel replicas")
+    tp: int = _opt("parallel", 1, "tensor-parallel ranks")
+    pp: int = _opt("parallel", 1, "pipeline stages")
+    zero: int = _opt("parallel", 0, "ZeRO stage over dp", (0, 1, 2, 3))
+    sequence_parallel: bool = _opt("parallel", False, "split activations along the "
+                                   "sequence between TP layers")
+    recompute: bool = _opt("parallel", False, "activation checkpointing of every block")
+    microbatches: int = _opt("parallel", 0, "pipeline micro-batches per step (0: pp)")
+    schedule: str = _opt("parallel", "1f1b", "pipeline schedule", ("1f1b", "gpipe"))
+    backend: str = _opt("parallel", "pycomm", "torch.distributed backend", ("pycomm", "gloo"))
+    nproc: int = _opt("parallel", 0, "ranks to spawn here when not under torchrun "
+                      "(0: dp * tp * pp)")
+    threads: int = _opt("parallel", 1, "torch threads per rank (ranks share the cores; "
+                        "more than the free cores makes every op spin)")
+    # [checkpoint]
+    ckpt_dir: str = _opt("checkpoint", "", "where checkpoints go (step_<N> folders)")
+    ckpt_every: int = _opt("checkpoint", 0, "save every K steps (0: never)")
+    resume: bool = _opt("checkpoint", False, "continue from the last checkpoint in "
+                        "ckpt_dir, in any layout")
+    # [output]
+    metrics: str = _opt("output", "", "JSON lines, one per step and per validation (rank 0)")
+    plot: str = _opt("output", "", "loss curve PNG (default: the metrics file's name, .png)")
+    progress: bool = _opt("output", True, "tqdm progress bar on rank 0")
+
+    @property
+    def layout(self) -> MeshShape:
+        return MeshShape(pp=self.pp, dp=self.dp, tp=self.tp)
+
+    def effective_microbatches(self) -> int:
+        return self.microbatches or self.pp
+
+    def plot_path(self) -> str:
+        if self.plot or not self.metrics:
+            return self.plot
+        return str(Path(self.metrics).with_suffix(".png"))
+
+    def check(self) -> None:
+        """Raises ValueError for settings the trainer cannot run, naming them."""
+        self.layout  # noqa: B018 (MeshShape checks every dimension)
+        _check_choices(self)
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "steps",
+                     "eval_batches", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"train: val_fraction must be in (0, 1), got {self.val_fraction}")
+        rows = self.batch_size // self.dp
+        if self.batch_size % self.dp or rows % self.effective_microbatches():
+            raise ValueError(f"train: batch_size({self.batch_size}) must split into dp("
+                             f"{self.dp}) replicas of microbatches("
+                             f"{self.effective_microbatches()}) equal micro-batches")
+        if (self.ckpt_every or self.resume) and not self.ckpt_dir:
+            raise ValueError("train: ckpt_every and resume need ckpt_dir")
+
+
+def _check_choices(cfg: TrainConfig) -> None:
+    for f in dataclasses.fields(cfg):
+        choices = f.metadata["choices"]
+        if choices and getattr(cfg, f.name) not in choices:
+            raise ValueError(f"train: {f.name} must be one of {choices}, "
+                             f"got {getattr(cfg, f.name)!r}")
+
+
+TABLES = ("model", "data", "training", "parallel", "checkpoint", "output")
+
+
+# -- reading: TOML, then flags -----------------------------------------------------------------
+
+
+def _fields() -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _typed(value: Any, default: Any) -> tuple[Any, str]:
+    """``value`` as the type of ``default``, or ``(None, what was expected)``."""
+    kind = type(default)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value), ""  # "lr = 1" in TOML is an int
+    if type(value) is not kind:
+        return None, f"must be {kind.__name__}, got {value!r} ({type(value).__name__})"
+    return value, ""
+
+
+def _toml() -> Any:
+    """The TOML reader: the standard library's from Python 3.11, tomli before."""
+    import importlib
+
+    for name in ("tomllib", "tomli"):  # tomli: the same module, for Python 3.10
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            pass
+    raise ImportError("train: --config needs Python >= 3.11 (tomllib) or pip install tomli")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The settings of a TOML file, by field name.
+
+    Raises:
+        ValueError: naming every unknown table or key, and every value of the wrong type.
+    """
+    with open(path, "rb") as stream:
+        doc = _toml().load(stream)
+    fields, out, unknown, wrong = _fields(), {}, [], []
+    for table, body in doc.items():
+        if table not in TABLES or not isinstance(body, dict):
+            unknown.append(table)
+            continue
+        for key, value in body.items():
+            f = fields.get(key)
+            if f is None or f.metadata["table"] != table:
+                unknown.append(f"{table}.{key}")
+                continue
+            out[key], problem = _typed(value, f.default)
+            if problem:
+                wrong.append(f"{table}.{key} {problem}")
+    problems = [f"unknown keys {', '.join(unknown)} (the tables are "
+                f"{', '.join(f'[{t}]' for t in TABLES)}; see --help)"] if unknown else []
+    if problems or wrong:
+        raise ValueError(f"train config {path}: {'; '.join(problems + wrong)}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per field; a flag not given is absent from the result (so the TOML
+    file's value, or the default, stays)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m parallel.train", argument_default=argparse.SUPPRESS,
+        description="Train the byte-level GPT on a (dp, tp, pp) mesh with every strategy "
+                    "of parallel/. Flags override --config's TOML keys ([table] key).")
+    parser.add_argument("--config", help="TOML file of settings (flags override it)")
+    groups = {t: parser.add_argument_group(f"[{t}]") for t in TABLES}
+    for f in _fields().values():
+        flag, table = "--" + f.name.replace("_", "-"), f.metadata["table"]
+        help_text = f"{f.metadata['help']} (default: {f.default!r})"
+        if isinstance(f.default, bool):
+            groups[table].add_argument(flag, action=argparse.BooleanOptionalAction,
+                                       help=help_text)
+        else:
+            groups[table].add_argument(flag, type=type(f.default), help=help_text,
+                                       choices=f.metadata["choices"])
+    return parser
+
+
+def parse(argv: list[str] | None = None) -> TrainConfig:
+    """Defaults, then ``--config``'s file, then the flags; checked."""
+    given = vars(build_parser().parse_args(argv))
+    path = given.pop("config", None)
+    settings = read_toml(path) if path else {}
+    settings.update(given)
+    cfg = TrainConfig(**settings)
+    cfg.check()
+    return cfg

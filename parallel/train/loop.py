@@ -1,0 +1,113 @@
+"""One rank of the trainer: build the mesh, the model and the engine, then step, validate
+and checkpoint. Every rank runs this same code on the same global batches."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from parallel.mesh import ParallelMesh
+from parallel.models import GPT, GPTConfig
+from parallel.parallelize import ParallelConfig, ParallelModel, parallelize
+from parallel.tensor.random import model_parallel_seed
+from parallel.train import ckpt
+from parallel.train.config import TrainConfig
+from parallel.train.data import Corpus, derive_seed, load_corpus, train_batch, val_batches
+from parallel.train.metrics import Metrics, peak_rss_mb
+from parallel.train.schedule import WarmupCosine
+
+
+def model_config(cfg: TrainConfig) -> GPTConfig:
+    return GPTConfig(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer,
+                     n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)
+
+
+def parallel_config(cfg: TrainConfig) -> ParallelConfig:
+    return ParallelConfig(
+        zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+        microbatches=cfg.effective_microbatches(), schedule=cfg.schedule,
+        max_grad_norm=cfg.max_grad_norm or None, optimizer=torch.optim.AdamW,
+        optimizer_kwargs={"lr": cfg.lr, "betas": (0.9, 0.95)},
+        weight_decay=cfg.weight_decay,
+        lr_lambda=WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
+
+
+def build(cfg: TrainConfig) -> tuple[ParallelModel, int]:
+    """The engine on this rank's part of the mesh, and the whole model's parameter count.
+    The GPT is built whole from ``seed`` on every rank, so every layout starts alike."""
+    mesh = ParallelMesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_config(cfg))
+    params = sum(p.numel() for p in model.parameters())
+    return parallelize(model, mesh, parallel_config(cfg)), params
+
+
+def seed_step(seed: int, step: int, mesh: ParallelMesh) -> None:
+    """Seed dropout for ``step`` from ``(seed, step)`` and this rank's stage and replica,
+    so a resumed run draws the masks the uninterrupted one drew. Replicas and stages get
+    their own masks; TP ranks share the replicated stream and differ on their own heads
+    (:func:`model_parallel_seed`)."""
+    s = derive_seed(seed, "dropout", step, mesh.rank("pp"), mesh.rank("dp")) >> 2
+    if mesh.size("tp") > 1:
+        model_parallel_seed(s, mesh.group("tp"))
+    else:
+        torch.manual_seed(s)
+
+
+def validate(engine: ParallelModel, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The mean loss over the fixed held-out batches."""
+    return sum(engine.evaluate(x, y) for x, y in batches) / len(batches)
+
+
+def _due(step: int, every: int, last: int, at_end: bool) -> bool:
+    return (every > 0 and step % every == 0) or (at_end and step == last)
+
+
+def train_rank(cfg: TrainConfig) -> None:
+    """The whole run on this rank (the process group is up)."""
+    torch.set_num_threads(cfg.threads)
+    corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.block_size)
+    engine, params = build(cfg)
+    start, resumed = ckpt.resume(engine, cfg) if cfg.resume else (0, None)
+    log = Metrics(dist.get_rank() == 0, cfg.metrics, cfg.plot_path(), cfg.progress,
+                  cfg.steps, start)
+    log.say(_banner(cfg, corpus, params))
+    if resumed:
+        log.say(f"resumed from {resumed} (step {start})")
+    if not start:
+        log.record({"kind": "config", **dataclasses.asdict(cfg), "world": dist.get_world_size(),
+                    "params": params, "corpus": corpus.source, "corpus_bytes": corpus.size})
+    held_out = val_batches(corpus, cfg.seed, cfg.eval_batches, cfg.batch_size, cfg.block_size)
+    for step in range(start + 1, cfg.steps + 1):
+        _train_step(engine, cfg, corpus, step, log)
+        if _due(step, cfg.eval_every, cfg.steps, at_end=cfg.eval_every > 0):
+            t0 = time.perf_counter()
+            loss = validate(engine, held_out)
+            log.eval(step, loss, time.perf_counter() - t0)
+        if _due(step, cfg.ckpt_every, cfg.steps, at_end=False):
+            log.say(f"checkpoint -> {ckpt.save(engine, cfg, step)}")
+    log.close(f"byte-level GPT, {params / 1e6:.2f}M params, dp{cfg.dp} tp{cfg.tp} pp{cfg.pp} "
+              f"zero{cfg.zero}, seed {cfg.seed}")
+
+
+def _train_step(engine: ParallelModel, cfg: TrainConfig, corpus: Corpus, step: int,
+                log: Metrics) -> None:
+    seed_step(cfg.seed, step, engine.mesh)
+    tokens, targets = train_batch(corpus, cfg.seed, step, cfg.batch_size, cfg.block_size)
+    t0 = time.perf_counter()
+    r = engine.train_step(tokens, targets)
+    seconds = time.perf_counter() - t0
+    log.train({"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
+               "step_s": seconds, "tokens_per_s": tokens.numel() / seconds,
+               "peak_rss_mb": peak_rss_mb()})
+
+
+def _banner(cfg: TrainConfig, corpus: Corpus, params: int) -> str:
+    return (f"train: GPT {params / 1e6:.2f}M params (n_layer={cfg.n_layer} n_head={cfg.n_head}"
+            f" n_embd={cfg.n_embd} block_size={cfg.block_size}, bytes) | data: "
+            f"{corpus.source}, {corpus.size / 1e6:.1f} MB, {corpus.val.numel() / 1e6:.1f} MB "
+            f"held out | mesh dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} ({dist.get_world_size()} "
+            f"ranks, {cfg.backend}), zero={cfg.zero}, batch {cfg.batch_size}x{cfg.block_size}")
