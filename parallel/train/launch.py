@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse(argv)
         launch(cfg)
-    except (ValueError, TypeError, FileNotFoundError, CheckpointsUnavailable) as exc:
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError,
+            CheckpointsUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ProcessRaisedException as exc:  # carries the failing rank's traceback

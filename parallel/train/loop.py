@@ -89,8 +89,7 @@ def train_rank(cfg: TrainConfig) -> None:
             log.eval(step, loss, time.perf_counter() - t0)
         if _due(step, cfg.ckpt_every, cfg.steps, at_end=False):
             log.say(f"checkpoint -> {ckpt.save(engine, cfg, step)}")
-    log.close(f"byte-level GPT, {params / 1e6:.2f}M params, dp{cfg.dp} tp{cfg.tp} pp{cfg.pp} "
-              f"zero{cfg.zero}, seed {cfg.seed}")
+    log.close(f"byte-level GPT, {params / 1e6:.2f}M params, {describe(cfg)}")
 
 
 def _train_step(engine: ParallelModel, cfg: TrainConfig, corpus: Corpus, step: int,
@@ -105,9 +104,18 @@ def _train_step(engine: ParallelModel, cfg: TrainConfig, corpus: Corpus, step: i
                "peak_rss_mb": peak_rss_mb()})
 
 
+def describe(cfg: TrainConfig) -> str:
+    """The layout and the strategies in a few words: ``dp2 tp2 (SP) pp2 (1f1b, M=2)...``"""
+    tp = f"tp{cfg.tp}" + (" (SP)" if cfg.sequence_parallel else "")
+    pp = f"pp{cfg.pp}" + (f" ({cfg.schedule}, M={cfg.effective_microbatches()})"
+                          if cfg.pp > 1 else "")
+    return (f"dp{cfg.dp} {tp} {pp} zero{cfg.zero}" + (" recompute" if cfg.recompute else "")
+            + f", dropout {cfg.dropout}, seed {cfg.seed}")
+
+
 def _banner(cfg: TrainConfig, corpus: Corpus, params: int) -> str:
     return (f"train: GPT {params / 1e6:.2f}M params (n_layer={cfg.n_layer} n_head={cfg.n_head}"
             f" n_embd={cfg.n_embd} block_size={cfg.block_size}, bytes) | data: "
             f"{corpus.source}, {corpus.size / 1e6:.1f} MB, {corpus.val.numel() / 1e6:.1f} MB "
-            f"held out | mesh dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} ({dist.get_world_size()} "
-            f"ranks, {cfg.backend}), zero={cfg.zero}, batch {cfg.batch_size}x{cfg.block_size}")
+            f"held out | {describe(cfg)} | {dist.get_world_size()} ranks on {cfg.backend}, "
+            f"batch {cfg.batch_size}x{cfg.block_size}")

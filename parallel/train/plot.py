@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ def loss_curve(records: list[dict[str, Any]], path: Path, title: str) -> bool:
         ax.plot(*zip(*val, strict=True), "o-", label="val (held-out batches)")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per byte)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 80), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
