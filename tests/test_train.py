@@ -77,6 +77,12 @@ def test_every_flag_has_a_toml_key(tmp_path):
     assert from_file == vars(build_parser().parse_args(flags))
 
 
+def test_example_config_names_every_setting_at_its_default():
+    path = ROOT / "examples" / "train_gpt.toml"
+    assert set(read_toml(path)) == set(TrainConfig.__dataclass_fields__)
+    assert parse(["--config", str(path)]) == TrainConfig()
+
+
 def test_unknown_keys_and_wrong_types_are_named(tmp_path):
     path = _toml(tmp_path, "[model]\nn_layers = 3\n[bogus]\nx = 1\n[training]\n"
                            "steps = 'ten'\ndp = 2\n")

@@ -113,9 +113,13 @@ def describe(cfg: TrainConfig) -> str:
             + f", dropout {cfg.dropout}, seed {cfg.seed}")
 
 
+def _ranks(n: int) -> str:
+    return f"{n} rank" + ("s" if n > 1 else "")
+
+
 def _banner(cfg: TrainConfig, corpus: Corpus, params: int) -> str:
     return (f"train: GPT {params / 1e6:.2f}M params (n_layer={cfg.n_layer} n_head={cfg.n_head}"
             f" n_embd={cfg.n_embd} block_size={cfg.block_size}, bytes) | data: "
             f"{corpus.source}, {corpus.size / 1e6:.1f} MB, {corpus.val.numel() / 1e6:.1f} MB "
-            f"held out | {describe(cfg)} | {dist.get_world_size()} ranks on {cfg.backend}, "
+            f"held out | {describe(cfg)} | {_ranks(dist.get_world_size())} on {cfg.backend}, "
             f"batch {cfg.batch_size}x{cfg.block_size}")
