@@ -200,10 +200,17 @@ def assert_same_run(path: Path, reference: Path, steps: range | None = None) -> 
 
 
 @pytest.fixture(scope="module")
-def one_process(text_dir, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+def tiny(backend) -> list[str]:
+    """The tiny run's flags, on the backend under test (conftest: pycomm, or gloo)."""
+    return [*TINY, "--backend", backend]
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny, text_dir, tmp_path_factory
+                ) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """The reference: the tiny run in one process (with its progress bar)."""
     out = tmp_path_factory.mktemp("one") / "m.jsonl"
-    done = train(*TINY, "--progress", "--data", text_dir, "--metrics", out)
+    done = train(*tiny, "--progress", "--data", text_dir, "--metrics", out)
     return out, done
 
 
@@ -219,35 +226,35 @@ def test_one_process_run_writes_lines_bar_and_plot(one_process):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-def test_spawned_ranks_train_what_one_process_trains(one_process, text_dir, tmp_path):
+def test_spawned_ranks_train_what_one_process_trains(one_process, tiny, text_dir, tmp_path):
     """--nproc 4 on tp=2 x pp=2 (Megatron layers, a 1F1B pipeline of 2 micro-batches)."""
     out = tmp_path / "m.jsonl"
-    done = train(*TINY, "--tp", "2", "--pp", "2", "--nproc", "4", "--data", text_dir,
+    done = train(*tiny, "--tp", "2", "--pp", "2", "--nproc", "4", "--data", text_dir,
                  "--metrics", out)
     assert lines(out, "config")[0]["world"] == 4, done.stdout
     assert_same_run(out, one_process[0])
 
 
-def test_torchrun_ranks_train_what_one_process_trains(one_process, text_dir, tmp_path):
+def test_torchrun_ranks_train_what_one_process_trains(one_process, tiny, text_dir, tmp_path):
     out = tmp_path / "m.jsonl"
     done = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", "2", "-m", "parallel.train", *TINY, "--dp", "2",
+                 "--nproc-per-node", "2", "-m", "parallel.train", *tiny, "--dp", "2",
                  "--data", str(text_dir), "--metrics", str(out)])
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     assert lines(out, "config")[0]["world"] == 2
     assert_same_run(out, one_process[0])
 
 
-def test_engine_refusal_is_its_own_message():
-    done = _run([sys.executable, "-m", "parallel.train", *TINY, "--sequence-parallel"])
+def test_engine_refusal_is_its_own_message(tiny):
+    done = _run([sys.executable, "-m", "parallel.train", *tiny, "--sequence-parallel"])
     assert done.returncode == 2
     assert "sequence_parallel needs tp > 1" in done.stderr
 
 
-def test_layouts_table_compares_with_one_process(text_dir, tmp_path):
+def test_layouts_table_compares_with_one_process(tiny, text_dir, tmp_path):
     out = tmp_path / "layouts.md"
     done = _run([sys.executable, "-m", "bench.layouts", "--layouts", "2x1x1", "--zero", "0",
-                 *TINY, "--data", str(text_dir), "--steps", "3", "--out", str(out)])
+                 *tiny, "--data", str(text_dir), "--steps", "3", "--out", str(out)])
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     rows = [r.split("|")[1:-1] for r in out.read_text().splitlines() if r.startswith("| ")]
     assert [r[0].strip() for r in rows[1:]] == ["1x1x1", "2x1x1"]
@@ -269,11 +276,11 @@ HAS_CHECKPOINTS = hasattr(ParallelModel, "save") and hasattr(ParallelModel, "loa
                           "(parallel/checkpoint.py) are not in main yet")
 @pytest.mark.parametrize("layout, dropout", [(["--dp", "2"], "0"), ([], "0.1")],
                          ids=["1x1x1-to-2x1x1", "1x1x1-to-1x1x1-dropout"])
-def test_resume_continues_the_uninterrupted_run(text_dir, tmp_path, layout, dropout):
+def test_resume_continues_the_uninterrupted_run(tiny, text_dir, tmp_path, layout, dropout):
     """Save at step 3 of 6; resume (in another layout, or with dropout in the same one):
     steps 4-6 equal the uninterrupted run's, and the metrics file reads as one run."""
     ck, full, resumed = tmp_path / "ck", tmp_path / "full.jsonl", tmp_path / "res.jsonl"
-    run = [*TINY, "--steps", "6", "--eval-every", "3", "--dropout", dropout, "--data",
+    run = [*tiny, "--steps", "6", "--eval-every", "3", "--dropout", dropout, "--data",
            text_dir, "--ckpt-dir", ck]
     done = _run([sys.executable, "-m", "parallel.train", *map(str, run), "--ckpt-every", "3",
                  "--metrics", str(full)])
