@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel import checkpoint
 from parallel.dp_plan import build_data_parallel
 from parallel.finalize import GradPhases, clip_grad_norm_, finalize_grads
 from parallel.gpt_layers import EmbeddingLayer, HeadLayer, gpt_layers, model_name, stage_balance
@@ -209,3 +210,13 @@ class ParallelModel:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.stage.parameters() if p.requires_grad]
+
+    # -- checkpoints (parallel.checkpoint: keyed by mesh position, any layout loads) ------
+
+    def save(self, directory: str, extra: dict[str, Any]) -> None:
+        """Write parameters, optimizer and scheduler state and ``extra``; collective."""
+        checkpoint.save(self, directory, extra)
+
+    def load(self, directory: str) -> dict[str, Any]:
+        """Load a checkpoint written in any layout; returns its ``extra``; collective."""
+        return checkpoint.load(self, directory)
