@@ -137,10 +137,12 @@ class Pipeline:
                        for kind in "FB"}
         self._prepost("F", state, 0)
         self._prepost("B", state, 0)
-        for step in steps:
+        last_backward = max(i for i, s in enumerate(steps) if s.kind == "B")
+        for i, step in enumerate(steps):
             if step.kind == "F":
                 self._forward(step, state, ins, tgts, loss_fn, weights)
             else:
+                self._sync_data_parallel(last=i == last_backward)
                 self._backward(step, state)
         for pending in state.sends:
             pending.wait()
@@ -185,6 +187,13 @@ class Pipeline:
                 grad_in = torch.zeros_like(micro.inputs)
             state.sends.append(send_tensor(grad_in, self.stage_id - 1, self.group))
         self._events.append(Event(self.stage_id, "B", step.micro, start, time.perf_counter()))
+
+    def _sync_data_parallel(self, last: bool) -> None:
+        """A stage wrapped in a data-parallel module (``parallel.data.DataParallel``)
+        averages its gradients in the step's last backward only; the others accumulate."""
+        prepare = getattr(self.stage, "prepare_for_backward", None)
+        if prepare is not None:
+            prepare(sync=last)
 
     def _receive(self, kind: str, state: _StepState) -> torch.Tensor:
         """The next activation ("F") or gradient ("B"), and the one after posted."""
