@@ -20,6 +20,7 @@ from parallel.pipeline import Pipeline
 from parallel.recompute import (
     CheckpointArena,
     apply_activation_checkpointing,
+    checkpoint,
     checkpoint_module,
 )
 from parallel.rng import REPLICATED, TENSOR_PARALLEL, TRACKER, model_parallel_seed, seed_from_mesh
@@ -121,7 +122,45 @@ def checkpointed_blocks(g: dict[str, Any], sequence_parallel: bool,
     _seed(g)
     loss = vocab_parallel_cross_entropy(net(x), y, tp).mean()
     loss.backward()
-    return {"loss": float(loss), "grads": gather_tensor_parallel_state_dict(net, grads=True)}
+    return {"loss": float(loss.detach()),
+            "grads": gather_tensor_parallel_state_dict(net, grads=True)}
+
+
+def partition_with_sequence_parallel(g: dict[str, Any]) -> str:
+    """P_a on a sequence-parallel model: the error it is refused with, else (today's
+    defect) how far its gradients are from plain checkpointing."""
+    message = error_message(lambda: checkpointed_blocks(g, True, True))
+    if message:
+        return message
+    wrong = checkpointed_blocks(g, True, True)["grads"]
+    right = checkpointed_blocks(g, True, False)["grads"]
+    diff = max((wrong[k] - right[k]).abs().max().item() for k in right)
+    return f"no error; gradients off by {diff:.3g}"
+
+
+def partition_of_a_sequence_parallel_block(g: dict[str, Any]) -> str:
+    """checkpoint_module(block, partition_group=tp) of a sequence-parallel block."""
+    block = _tp_gpt(g["tp"], sequence_parallel=True).blocks[0]
+    return error_message(lambda: checkpoint_module(block, partition_group=g["tp"]))
+
+
+def partition_of_differing_inputs(g: dict[str, Any]) -> str:
+    """A direct checkpoint(..., partition_group=tp) of inputs that differ across the TP
+    ranks (as sequence shards do): the error, or how far the input gradient is off."""
+    tp = g["tp"]
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def grad(group: Any) -> torch.Tensor:
+        xi = x.clone().requires_grad_(True)
+        checkpoint(lambda t: layer(t).tanh(), xi, partition_group=group).sum().backward()
+        return xi.grad
+
+    message = error_message(lambda: grad(tp))
+    if message:
+        return message
+    return f"no error; input gradient off by {(grad(tp) - grad(None)).abs().max().item():.3g}"
 
 
 def run_all(world: int) -> dict[Any, Any]:
@@ -134,4 +173,7 @@ def run_all(world: int) -> dict[Any, Any]:
     for sp in (False, True):
         for partition in (None, False) if sp else (None, False, True):
             out[("blocks", sp, partition)] = checkpointed_blocks(g, sp, partition)
+    out["pa_sp"] = partition_with_sequence_parallel(g)
+    out["pa_sp_block"] = partition_of_a_sequence_parallel_block(g)
+    out["pa_differing"] = partition_of_differing_inputs(g)
     return out

@@ -207,10 +207,27 @@ def test_checkpointed_tensor_parallel_blocks_replay_dropout(pp2_tp2, sp):
                               f"sequence_parallel={sp} partition={partition}")
 
 
+def test_partitioned_activations_with_sequence_parallelism_are_refused(pp2_tp2):
+    for r in pp2_tp2:
+        assert "sequence parallel" in r["pa_sp"], r["pa_sp"]
+        assert "partition_group" in r["pa_sp"], r["pa_sp"]
+
+
+def test_partitioned_inputs_that_differ_across_the_group_are_refused(pp2_tp2):
+    for r in pp2_tp2:
+        assert "differs across" in r["pa_differing"], r["pa_differing"]
+
+
 def test_pipeline_over_checkpointed_blocks_replays_too(pp2_tp2):
     for r in pp2_tp2:  # blocks checkpointed with P_a, inside the stage's rematerialization
         _assert_identical(r[("pipeline", "nested")], r[("pipeline", "1f1b", "never")],
                           f"stage {r['stage']} nested")
+
+
+def test_partitioning_a_sequence_parallel_block_is_refused(pp2_tp2):
+    for r in pp2_tp2:
+        assert "blocks.0" not in r["pa_sp_block"]  # named within the block
+        assert "attn.c_attn (ColumnParallelLinear) is sequence parallel" in r["pa_sp_block"]
 
 
 def test_seeds_follow_the_tp_and_pp_coordinates(pp2_tp2):

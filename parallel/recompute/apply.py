@@ -9,6 +9,7 @@ from torch import nn
 
 from parallel.recompute.arena import CheckpointArena
 from parallel.recompute.checkpoint import checkpoint
+from parallel.recompute.partition import refuse_sequence_parallel
 from parallel.zero.units import default_unit_modules
 
 Policy = str | int | type | tuple[type, ...] | Callable[[str, nn.Module], bool]
@@ -38,7 +39,12 @@ def checkpoint_module(module: nn.Module, partition_group: Any = None, offload: b
     """Checkpoint one module (a block) in place: its ``forward`` runs through
     :func:`checkpoint`, so its activations are recomputed in backward with every random
     stream replayed. Returns ``module``.
+
+    Raises:
+        ValueError: with ``partition_group``, if ``module`` has a sequence-parallel layer.
     """
+    if partition_group is not None:
+        refuse_sequence_parallel(module, "checkpoint_module")
     forward = module.forward
 
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
@@ -61,8 +67,11 @@ def apply_activation_checkpointing(model: nn.Module, policy: Policy = "every",
     ``fn(name, module) -> bool``. Returns the wrapped modules.
 
     Raises:
-        ValueError: an unknown policy.
+        ValueError: an unknown policy, or ``partition_group`` (P_a) on a model with a
+            sequence-parallel layer (its blocks' inputs differ across the TP ranks).
     """
+    if partition_group is not None:
+        refuse_sequence_parallel(model, "apply_activation_checkpointing")
     chosen = _chosen(model, policy)
     for module in chosen:
         checkpoint_module(module, partition_group, offload, arena)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from parallel.recompute.arena import CheckpointArena
-from parallel.recompute.partition import Stored
+from parallel.recompute.partition import Stored, check_identical_inputs
 from parallel.rng import TRACKER
 
 _DEFAULT_ARENA = CheckpointArena()
@@ -65,10 +65,16 @@ def checkpoint(fn: Callable[..., Any], *args: Any, partition_group: Any = None,
     Args:
         fn: returns a tensor or a tuple of tensors; non-tensor ``args`` pass through.
         partition_group: keep ``1/size`` of each tensor input on each rank of this group
-            (every rank must pass the same inputs: a tensor-parallel group).
+            (every rank must pass the same inputs: a tensor-parallel group without
+            sequence parallelism; checked at ``fn``'s first call).
         offload: keep CUDA inputs in host memory.
         arena: where inputs are kept (default: one shared arena).
+
+    Raises:
+        ValueError: with ``partition_group``, if the inputs differ across its ranks.
     """
+    if partition_group is not None:
+        check_identical_inputs(fn, args, partition_group)
     options = {"group": partition_group, "offload": offload,
                "arena": arena if arena is not None else _DEFAULT_ARENA}
     return _Checkpoint.apply(fn, options, *args)
