@@ -132,6 +132,8 @@ class RNGTracker:
         try:
             yield
         finally:
+            # by name, as Megatron-LM: a restore inside the region may have replaced it
+            stream = self.streams.get(name, stream)
             stream.cpu = torch.get_rng_state()
             torch.set_rng_state(outside_cpu)
             if device is not None:
