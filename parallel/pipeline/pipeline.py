@@ -9,8 +9,10 @@ stage's backward and sends its input's gradient back. Sends are asynchronous, so
 computes the next step while its last output travels.
 
 Re-materialization (``checkpoint``) runs a stage's forward without keeping its
-activations and recomputes them in backward, with torch's RNG state replayed (dropout
-draws the same masks): ``"always"``, ``"except_last"`` (not the last micro-batch, whose
+activations and recomputes them in backward with every generator replayed, torch's and
+every stream of :data:`parallel.rng.TRACKER` (tensor-parallel dropout draws the same
+masks, and the next micro-batch's forward continues the streams as without it):
+``"always"``, ``"except_last"`` (not the last micro-batch, whose
 backward follows its forward at once under GPipe) or ``"never"``.
 """
 
@@ -28,6 +30,7 @@ from torch.utils.checkpoint import checkpoint as rematerialize
 from parallel.pipeline.microbatch import batch_size, shape_signature, split_batch
 from parallel.pipeline.p2p import PendingSend, Receiver, send_tensor
 from parallel.pipeline.schedule import SCHEDULES, Step
+from parallel.rng import TRACKER
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
@@ -159,7 +162,11 @@ class Pipeline:
             stage_input = micro.inputs
         start = time.perf_counter()
         if self._rematerialize(m):
-            out = rematerialize(self.stage, stage_input, use_reentrant=False)
+            # torch restores only its own generators; the tracker replays those and its
+            # streams (TP dropout), so it does all of it
+            out = rematerialize(self.stage, stage_input, use_reentrant=False,
+                                preserve_rng_state=False,
+                                context_fn=TRACKER.checkpoint_context)
         else:
             out = self.stage(stage_input)
         if tgts is not None:
