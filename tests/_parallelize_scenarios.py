@@ -60,3 +60,24 @@ def layout(dp: int, tp: int, pp: int, config: dict[str, Any]) -> list[tuple[floa
         out.append((r.loss, r.grad_norm))
     mesh.destroy()
     return out
+
+
+def recompute_gradients(dp: int, tp: int, pp: int, sequence_parallel: bool) -> float:
+    """With dropout, this layout's gradients recomputing every block and not: the largest
+    difference (0.0 when every random stream is replayed exactly)."""
+    from dataclasses import replace
+
+    from parallel.mesh import ParallelMesh
+    from parallel.parallelize import ParallelConfig, parallelize
+
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = GPT(replace(CFG, dropout=0.1))
+        mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)
+        engine = parallelize(model, mesh, ParallelConfig(
+            microbatches=2, recompute=recompute, sequence_parallel=sequence_parallel, seed=7))
+        engine.compute_gradients(*batch(0))
+        grads.append({engine.names[id(p)]: p.grad.clone() for p in engine.parameters()})
+        mesh.destroy()
+    return max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0])

@@ -39,3 +39,12 @@ def test_layout_trains_like_one_process(pool4, reference, lay, config):
                 zip(curve, reference, strict=True)):
             assert abs(loss / want_loss - 1) < REL, (rank, step, loss, want_loss)
             assert abs(norm / want_norm - 1) < REL, (rank, step, norm, want_norm)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_recompute_with_dropout_gives_bit_identical_gradients(pool4, sp):
+    """TP x PP with dropout 0.1: recomputing every block replays every random stream
+    (torch's and the tensor-parallel ones), so the gradients equal the run that keeps
+    its activations, bit for bit."""
+    for rank, diff in enumerate(pool4.run(sc.recompute_gradients, 1, 2, 2, sp)):
+        assert diff == 0.0, f"rank {rank}: gradients differ by {diff:.3g}"
