@@ -9,19 +9,12 @@
 
 import argparse
 import os
-import socket
 from collections.abc import Callable
 
 from bench import _mpi
+from bench._ports import free_port
 
 Worker = Callable[[int, int, argparse.Namespace], None]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for the ranks' rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wants_mpi(backends: list[str]) -> bool:

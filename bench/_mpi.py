@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from bench._ports import free_port
 from bench._timing import REDUCING, ROOT, Buffers
 
 INSTALL = "apt-get install -y openmpi-bin libopenmpi-dev && pip install mpi4py"
@@ -58,8 +59,6 @@ def ensure_rendezvous() -> None:
         return
     if missing():
         raise SystemExit(f"started by mpirun without MASTER_PORT and {missing()}")
-    from bench._launch import free_port
-
     comm = _mpi().COMM_WORLD
     port = comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -73,8 +72,6 @@ def reexec(argv: list[str], nproc: int, extra: str) -> int:
     ranks yield instead of spin); ``-x`` hands every rank the rendezvous the
     launcher chose and the PYCOMM_* settings, as a spawned rank would inherit them.
     """
-    from bench._launch import free_port
-
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nproc)]
     cmd += shlex.split(extra)

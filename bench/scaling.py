@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench._launch import free_port
+from bench._ports import free_port
 
 
 def shm_used_bytes() -> int:

@@ -54,6 +54,28 @@ class PlainDataParallel:
         return [(p.grad, 1.0 / (dp * tp_copies(p, self.mesh)))
                 for p in self.params if p.grad is not None]
 
+    def local_state(self, names: dict[int, str]) -> dict[str, Any]:
+        """Each parameter (this rank's TP part) and its optimizer state, by model name."""
+        return {names[id(p)]: {"param": p.detach().clone(), "spec": _spec_tuple(p),
+                               "state": _cloned(self.optimizer.state.get(p, {}))}
+                for p in self.params}
+
+    @torch.no_grad()
+    def load_local_state(self, wanted: dict[int, dict[str, Any]]) -> None:
+        for p in self.params:
+            p.copy_(wanted[id(p)]["param"])
+            if wanted[id(p)]["state"]:
+                self.optimizer.state[p] = _cloned(wanted[id(p)]["state"])
+
+
+def _spec_tuple(p: torch.Tensor) -> tuple[int | None, int]:
+    spec = spec_of(p)
+    return spec.dim, spec.interleave
+
+
+def _cloned(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
 
 def build_data_parallel(params: list[nn.Parameter], names: dict[int, str],
                         mesh: ParallelMesh, config: Any) -> DataParallelPlan:

@@ -95,6 +95,13 @@ class ParallelMesh:
         """The world rank at coordinates ``(pp, dp, tp)``."""
         return (pp * self.shape.dp + dp) * self.shape.tp + tp
 
+    def destroy(self) -> None:
+        """Destroy this mesh's process groups (a job that builds several meshes)."""
+        for group in {id(g): g for g in self._groups.values()}.values():
+            if group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
+        self._groups = {}
+
     def __repr__(self) -> str:
         pp, dp, tp = self.coordinates
         return f"ParallelMesh({self.shape}; this rank at pp={pp} dp={dp} tp={tp})"

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel import checkpoint
 from parallel.dp_plan import build_data_parallel
 from parallel.finalize import GradPhases, clip_grad_norm_, finalize_grads
 from parallel.gpt_layers import EmbeddingLayer, HeadLayer, gpt_layers, model_name, stage_balance
@@ -40,7 +41,8 @@ from parallel.mesh import ParallelMesh
 from parallel.models import GPT, Block, lm_loss
 from parallel.pipeline.forward_only import forward_loss
 from parallel.pipeline.pipeline import Pipeline
-from parallel.recompute.apply import apply_activation_checkpointing
+from parallel.recompute.apply import checkpoint_module
+from parallel.rng import seed_streams
 from parallel.tensor.apply import (
     parallelize_block,
     parallelize_embedding,
@@ -67,6 +69,8 @@ class ParallelConfig:
         weight_decay: applied to matrices only (biases, norms: none), as GPT recipes do.
         lr_lambda: multiplies the learning rate at each step (a warmup/decay schedule).
         bucket_mb: gradient bucket size (C_B).
+        seed: seeds the random streams (dropout) for this rank's place in the mesh
+            (parallel.rng: replicated across TP ranks or per TP rank, per stage).
     """
 
     sequence_parallel: bool = False
@@ -81,6 +85,7 @@ class ParallelConfig:
     weight_decay: float = 0.0
     lr_lambda: Callable[[int], float] | None = None
     bucket_mb: float = 25
+    seed: int = 0
 
     def check(self, mesh: ParallelMesh) -> None:
         """Raises ValueError for combinations that cannot work, naming them."""
@@ -131,6 +136,8 @@ class ParallelModel:
             self._tensor_parallel()
         if config.recompute:
             self._checkpoint_blocks()
+        # After the weights exist: torch's generator then differs per pipeline stage.
+        seed_streams(config.seed, mesh.rank("tp"), mesh.rank("pp"))
         self.names = self._model_names()
         self.dp = build_data_parallel(self.parameters(), self.names, mesh, config)
         self.phases = GradPhases(
@@ -155,7 +162,9 @@ class ParallelModel:
 
     def _checkpoint_blocks(self) -> None:
         group = self.tp_group if self.config.partition_activations else None
-        apply_activation_checkpointing(self.stage, policy=Block, partition_group=group)
+        for layer in self.stage:
+            if isinstance(layer, Block):
+                checkpoint_module(layer, partition_group=group)
 
     def _model_names(self) -> dict[int, str]:
         """id(parameter) -> its name in the unsplit GPT."""
@@ -185,15 +194,21 @@ class ParallelModel:
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
         """One optimizer step on the global batch (the same ``tokens``/``targets`` on every
         rank); returns its mean loss and the gradient norm, on every rank."""
-        self.stage.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.pipeline.step(self._rows(tokens), self._rows(targets), self.loss_fn)
-        finalize_grads(self.phases)
+        loss = self.compute_gradients(tokens, targets)
         norm = clip_grad_norm_(self.phases.grad_parts(), self.config.max_grad_norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.scheduler.step()
-        return StepResult(self._dp_mean(loss), norm, lr)
+        return StepResult(loss, norm, lr)
+
+    def compute_gradients(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward and backward of every micro-batch, then :func:`finalize_grads`: the
+        step's complete gradients, not yet clipped or applied. Returns the mean loss."""
+        self.stage.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.pipeline.step(self._rows(tokens), self._rows(targets), self.loss_fn)
+        finalize_grads(self.phases)
+        return self._dp_mean(loss)
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
@@ -209,3 +224,13 @@ class ParallelModel:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.stage.parameters() if p.requires_grad]
+
+    # -- checkpoints (parallel.checkpoint: keyed by mesh position, any layout loads) ------
+
+    def save(self, directory: str, extra: dict[str, Any]) -> None:
+        """Write parameters, optimizer and scheduler state and ``extra``; collective."""
+        checkpoint.save(self, directory, extra)
+
+    def load(self, directory: str) -> dict[str, Any]:
+        """Load a checkpoint written in any layout; returns its ``extra``; collective."""
+        return checkpoint.load(self, directory)

@@ -150,6 +150,25 @@ class DataParallel(nn.Module):
                     self._bucketer.mark_ready(i)
         return output
 
+    def prepare_for_backward(self, sync: bool) -> None:
+        """For a driver that runs several backwards per step (a pipeline runs one per
+        micro-batch, its forwards and backwards interleaved): whether the coming backward
+        averages the gradients (the step's last) or only accumulates them. Decided here,
+        not at forward, because under a pipeline schedule the forward that ran last is not
+        the one whose backward comes last.
+
+        Raises:
+            ValueError: with ``find_unused_parameters``, whose graph walk happens at forward.
+        """
+        if self.find_unused_parameters:
+            raise ValueError("DataParallel: find_unused_parameters=True cannot be driven "
+                             "backward by backward (inside a Pipeline); every parameter "
+                             "must get a gradient")
+        self._bucketer.reset()
+        self._events = []
+        self._end_of_backward.reset()
+        self._sync_pending = sync and self._require_sync
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally; the first backward after

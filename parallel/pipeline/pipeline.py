@@ -9,8 +9,10 @@ stage's backward and sends its input's gradient back. Sends are asynchronous, so
 computes the next step while its last output travels.
 
 Re-materialization (``checkpoint``) runs a stage's forward without keeping its
-activations and recomputes them in backward, with torch's RNG state replayed (dropout
-draws the same masks): ``"always"``, ``"except_last"`` (not the last micro-batch, whose
+activations and recomputes them in backward with every generator replayed, torch's and
+every stream of :data:`parallel.rng.TRACKER` (tensor-parallel dropout draws the same
+masks, and the next micro-batch's forward continues the streams as without it):
+``"always"``, ``"except_last"`` (not the last micro-batch, whose
 backward follows its forward at once under GPipe) or ``"never"``.
 """
 
@@ -28,6 +30,7 @@ from torch.utils.checkpoint import checkpoint as rematerialize
 from parallel.pipeline.microbatch import batch_size, shape_signature, split_batch
 from parallel.pipeline.p2p import PendingSend, Receiver, send_tensor
 from parallel.pipeline.schedule import SCHEDULES, Step
+from parallel.rng import TRACKER
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
@@ -137,10 +140,12 @@ class Pipeline:
                        for kind in "FB"}
         self._prepost("F", state, 0)
         self._prepost("B", state, 0)
-        for step in steps:
+        last_backward = max(i for i, s in enumerate(steps) if s.kind == "B")
+        for i, step in enumerate(steps):
             if step.kind == "F":
                 self._forward(step, state, ins, tgts, loss_fn, weights)
             else:
+                self._sync_data_parallel(last=i == last_backward)
                 self._backward(step, state)
         for pending in state.sends:
             pending.wait()
@@ -157,7 +162,11 @@ class Pipeline:
             stage_input = micro.inputs
         start = time.perf_counter()
         if self._rematerialize(m):
-            out = rematerialize(self.stage, stage_input, use_reentrant=False)
+            # torch restores only its own generators; the tracker replays those and its
+            # streams (TP dropout), so it does all of it
+            out = rematerialize(self.stage, stage_input, use_reentrant=False,
+                                preserve_rng_state=False,
+                                context_fn=TRACKER.checkpoint_context)
         else:
             out = self.stage(stage_input)
         if tgts is not None:
@@ -185,6 +194,13 @@ class Pipeline:
                 grad_in = torch.zeros_like(micro.inputs)
             state.sends.append(send_tensor(grad_in, self.stage_id - 1, self.group))
         self._events.append(Event(self.stage_id, "B", step.micro, start, time.perf_counter()))
+
+    def _sync_data_parallel(self, last: bool) -> None:
+        """A stage wrapped in a data-parallel module (``parallel.data.DataParallel``)
+        averages its gradients in the step's last backward only; the others accumulate."""
+        prepare = getattr(self.stage, "prepare_for_backward", None)
+        if prepare is not None:
+            prepare(sync=last)
 
     def _receive(self, kind: str, state: _StepState) -> torch.Tensor:
         """The next activation ("F") or gradient ("B"), and the one after posted."""

@@ -1,4 +1,4 @@
-"""Checkpointing chosen blocks of an unchanged model."""
+"""Checkpointing one block, or chosen blocks of an unchanged model."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from torch import nn
 
 from parallel.recompute.arena import CheckpointArena
 from parallel.recompute.checkpoint import checkpoint
+from parallel.recompute.partition import refuse_sequence_parallel
 from parallel.zero.units import default_unit_modules
 
 Policy = str | int | type | tuple[type, ...] | Callable[[str, nn.Module], bool]
@@ -33,22 +34,45 @@ def _chosen(model: nn.Module, policy: Policy) -> list[nn.Module]:
     raise TypeError(f"apply_activation_checkpointing: cannot use {policy!r} as a policy")
 
 
+def checkpoint_module(module: nn.Module, partition_group: Any = None, offload: bool = False,
+                      arena: CheckpointArena | None = None) -> nn.Module:
+    """Checkpoint one module (a block) in place: its ``forward`` runs through
+    :func:`checkpoint`, so its activations are recomputed in backward with every random
+    stream replayed. Returns ``module``.
+
+    Raises:
+        ValueError: with ``partition_group``, if ``module`` has a sequence-parallel layer.
+    """
+    if partition_group is not None:
+        refuse_sequence_parallel(module, "checkpoint_module")
+    forward = module.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(f"a checkpointed {type(module).__name__} takes positional "
+                            f"arguments only, got {sorted(kwargs)}")
+        return checkpoint(forward, *args, partition_group=partition_group, offload=offload,
+                          arena=arena)
+
+    module.forward = checkpointed
+    return module
+
+
 def apply_activation_checkpointing(model: nn.Module, policy: Policy = "every",
                                    partition_group: Any = None, offload: bool = False,
                                    arena: CheckpointArena | None = None) -> list[nn.Module]:
-    """Checkpoint the modules ``policy`` picks (their ``forward`` is wrapped; the model's
-    code is unchanged). ``policy``: ``"every"`` block (each child of an ``nn.ModuleList``),
-    an int ``k`` (every k-th block), module types, or ``fn(name, module) -> bool``.
-    Returns the wrapped modules."""
+    """Checkpoint the modules ``policy`` picks with :func:`checkpoint_module` (the
+    model's code is unchanged). ``policy``: ``"every"`` block (each child of an
+    ``nn.ModuleList``), an int ``k`` (every k-th block), module types, or
+    ``fn(name, module) -> bool``. Returns the wrapped modules.
+
+    Raises:
+        ValueError: an unknown policy, or ``partition_group`` (P_a) on a model with a
+            sequence-parallel layer (its blocks' inputs differ across the TP ranks).
+    """
+    if partition_group is not None:
+        refuse_sequence_parallel(model, "apply_activation_checkpointing")
     chosen = _chosen(model, policy)
     for module in chosen:
-        forward = module.forward
-
-        def checkpointed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
-            if kwargs:
-                raise TypeError("a checkpointed module takes positional arguments only")
-            return checkpoint(_forward, *args, partition_group=partition_group,
-                              offload=offload, arena=arena)
-
-        module.forward = checkpointed
+        checkpoint_module(module, partition_group, offload, arena)
     return chosen

@@ -1,5 +1,7 @@
 """Megatron-LM tensor parallelism, with sequence parallelism."""
 
+from parallel.recompute.checkpoint import checkpoint
+from parallel.rng import TRACKER, model_parallel_seed
 from parallel.tensor.apply import apply_tensor_parallel, gather_tensor_parallel_state_dict
 from parallel.tensor.comms import (
     copy_to_tp_region,
@@ -19,7 +21,7 @@ from parallel.tensor.layers import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from parallel.tensor.random import TRACKER, TrackedDropout, checkpoint, model_parallel_seed
+from parallel.tensor.random import TrackedDropout
 
 __all__ = [
     "TRACKER",

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from parallel.grad_hooks import EndOfBackward
 from parallel.tensor import comms
 from parallel.tensor.comms import Group
 from parallel.tensor.layers import (
@@ -27,6 +27,7 @@ from parallel.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from parallel.tensor.sharding import REPLICATED, spec_of
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
@@ -124,25 +125,32 @@ def _sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _sum_partial_grads_after_backward(model: nn.Module, group: Group) -> None:
-    params = _sequence_parallel_params(model)
-
-    def sync() -> None:
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:  # one all-reduce for all of them, as Megatron's finalize_model_grads
-            flat = comms.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
-            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                g.copy_(part.view_as(g))
-
-    end = EndOfBackward(sync)
-    for p in params:
-        p.register_post_accumulate_grad_hook(lambda _p: end.request())
+    """Each partial gradient is summed over the group as it arrives, before autograd
+    accumulates it: whatever else handles the gradient afterwards (a data-parallel
+    bucket, ZeRO packing it into a shard and dropping ``.grad``) sees the whole one, and
+    several backwards accumulate whole gradients. (Summing ``.grad`` once at the end of
+    backward is one collective instead of one per parameter, but ZeRO may have taken the
+    gradient away by then; ``parallel.parallelize`` sums them at its fixed phase.)"""
+    for p in _sequence_parallel_params(model):
+        p.register_hook(lambda grad: comms.all_reduce(grad.clone(), group))
 
 
 def gather_tensor_parallel_state_dict(model: nn.Module, grads: bool = False
                                       ) -> dict[str, torch.Tensor]:
     """The unsharded model's ``state_dict`` (same names and shapes), or with ``grads``
     the gradients of its parameters under those names; collective over the group
-    :func:`apply_tensor_parallel` used."""
+    :func:`apply_tensor_parallel` used. Also for a model then sharded by ZeRO stage 3
+    (``shard_model``), whose layers hold no weights between uses (parameters only).
+
+    Raises:
+        ValueError: ``grads`` of a stage-3 model (they live in its optimizer's shards).
+    """
+    if "zero3" in model.__dict__:
+        if grads:
+            raise ValueError("gather_tensor_parallel_state_dict: a ZeRO stage-3 model keeps "
+                             "its gradients reduce-scattered in the optimizer's shards; "
+                             "gather parameters only")
+        return _gather_stage3(model)
     out: dict[str, torch.Tensor] = {}
     done: set[str] = set()
     for name, module in model.named_modules():
@@ -159,3 +167,23 @@ def gather_tensor_parallel_state_dict(model: nn.Module, grads: bool = False
         elif isinstance(value, nn.Parameter):
             out[key] = value.grad.clone() if value.grad is not None else torch.zeros_like(value)
     return out
+
+
+def _gather_stage3(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Stage 3 first gathers each unit whole over data parallelism (this rank's TP part),
+    then each split parameter is gathered over its layer's TP group and joined."""
+    local = model.__dict__["zero3"].full_state_dict()
+    for name, module in model.named_modules():
+        if not isinstance(module, _PARALLEL):
+            continue
+        for key in ("weight", "bias"):
+            original = getattr(module, key, None)
+            full_name = f"{name}.{key}" if name else key
+            spec = spec_of(original) if original is not None else REPLICATED
+            if spec.dim is None or full_name not in local:
+                continue
+            part = local[full_name].contiguous()
+            parts = [torch.empty_like(part) for _ in range(dist.get_world_size(module.group))]
+            dist.all_gather(parts, part, group=module.group)
+            local[full_name] = spec.unshard(parts)
+    return local

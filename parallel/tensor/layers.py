@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.rng import REPLICATED, TENSOR_PARALLEL, TRACKER
 from parallel.tensor.comms import Group
 from parallel.tensor.parallel_linear import (
     ColumnParallelLinear,
@@ -23,7 +24,7 @@ from parallel.tensor.parallel_linear import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from parallel.tensor.random import REPLICATED, TENSOR_PARALLEL, TRACKER, TrackedDropout
+from parallel.tensor.random import TrackedDropout
 
 __all__ = ["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]

@@ -1,0 +1,126 @@
+"""Strategies composed by hand, as a user of Megatron or DeepSpeed would: each scenario
+runs on the ranks of a pool and returns how far the result is from one process built
+from the same weights (0 when correct). The defects they pin down are the review's
+(../shared/reviews/parallel_review.md, composition_repro.py)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
+
+CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+LR = 0.5
+
+
+def _singleton_groups() -> Any:
+    """Every rank its own data-parallel group (every rank creates every group)."""
+    return [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+
+
+def _dense_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                clip: float | None) -> float:
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    lm_loss(ref(x), y).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip or float("inf")))
+    opt.step()
+    return norm
+
+
+def _max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    return max((got[k].float() - v.float()).abs().max().item() for k, v in want.items())
+
+
+def zero_over_tp_sp(stage: int, mixed: bool) -> dict[str, float]:
+    """Defect 1: ZeRO (stages 1-3) over the DP group of a TP model with sequence
+    parallelism; the world is the TP group. Returns the largest parameter difference
+    from the dense model after one SGD step, and between the TP ranks' copies of a
+    replicated LayerNorm weight."""
+    from parallel.tensor import (
+        apply_tensor_parallel,
+        gather_tensor_parallel_state_dict,
+        vocab_parallel_cross_entropy,
+    )
+    from parallel.zero import ZeroOptimizer, shard_model
+
+    tp, dp = dist.group.WORLD, _singleton_groups()
+    torch.manual_seed(0)
+    dense = GPT(CFG)
+    ref = copy.deepcopy(dense)
+    x, y = synthetic_batch(CFG, 4, seed=1)
+    net = apply_tensor_parallel(dense, tp, sequence_parallel=True)
+    ln = net.blocks[0].ln_1.weight
+    if stage == 3:
+        net = shard_model(net, dp, persistence_threshold=100)
+    precision = {"mixed_precision": torch.bfloat16, "reduce_dtype": torch.float32} if mixed else {}
+    opt = ZeroOptimizer(net.parameters(), torch.optim.SGD, stage=stage, process_group=dp, lr=LR,
+                        **precision)
+    opt.zero_grad()
+    vocab_parallel_cross_entropy(net(x).float(), y, tp).mean().backward()
+    opt.step()
+    got = gather_tensor_parallel_state_dict(net)
+    _dense_step(ref, x, y, None)
+    mine = got["blocks.0.ln_1.weight"].float().contiguous()
+    copies = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, mine)
+    del ln
+    return {"params": _max_diff(got, ref.state_dict()),
+            "replicas": (copies[0] - copies[1]).abs().max().item()}
+
+
+def data_parallel_stage(schedule: str) -> dict[str, float]:
+    """Defect 3: a pipeline stage wrapped in DataParallel (4 ranks: stages [0,1] and
+    [2,3], replicas [0,2] and [1,3]). Returns the largest difference between the two
+    replicas' gradients, and from the gradient one process computes on both replicas'
+    rows."""
+    from parallel.data import DataParallel
+    from parallel.pipeline import Pipeline
+
+    rank = dist.get_rank()
+    pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pp, dp = pps[rank // 2], dps[rank % 2]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    ref = copy.deepcopy(net)
+    pipe = Pipeline(net, [2, 2], chunks=4, checkpoint="never", schedule=schedule,
+                    process_group=pp)
+    pipe.stage = DataParallel(pipe.stage, process_group=dp)
+    data = []
+    for replica in range(2):
+        gen = torch.Generator().manual_seed(100 + replica)
+        data.append((torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)))
+    x, y = data[rank // 2]
+    pipe.step(x, y, nn.functional.mse_loss)
+    g = torch.cat([p.grad.reshape(-1) for p in pipe.stage.parameters()])
+    both = [torch.empty_like(g) for _ in range(2)]
+    dist.all_gather(both, g, group=dp)
+    # One process: the mean loss over both replicas' rows, this stage's layers.
+    loss = sum(nn.functional.mse_loss(ref(xi), yi) for xi, yi in data) / 2
+    loss.backward()
+    layers = list(ref)[2 * (rank % 2) : 2 * (rank % 2) + 2]
+    want = torch.cat([p.grad.reshape(-1) for layer in layers for p in layer.parameters()])
+    return {"replicas": (both[0] - both[1]).abs().max().item(),
+            "reference": (g - want).abs().max().item()}
+
+
+def stage3_tp_state_dict() -> dict[str, Any]:
+    """Defect 6: gather_tensor_parallel_state_dict of a TP model under ZeRO stage 3
+    (every rank its own DP group): no empty tensors, and the dense model's values."""
+    from parallel.tensor import apply_tensor_parallel, gather_tensor_parallel_state_dict
+    from parallel.zero import shard_model
+
+    torch.manual_seed(0)
+    dense = GPT(CFG)
+    want = copy.deepcopy(dense).state_dict()
+    net = shard_model(apply_tensor_parallel(dense, dist.group.WORLD, sequence_parallel=True),
+                      _singleton_groups(), persistence_threshold=100)
+    got = gather_tensor_parallel_state_dict(net)
+    empty = sorted(k for k, v in got.items() if v.numel() == 0)
+    return {"empty": empty, "diff": _max_diff(got, want) if not empty else float("inf"),
+            "missing": sorted(set(want) - set(got))}
