@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from bench.layouts import parse_layout, plan
-from parallel.parallelize import ParallelModel
 from parallel.train.config import TrainConfig, build_parser, parse, read_toml
 from parallel.train.data import (
     derive_seed,
@@ -261,34 +260,31 @@ def test_layouts_table_compares_with_one_process(tiny, text_dir, tmp_path):
     assert all(float(r[3]) <= RTOL for r in rows[1:])
 
 
-# --- resume (needs ParallelModel.save/load: pending the lead's checkpoint merge) ----------
+# --- resume ------------------------------------------------------------------------------
 
 
-class CheckpointsPending(Exception):
-    """The trainer refused --ckpt-every because this engine has no save/load yet."""
-
-
-HAS_CHECKPOINTS = hasattr(ParallelModel, "save") and hasattr(ParallelModel, "load")
-
-
-@pytest.mark.xfail(not HAS_CHECKPOINTS, raises=CheckpointsPending, strict=True,
-                   reason="PENDING the lead's merge: ParallelModel.save/load "
-                          "(parallel/checkpoint.py) are not in main yet")
-@pytest.mark.parametrize("layout, dropout", [(["--dp", "2"], "0"), ([], "0.1")],
-                         ids=["1x1x1-to-2x1x1", "1x1x1-to-1x1x1-dropout"])
-def test_resume_continues_the_uninterrupted_run(tiny, text_dir, tmp_path, layout, dropout):
-    """Save at step 3 of 6; resume (in another layout, or with dropout in the same one):
+@pytest.mark.parametrize("saved_in, resumed_in, dropout", [
+    ([], ["--dp", "2"], "0"),
+    (["--tp", "2", "--pp", "2"], [], "0"),
+    ([], [], "0.1"),
+], ids=["1x1x1-to-2x1x1", "1x2x2-to-1x1x1", "1x1x1-to-1x1x1-dropout"])
+def test_resume_continues_the_uninterrupted_run(tiny, text_dir, tmp_path, saved_in, resumed_in,
+                                                dropout):
+    """Save at step 3 of 6; resume in another layout (or, with dropout, in the same one):
     steps 4-6 equal the uninterrupted run's, and the metrics file reads as one run."""
     ck, full, resumed = tmp_path / "ck", tmp_path / "full.jsonl", tmp_path / "res.jsonl"
     run = [*tiny, "--steps", "6", "--eval-every", "3", "--dropout", dropout, "--data",
            text_dir, "--ckpt-dir", ck]
-    done = _run([sys.executable, "-m", "parallel.train", *map(str, run), "--ckpt-every", "3",
-                 "--metrics", str(full)])
-    if done.returncode == 2 and "lacks" in done.stderr:
-        raise CheckpointsPending(done.stderr)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    train(*run, *saved_in, "--ckpt-every", "3", "--metrics", full)
     shutil.rmtree(ck / "step_000006")
     shutil.copy(full, resumed)
-    train(*run, *layout, "--resume", "--metrics", resumed)
+    done = train(*run, *resumed_in, "--resume", "--metrics", resumed)
+    assert "resumed from" in done.stdout + done.stderr
     assert [r["step"] for r in lines(resumed, "train")] == list(range(1, 7))
     assert_same_run(resumed, full, steps=range(4, 7))
+
+
+def test_resume_without_a_checkpoint_is_refused(tiny, tmp_path):
+    done = _run([sys.executable, "-m", "parallel.train", *tiny, "--resume", "--ckpt-dir",
+                 str(tmp_path / "none")])
+    assert done.returncode == 2 and "holds no complete checkpoint" in done.stderr

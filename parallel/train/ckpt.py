@@ -13,27 +13,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from parallel.parallelize import ParallelModel
 from parallel.train.config import TrainConfig
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")  # "step_000010.partial" (an unfinished save) is not
 _MODEL_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
-
-
-class CheckpointsUnavailable(RuntimeError):
-    """This build's engine cannot save or load (ParallelModel.save / .load missing)."""
-
-
-def require_checkpoints(cfg: TrainConfig) -> None:
-    """Refuse, before any rank starts, a run that would need checkpoints this engine
-    cannot write: better than failing at the first save, hours in."""
-    if not (cfg.ckpt_every or cfg.resume):
-        return
-    missing = [m for m in ("save", "load") if not hasattr(ParallelModel, m)]
-    if missing:
-        raise CheckpointsUnavailable(
-            f"train: --ckpt-every/--resume need ParallelModel.{'/'.join(missing)} "
-            "(parallel/checkpoint.py), which this build of parallel.parallelize lacks")
 
 
 def step_dir(cfg: TrainConfig, step: int) -> Path:

@@ -17,7 +17,6 @@ import sys
 
 import torch.distributed as dist
 
-from parallel.train.ckpt import CheckpointsUnavailable, require_checkpoints
 from parallel.train.config import TrainConfig, parse
 from parallel.train.loop import train_rank
 
@@ -43,7 +42,6 @@ def _rank_main(rank: int, cfg: TrainConfig, world: int, port: int) -> None:
 
 def launch(cfg: TrainConfig) -> None:
     """Run ``cfg`` on every rank: as one of torchrun's, or spawning them here."""
-    require_checkpoints(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         _init(cfg)
         try:
@@ -73,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse(argv)
         launch(cfg)
-    except (ValueError, TypeError, FileNotFoundError, NotImplementedError,
-            CheckpointsUnavailable) as exc:
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ProcessRaisedException as exc:  # carries the failing rank's traceback

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from parallel.mesh import ParallelMesh
 from parallel.models import GPT, GPTConfig
 from parallel.parallelize import ParallelConfig, ParallelModel, parallelize
-from parallel.tensor.random import model_parallel_seed
+from parallel.rng import seed_streams
 from parallel.train import ckpt
 from parallel.train.config import TrainConfig
 from parallel.train.data import Corpus, derive_seed, load_corpus, train_batch, val_batches
@@ -31,7 +31,7 @@ def parallel_config(cfg: TrainConfig) -> ParallelConfig:
         microbatches=cfg.effective_microbatches(), schedule=cfg.schedule,
         max_grad_norm=cfg.max_grad_norm or None, optimizer=torch.optim.AdamW,
         optimizer_kwargs={"lr": cfg.lr, "betas": (0.9, 0.95)},
-        weight_decay=cfg.weight_decay,
+        weight_decay=cfg.weight_decay, seed=cfg.seed,
         lr_lambda=WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
 
 
@@ -46,15 +46,13 @@ def build(cfg: TrainConfig) -> tuple[ParallelModel, int]:
 
 
 def seed_step(seed: int, step: int, mesh: ParallelMesh) -> None:
-    """Seed dropout for ``step`` from ``(seed, step)`` and this rank's stage and replica,
-    so a resumed run draws the masks the uninterrupted one drew. Replicas and stages get
-    their own masks; TP ranks share the replicated stream and differ on their own heads
-    (:func:`model_parallel_seed`)."""
-    s = derive_seed(seed, "dropout", step, mesh.rank("pp"), mesh.rank("dp")) >> 2
-    if mesh.size("tp") > 1:
-        model_parallel_seed(s, mesh.group("tp"))
-    else:
-        torch.manual_seed(s)
+    """Seed every random stream for ``step`` from ``(seed, step)``, so a resumed run draws
+    the dropout masks the uninterrupted one drew, whatever the generators' state in the
+    checkpoint. :func:`parallel.rng.seed_streams` keeps TP ranks alike on the replicated
+    stream and apart on their own heads, and stages apart; the replica is mixed in here
+    so that data-parallel replicas drop differently, as one process does across its rows."""
+    s = derive_seed(seed, "dropout", step, mesh.rank("dp")) >> 8
+    seed_streams(s, mesh.rank("tp"), mesh.rank("pp"))
 
 
 def validate(engine: ParallelModel, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
