@@ -244,6 +244,23 @@ def test_torchrun_ranks_train_what_one_process_trains(one_process, tiny, text_di
     assert_same_run(out, one_process[0])
 
 
+class ZeroPending(Exception):
+    """The engine refused zero=1..3: not wired into parallelize yet (the lead's work)."""
+
+
+@pytest.mark.xfail(raises=ZeroPending, reason="PENDING the lead: zero=1..3 are not wired "
+                   "into parallelize yet (dp_plan raises NotImplementedError); XPASS = wired")
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_stages_train_what_one_process_trains(one_process, tiny, text_dir, tmp_path, zero):
+    out = tmp_path / "m.jsonl"
+    done = _run([sys.executable, "-m", "parallel.train", *tiny, "--dp", "2", "--zero",
+                 str(zero), "--data", str(text_dir), "--metrics", str(out)])
+    if done.returncode and f"zero={zero} is not wired yet" in done.stderr:
+        raise ZeroPending(done.stderr[-2000:])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert_same_run(out, one_process[0])
+
+
 def test_engine_refusal_is_its_own_message(tiny):
     done = _run([sys.executable, "-m", "parallel.train", *tiny, "--sequence-parallel"])
     assert done.returncode == 2
