@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.zero.param_groups import options
 from parallel.zero.zero_optimizer import ZeroOptimizer
 
 FORMAT = "pycomm.zero/1"
@@ -45,8 +46,22 @@ def _owned_pieces(opt: ZeroOptimizer) -> list[tuple[int, int, int, int, int]]:
     return pieces
 
 
-def _shard_state(opt: ZeroOptimizer, k: int) -> dict[str, Any]:
-    return opt.optimizer.state.get(opt.shard_params[k], {})
+def _state_slices(opt: ZeroOptimizer, k: int, at: int, n: int) -> dict[str, torch.Tensor]:
+    """The optimizer state of elements ``[at, at + n)`` of this rank's shard of bucket
+    ``k`` (views: they lie in one piece, as a parameter's elements share one group)."""
+    j = next(j for j, p in enumerate(opt.pieces) if p.bucket == k and p.start <= at < p.stop)
+    piece, param = opt.pieces[j], opt.piece_params[j]
+    lo = at - piece.start
+    return {key: t[lo : lo + n] for key, t in opt.optimizer.state.get(param, {}).items()
+            if torch.is_tensor(t) and t.shape == param.shape}
+
+
+def _scalar_state(opt: ZeroOptimizer) -> dict[str, Any]:
+    """The state that is not per element (Adam's step count), from the first piece."""
+    if not opt.piece_params:
+        return {}
+    state = opt.optimizer.state.get(opt.piece_params[0], {})
+    return {key: t for key, t in state.items() if not (torch.is_tensor(t) and t.dim() > 0)}
 
 
 def save_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer) -> None:
@@ -57,8 +72,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer) 
     pieces = {}
     for i, k, lo, hi, at in _owned_pieces(opt):
         shard = opt.shard_params[k].detach()
-        state = {key: t[at : at + hi - lo].clone() for key, t in _shard_state(opt, k).items()
-                 if torch.is_tensor(t) and t.shape == shard.shape}
+        state = {key: t.clone() for key, t in _state_slices(opt, k, at, hi - lo).items()}
         pieces[names[i]] = {"lo": lo, "hi": hi, "value": shard[at : at + hi - lo].clone(),
                             "state": state}
     torch.save({"format": FORMAT, "pieces": pieces}, path / f"rank{opt.rank}.pt")
@@ -69,16 +83,13 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer) 
 
 def _meta(model: nn.Module, opt: ZeroOptimizer, names: list[str]) -> dict[str, Any]:
     params = set(names)
-    scalars = {key: t for key, t in _shard_state(opt, 0).items()
-               if not (torch.is_tensor(t) and t.dim() > 0)} if opt.shard_params else {}
     return {
         "format": FORMAT,
         "world": opt.world,
         "shapes": dict(zip(names, map(tuple, opt.param_shapes()), strict=True)),
         "dtype": str(opt.precision.master),
-        "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                         for g in opt.optimizer.param_groups],
-        "scalar_state": scalars,
+        "param_groups": [options(g) for g in opt.param_groups],
+        "scalar_state": _scalar_state(opt),
         "buffers": _buffers(model, params),
     }
 
@@ -119,12 +130,15 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer) 
         diff = sorted(set(shapes.items()) ^ set(meta["shapes"].items()))[:4]
         raise ValueError(f"{path}: checkpoint is from a different model; differing "
                          f"(name, shape) entries include {diff}")
+    if len(meta["param_groups"]) != len(opt.param_groups):
+        raise ValueError(f"{path}: checkpoint has {len(meta['param_groups'])} parameter "
+                         f"groups, the optimizer {len(opt.param_groups)}")
     files = _all_pieces(path, meta["world"])
     with torch.no_grad():
         _restore_values(opt, names, files)
         _restore_state(opt, names, files, meta)
-    for group, saved in zip(opt.optimizer.param_groups, meta["param_groups"], strict=False):
-        group.update(saved)
+    for group, saved in zip(opt.param_groups, meta["param_groups"], strict=True):
+        group.update(saved)  # the inner optimizer's groups follow at the next step
     model.load_state_dict(meta["buffers"], strict=False)
 
 
@@ -152,18 +166,18 @@ def _restore_state(opt: ZeroOptimizer, names: list[str], files: list[dict],
                    meta: dict[str, Any]) -> None:
     """This rank's optimizer state, gathered element range by element range."""
     keys = {key for pieces in files for piece in pieces.values() for key in piece["state"]}
-    for shard in opt.shard_params:  # every shard, even one holding only padding
-        state = opt.optimizer.state.setdefault(shard, {})
+    for param in opt.piece_params:  # every piece, even one holding only padding
+        state = opt.optimizer.state.setdefault(param, {})
         for key in keys:
-            state[key] = torch.zeros_like(shard)
+            state[key] = torch.zeros_like(param)
         for key, value in meta["scalar_state"].items():
             state[key] = value.clone() if torch.is_tensor(value) else value
     for i, k, lo, hi, at in _owned_pieces(opt):
-        state = opt.optimizer.state[opt.shard_params[k]]
+        state = _state_slices(opt, k, at, hi - lo)
         for piece, a, b in _overlapping(files, names[i], lo, hi):
             for key, saved in piece["state"].items():
                 src = saved[a - piece["lo"] : b - piece["lo"]]
-                state[key][at + a - lo : at + b - lo].copy_(src)
+                state[key][a - lo : b - lo].copy_(src)
 
 
 def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
