@@ -52,7 +52,7 @@ class FlatShards:
 
     def __init__(self, params: list[nn.Parameter], stage: int,
                  process_group: dist.ProcessGroup | None, bucket_cap_mb: float,
-                 precision: Precision):
+                 precision: Precision, reduce_in_backward: bool = True):
         if any(hasattr(p, "zero3") or hasattr(p, "zero3_param") for p in params):
             raise ValueError(f"ZeroOptimizer: stage {stage} got parameters of a model from "
                              "shard_model; a sharded model needs stage=3")
@@ -68,7 +68,11 @@ class FlatShards:
         self._bucketer = Bucketer([b.params for b in self.layout.buckets], self._launch)
         self._sync, self._fresh = True, True
         self._end_of_backward = EndOfBackward(self._finalize)
-        on_grad_ready(self.params, self._on_grad_ready)
+        # Deferred (a composed job's finalize_grads reduces, after the tensor-parallel
+        # phase): backward leaves every gradient in .grad for reduce_gradients.
+        self.reduce_in_backward = reduce_in_backward
+        if reduce_in_backward:
+            on_grad_ready(self.params, self._on_grad_ready)
         self._watch = ParamWatch(self.params, self._param_view_of_flat)
 
     # -- setup -------------------------------------------------------------------------------
@@ -213,7 +217,21 @@ class FlatShards:
         """Reduce, now and outside backward, every bucket not reduced yet, from the
         parameters' gradients (stage 1: what ``no_sync`` accumulated; a deferred mode:
         everything), then average as the end of a backward does."""
+        if self.stage == 1 and not self.reduce_in_backward:
+            self._gather_grads_into_arena()
         self._finalize()
+
+    @torch.no_grad()
+    def _gather_grads_into_arena(self) -> None:
+        """Deferred stage 1: the parameters' gradients (left in .grad by backward) into
+        the gradient arena the buckets reduce."""
+        for i, p in enumerate(self.params):
+            view = self._param_view(self.grads.buffer, i)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view if self._grads_are_views else None
 
     @torch.no_grad()
     def adopt_model_writes(self) -> None:

@@ -55,6 +55,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         mixed_precision: compute and communicate in this dtype (``torch.bfloat16``),
             keeping fp32 master shards and optimizer state.
         reduce_dtype: reduce gradients in this dtype (default: ``mixed_precision``).
+        reduce_in_backward: stages 1-2 reduce each bucket as backward fills it (the
+            overlap); False leaves the gradients in ``.grad`` for :meth:`reduce_gradients`
+            (a composed job whose ``finalize_grads`` sums tensor-parallel partial
+            gradients first; a pipeline's many backwards). Stage 3 always reduces units
+            in backward.
         **optimizer_kwargs: defaults for every group, passed to ``optimizer_class``.
 
     ``param_groups`` are the groups given (with every default filled in): an LR
@@ -85,13 +90,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
                  stage: int = 1, process_group: dist.ProcessGroup | None = None,
                  bucket_cap_mb: float = 25, mixed_precision: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, **optimizer_kwargs: Any):
+                 reduce_dtype: torch.dtype | None = None, reduce_in_backward: bool = True,
+                 **optimizer_kwargs: Any):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3 (got {stage!r})")
         groups = normalize_groups(params)
         members = [group_tensors(g) for g in groups]
         self._shards, group_of = _build_shards(members, stage, process_group, bucket_cap_mb,
-                                               mixed_precision, reduce_dtype)
+                                               mixed_precision, reduce_dtype,
+                                               reduce_in_backward)
         self.pieces: list[Piece] = plan_pieces(self._shards.layout, group_of)
         self.piece_params = self._make_piece_params()
         # Which of ``params`` each group holds (by index), and its pieces on this rank.
@@ -196,6 +203,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         step_on_masters(self.optimizer, self.piece_params, self._piece_grads())
         self._shards.publish_shards()
         return loss
+
+    def reduce_gradients(self) -> None:
+        """Reduce the gradients backward left in ``.grad`` (built with
+        ``reduce_in_backward=False``, as a composed job's ``finalize_grads`` does: after
+        the tensor-parallel partial sums). Stage 3 reduces each unit in backward."""
+        if self.stage == 3:
+            return
+        self._shards.reduce_gradients()  # type: ignore[union-attr]
 
     def _copy_options(self) -> None:
         """The groups' options (an LR scheduler writes them) into the inner optimizer."""
@@ -313,6 +328,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 def _build_shards(members: list[list[torch.Tensor]], stage: int,
                   process_group: dist.ProcessGroup | None, bucket_cap_mb: float,
                   mixed_precision: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                  reduce_in_backward: bool = True,
                   ) -> tuple[FlatShards | Stage3Shards, list[int]]:
     """The stage's machinery, and the group of each of its parameters (layout index)."""
     if stage == 3:
@@ -324,5 +340,6 @@ def _build_shards(members: list[list[torch.Tensor]], stage: int,
     master = params[0].dtype if params else torch.float32
     precision = Precision.choose(master, mixed_precision, reduce_dtype)
     group_of = [n for n, tensors in enumerate(members) for _ in tensors]
-    shards = FlatShards(params, stage, process_group, bucket_cap_mb, precision)  # type: ignore[arg-type]
+    shards = FlatShards(params, stage, process_group, bucket_cap_mb, precision,  # type: ignore[arg-type]
+                        reduce_in_backward)
     return shards, group_of
