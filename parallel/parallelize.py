@@ -51,6 +51,7 @@ from parallel.tensor.apply import (
     sum_partial_grads_on_arrival,
 )
 from parallel.tensor.layers import vocab_parallel_cross_entropy
+from parallel.tensor.sharding import mark_tensor_parallel_group
 
 
 @dataclass
@@ -169,6 +170,7 @@ class ParallelModel:
             elif isinstance(layer, HeadLayer):
                 head: Any = layer
                 head.lm_head = parallelize_head(layer.lm_head, self.tp_group, sp)
+        mark_tensor_parallel_group(self.stage, self.tp_group)
 
     def _checkpoint_blocks(self) -> None:
         group = self.tp_group if self.config.partition_activations else None

@@ -87,17 +87,8 @@ class ZeroPlan:
         self.optimizer.reduce_gradients()
 
     def grad_parts(self) -> list[tuple[torch.Tensor, float]]:
-        parts = []
-        grads = self.optimizer.shard_grads
-        for k, bucket in enumerate(self.layout.buckets):
-            mine = bucket.shard_of(self.layout.rank)
-            for i in bucket.params:
-                lo = max(self.layout.offsets[i], mine.start)
-                hi = min(self.layout.offsets[i] + self.layout.numels[i], mine.stop)
-                if lo < hi:
-                    weight = 1.0 / tp_copies(self.params[i], self.mesh)
-                    parts.append((grads[k][lo - mine.start : hi - mine.start], weight))
-        return parts
+        return [(part, 1.0 / tp_copies(self.params[i], self.mesh))
+                for i, part in self.optimizer.grad_parts()]
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from parallel.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from parallel.tensor.sharding import REPLICATED, spec_of
+from parallel.tensor.sharding import REPLICATED, mark_tensor_parallel_group, spec_of
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
@@ -70,6 +70,7 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
                                    recompute_gather)
     if sequence_parallel:
         sum_partial_grads_on_arrival(model, group)
+    mark_tensor_parallel_group(model, group)
     return model
 
 

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.tensor.sharding import model_parallel_groups, replicated_copies
 from parallel.zero import optimizer_state
-from parallel.zero import zero_comms as comms
 from parallel.zero.flat_shards import FlatShards
 from parallel.zero.param_groups import (
     Piece,
@@ -247,14 +247,45 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gradients)."""
         return self._shards.no_sync()
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global 2-norm over every rank's shards; returns that norm."""
-        total = comms.global_sq_norm(self.shard_grads, self.group).sqrt()
-        coef = max_norm / (float(total) + 1e-6)
+    def grad_parts(self) -> list[tuple[int, torch.Tensor]]:
+        """(index in :attr:`params`, the part of this rank's reduced gradient that is that
+        parameter's), for every parameter this rank owns elements of."""
+        parts = []
+        layout, grads = self.layout, self.shard_grads
+        for k, bucket in enumerate(layout.buckets):
+            mine = bucket.shard_of(layout.rank)
+            for i in bucket.params:
+                lo = max(layout.offsets[i], mine.start)
+                hi = min(layout.offsets[i] + layout.numels[i], mine.stop)
+                if lo < hi:
+                    parts.append((i, grads[k][lo - mine.start : hi - mine.start]))
+        return parts
+
+    def clip_grad_norm_(self, max_norm: float, model_parallel_group: Any = None) -> torch.Tensor:
+        """Clip by the global 2-norm of the model's gradient; returns that norm.
+
+        The norm is summed over the data-parallel group's shards and over the model-
+        parallel ranks: by default the tensor-parallel group that
+        :func:`parallel.tensor.apply_tensor_parallel` recorded on the parameters, where a
+        split parameter counts every rank's part and a replicated one counts once.
+        A pipeline (whose stages hold different parameters) passes the group of every
+        tensor- and pipeline-parallel rank as ``model_parallel_group`` (Megatron's
+        ``get_model_parallel_group()``).
+        """
+        weighted = torch.zeros((), dtype=torch.float64)
+        for i, part in self.grad_parts():
+            copies = replicated_copies(self.params[i])
+            weighted += part.double().square().sum() / copies
+        total = weighted.reshape(1)
+        dist.all_reduce(total, group=self.group)
+        for group in model_parallel_groups(self.params, model_parallel_group):
+            dist.all_reduce(total, group=group)
+        norm = total[0].sqrt()
+        coef = max_norm / (float(norm) + 1e-6)
         if coef < 1.0:
             for g in self.shard_grads:
                 g.mul_(coef)
-        return total.to(self.precision.master)
+        return norm.to(self.precision.master)
 
     # -- state ---------------------------------------------------------------------------------
 
