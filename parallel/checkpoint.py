@@ -132,10 +132,11 @@ def load(engine: Any, directory: str | os.PathLike) -> dict[str, Any]:
         for key, value in whole["state"].items():
             is_full = torch.is_tensor(value) and value.shape == whole["param"].shape
             state[key] = spec.shard(value, world_tp, rank_tp) if is_full else value
-        if param.shape != p.shape:
+        if param.shape != engine.shapes[id(p)]:
             raise ValueError(f"checkpoint {saved.dir}: {name} has shape "
                              f"{tuple(whole['param'].shape)}, which this layout splits into "
-                             f"{tuple(param.shape)}, not this model's {tuple(p.shape)}")
+                             f"{tuple(param.shape)}, not this model's "
+                             f"{tuple(engine.shapes[id(p)])}")
         wanted[id(p)] = {"param": param, "state": state}
     engine.dp.load_local_state(wanted)  # collective over dp (ZeRO shards)
     engine.scheduler.load_state_dict(saved.meta["scheduler"])

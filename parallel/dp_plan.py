@@ -15,13 +15,21 @@ from parallel.tensor.sharding import spec_of
 
 
 class DataParallelPlan(Protocol):
-    optimizer: torch.optim.Optimizer
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
 
     def reduce(self) -> None:
         """Phase 2 of finalize_grads: the reduction over ``dp``."""
 
     def grad_parts(self) -> list[tuple[torch.Tensor, float]]:
         """This rank's gradients after the reduction, each with 1 / its copies."""
+
+    def local_state(self, names: dict[int, str]) -> dict[str, Any]:
+        """Each parameter (this rank's TP part, whole over ``dp``) and its optimizer
+        state, by model name (collective over ``dp``)."""
+
+    def load_local_state(self, wanted: dict[int, dict[str, Any]]) -> None:
+        """The inverse, from ``id(parameter)`` -> that (collective over ``dp``)."""
 
 
 def param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
@@ -77,9 +85,11 @@ def _cloned(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
-def build_data_parallel(params: list[nn.Parameter], names: dict[int, str],
-                        mesh: ParallelMesh, config: Any) -> DataParallelPlan:
+def build_data_parallel(stage: nn.Module, params: list[nn.Parameter], mesh: ParallelMesh,
+                        config: Any) -> DataParallelPlan:
     """The plan for ``config.zero`` (0: plain data parallelism)."""
     if config.zero == 0:
         return PlainDataParallel(params, mesh, config)
-    raise NotImplementedError(f"parallelize: zero={config.zero} is not wired yet")
+    from parallel.zero_plan import ZeroPlan  # (it imports this module's helpers)
+
+    return ZeroPlan(stage, params, mesh, config)

@@ -48,8 +48,10 @@ from parallel.tensor.apply import (
     parallelize_embedding,
     parallelize_head,
     partial_grad_params,
+    sum_partial_grads_on_arrival,
 )
 from parallel.tensor.layers import vocab_parallel_cross_entropy
+from parallel.tensor.sharding import mark_tensor_parallel_group
 
 
 @dataclass
@@ -139,10 +141,19 @@ class ParallelModel:
         # After the weights exist: torch's generator then differs per pipeline stage.
         seed_streams(config.seed, mesh.rank("tp"), mesh.rank("pp"))
         self.names = self._model_names()
-        self.dp = build_data_parallel(self.parameters(), self.names, mesh, config)
+        # The parameters as built (ZeRO-3 then replaces the stage's with shards).
+        self.params = [p for p in self.stage.parameters() if p.requires_grad]
+        self.shapes = {id(p): p.shape for p in self.params}
+        partial = partial_grad_params(self.stage) if config.sequence_parallel else []
+        if partial and config.zero == 3:
+            # Stage 3 reduces each unit in backward: partial gradients must be whole by
+            # then, so they are summed as they arrive rather than at phase 1.
+            sum_partial_grads_on_arrival(self.stage, self.tp_group)
+            partial = []
+        self.dp = build_data_parallel(self.stage, self.params, mesh, config)
         self.phases = GradPhases(
-            tp_partial=partial_grad_params(self.stage) if config.sequence_parallel else [],
-            tp_group=self.tp_group, data_parallel=self.dp.reduce, grad_parts=self.dp.grad_parts)
+            tp_partial=partial, tp_group=self.tp_group, data_parallel=self.dp.reduce,
+            grad_parts=self.dp.grad_parts)
         self.optimizer = self.dp.optimizer
         lam = config.lr_lambda or (lambda _step: 1.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lam)
@@ -159,6 +170,7 @@ class ParallelModel:
             elif isinstance(layer, HeadLayer):
                 head: Any = layer
                 head.lm_head = parallelize_head(layer.lm_head, self.tp_group, sp)
+        mark_tensor_parallel_group(self.stage, self.tp_group)
 
     def _checkpoint_blocks(self) -> None:
         group = self.tp_group if self.config.partition_activations else None
@@ -223,7 +235,9 @@ class ParallelModel:
         return float(value) / self.mesh.size("dp")
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.stage.parameters() if p.requires_grad]
+        """This rank's parameters as built (tensor-parallel parts, before any ZeRO-3
+        sharding): what :attr:`names` and :attr:`shapes` know."""
+        return self.params
 
     # -- checkpoints (parallel.checkpoint: keyed by mesh position, any layout loads) ------
 

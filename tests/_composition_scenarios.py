@@ -16,6 +16,7 @@ from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 LR = 0.5
+CLIP = 0.05  # well below the gradient norm: clipping scales every step
 
 
 def _singleton_groups() -> Any:
@@ -124,3 +125,53 @@ def stage3_tp_state_dict() -> dict[str, Any]:
     empty = sorted(k for k, v in got.items() if v.numel() == 0)
     return {"empty": empty, "diff": _max_diff(got, want) if not empty else float("inf"),
             "missing": sorted(set(want) - set(got))}
+
+
+def zero_tp_clip_and_checkpoint(stage: int, path: str) -> dict[str, Any]:
+    """Defects 2 and 7: ZeRO over the DP groups of a TP model (4 ranks: TP pairs [0,1],
+    [2,3]; DP pairs [0,2], [1,3]), one clipped SGD step, then ``save_sharded``. Returns
+    the clip norm's relative error against one process on both replicas' rows, the
+    largest parameter difference after the step, the TP copies' difference of a
+    replicated LayerNorm weight, and (rank 0) how far the consolidated checkpoint is."""
+    from parallel.tensor import (
+        apply_tensor_parallel,
+        gather_tensor_parallel_state_dict,
+        vocab_parallel_cross_entropy,
+    )
+    from parallel.zero import ZeroOptimizer, consolidate, save_sharded, shard_model
+
+    rank = dist.get_rank()
+    tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp, dp = tps[rank // 2], dps[rank % 2]
+    torch.manual_seed(0)
+    dense = GPT(CFG)
+    ref = copy.deepcopy(dense)
+    rows = [synthetic_batch(CFG, 2, seed=10 + replica) for replica in range(2)]
+    net = apply_tensor_parallel(dense, tp, sequence_parallel=True)
+    if stage == 3:
+        net = shard_model(net, dp, persistence_threshold=100)
+    opt = ZeroOptimizer(net.parameters(), torch.optim.SGD, stage=stage, process_group=dp, lr=LR)
+    x, y = rows[rank // 2]
+    vocab_parallel_cross_entropy(net(x).float(), y, tp).mean().backward()
+    norm = float(opt.clip_grad_norm_(CLIP))
+    opt.step()
+    got = gather_tensor_parallel_state_dict(net)
+    want_norm = _dense_step(ref, torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]),
+                            CLIP)
+    ln = got["blocks.0.ln_1.weight"].float().contiguous()
+    copies = [torch.empty_like(ln) for _ in range(2)]
+    dist.all_gather(copies, ln, group=tp)
+    save_sharded(path, net, opt)
+    dist.barrier()  # every TP position's files are written
+    saved: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            full = consolidate(path)
+            saved = {"keys": sorted(set(full) ^ set(ref.state_dict())),
+                     "diff": _max_diff(full, ref.state_dict())
+                     if set(full) >= set(ref.state_dict()) else float("inf")}
+        except (RuntimeError, ValueError, FileNotFoundError) as e:  # reported, not raised:
+            saved = {"keys": [f"consolidate raised {e!r}"], "diff": float("inf")}  # norm too
+    return {"norm": abs(norm / want_norm - 1), "params": _max_diff(got, ref.state_dict()),
+            "replicas": (copies[0] - copies[1]).abs().max().item(), **saved}

@@ -53,7 +53,7 @@ def layout(dp: int, tp: int, pp: int, config: dict[str, Any]) -> list[tuple[floa
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)
     config = {"microbatches": 2 if pp > 1 else 1, **config}
     engine = parallelize(model, mesh, ParallelConfig(
-        max_grad_norm=CLIP, weight_decay=DECAY, lr_lambda=lr_lambda, **config))
+        **{"max_grad_norm": CLIP, "weight_decay": DECAY, "lr_lambda": lr_lambda, **config}))
     out = []
     for step in range(STEPS):
         r = engine.train_step(*batch(step))
@@ -81,3 +81,25 @@ def recompute_gradients(dp: int, tp: int, pp: int, sequence_parallel: bool) -> f
         grads.append({engine.names[id(p)]: p.grad.clone() for p in engine.parameters()})
         mesh.destroy()
     return max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0])
+
+
+def layout_with_checkpoint(dp: int, tp: int, pp: int, zero: int, path: str,
+                           mode: str) -> list[float]:
+    """``mode="save"``: STEPS + 1 steps, checkpointing after step 2; ``"load"``: resume
+    from that checkpoint and run the steps after it. Returns the losses run."""
+    from parallel.mesh import ParallelMesh
+    from parallel.parallelize import ParallelConfig, parallelize
+
+    torch.manual_seed(0)
+    mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)
+    engine = parallelize(GPT(CFG), mesh, ParallelConfig(
+        zero=zero, microbatches=2 if pp > 1 else 1, max_grad_norm=CLIP, weight_decay=DECAY,
+        lr_lambda=lr_lambda))
+    first = engine.load(path)["step"] if mode == "load" else 0
+    losses = []
+    for step in range(first, STEPS + 1):
+        losses.append(engine.train_step(*batch(step)).loss)
+        if mode == "save" and step + 1 == 2:
+            engine.save(path, {"step": 2})
+    mesh.destroy()
+    return losses

@@ -3,7 +3,8 @@ Megatron or DeepSpeed would) train the same model as one process, or refuse clea
 
 Each test pins down one defect found by an outside review (failing before its fix):
 ZeRO over a tensor-parallel model with sequence parallelism, a data-parallel pipeline
-stage, and a ZeRO-3 model's tensor-parallel state dict. The composed engine
+stage, a ZeRO-3 model's tensor-parallel state dict, ZeRO's gradient clipping and its
+checkpoint files under tensor parallelism. The composed engine
 (``parallel.parallelize``) is tested against one process in tests/test_parallelize.py.
 """
 
@@ -62,3 +63,23 @@ def test_tensor_parallel_state_dict_of_a_stage3_model_is_whole(pool2):
 
 def sc_run(pool: RankPool, fn, *args):
     return pool.run(fn, *args, timeout_s=180)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_clips_by_the_norm_of_the_whole_tensor_parallel_model(pool4, tmp_path, stage):
+    """``clip_grad_norm_`` summed over the DP group only: 21% too small at TP = 2, and
+    the TP copies of replicated weights diverged."""
+    results = sc_run(pool4, sc.zero_tp_clip_and_checkpoint, stage, str(tmp_path / "ckpt"))
+    for rank, r in enumerate(results):
+        assert r["norm"] < TOL, f"rank {rank}: norm off by {r['norm']:.3g} (relative)"
+        assert r["params"] < TOL, f"rank {rank}: parameters differ by {r['params']:.3g}"
+        assert r["replicas"] == 0.0, f"rank {rank}: TP copies differ by {r['replicas']:.3g}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_checkpoint_keeps_every_tensor_parallel_rank(pool4, tmp_path, stage):
+    """``save_sharded`` named files by DP rank only, so the TP ranks overwrote each
+    other's: the consolidated checkpoint must be the whole model after the step."""
+    r = sc_run(pool4, sc.zero_tp_clip_and_checkpoint, stage, str(tmp_path / "ckpt"))[0]
+    assert r["keys"] == [], r["keys"]
+    assert r["diff"] < TOL, f"consolidated checkpoint off by {r['diff']:.3g}"

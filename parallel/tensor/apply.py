@@ -27,7 +27,7 @@ from parallel.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from parallel.tensor.sharding import REPLICATED, spec_of
+from parallel.tensor.sharding import REPLICATED, mark_tensor_parallel_group, spec_of
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
@@ -69,7 +69,8 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
     gpt.lm_head = parallelize_head(gpt.lm_head, group, sequence_parallel, parallel_output,
                                    recompute_gather)
     if sequence_parallel:
-        _sum_partial_grads_after_backward(model, group)
+        sum_partial_grads_on_arrival(model, group)
+    mark_tensor_parallel_group(model, group)
     return model
 
 
@@ -124,7 +125,7 @@ def _sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
     return list(dict.fromkeys(out))
 
 
-def _sum_partial_grads_after_backward(model: nn.Module, group: Group) -> None:
+def sum_partial_grads_on_arrival(model: nn.Module, group: Group) -> None:
     """Each partial gradient is summed over the group as it arrives, before autograd
     accumulates it: whatever else handles the gradient afterwards (a data-parallel
     bucket, ZeRO packing it into a shard and dropping ``.grad``) sees the whole one, and

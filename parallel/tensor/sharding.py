@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -51,3 +52,38 @@ def spec_of(param: torch.Tensor) -> TPSpec:
 def mark(param: nn.Parameter | None, spec: TPSpec) -> None:
     if param is not None:
         param.tp_spec = spec  # type: ignore[attr-defined]
+
+
+def mark_tensor_parallel_group(module: nn.Module, group: object) -> None:
+    """Record on every parameter of ``module`` the tensor-parallel group it lives in,
+    split or not: whoever reduces over the whole model (a global gradient norm) then
+    counts a split parameter's parts on every rank and a replicated one once."""
+    for p in module.parameters():
+        p.tp_group = group  # type: ignore[attr-defined]
+
+
+def tensor_parallel_group_of(param: torch.Tensor) -> object | None:
+    """The group recorded by :func:`mark_tensor_parallel_group`, or None."""
+    return getattr(param, "tp_group", None)
+
+
+def replicated_copies(param: torch.Tensor) -> int:
+    """How many tensor-parallel ranks hold this same gradient: the group's size for a
+    replicated parameter of a tensor-parallel model, else 1."""
+    group = tensor_parallel_group_of(param)
+    if group is None or spec_of(param).dim is not None:
+        return 1
+    return dist.get_world_size(group)  # type: ignore[arg-type]
+
+
+def model_parallel_groups(params: list[nn.Parameter], override: object = None) -> list[object]:
+    """The groups, beyond data parallelism, a sum over the whole model runs over:
+    ``override`` if given, else each distinct tensor-parallel group of ``params``."""
+    if override is not None:
+        return [override]
+    seen: dict[int, object] = {}
+    for p in params:
+        group = tensor_parallel_group_of(p)
+        if group is not None:
+            seen.setdefault(id(group), group)
+    return list(seen.values())

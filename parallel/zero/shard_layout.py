@@ -65,6 +65,7 @@ class ShardLayout:
     def _place(self, numels: list[int], groups: Sequence[Sequence[int]], world: int, rank: int,
                dtype: torch.dtype) -> None:
         self.world, self.rank, self.dtype = world, rank, dtype
+        self.numels = numels
         self.offsets = [0] * len(numels)
         self.buckets: list[BucketSpan] = []
         start = 0

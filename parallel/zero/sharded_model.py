@@ -31,7 +31,7 @@ from parallel.zero import zero_comms as comms
 from parallel.zero.shard_layout import ShardLayout
 from parallel.zero.slot_pool import SlotPool
 from parallel.zero.unit_grads import UnitGradReducer
-from parallel.zero.units import UnitPlan, plan_units
+from parallel.zero.units import Unit, plan_units
 from pycomm._backend import _extension
 from pycomm.flat_arena import Arena
 
@@ -46,31 +46,6 @@ def _on_first_grad(output: Any, fn: Any) -> None:
     outs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
     if outs:
         torch.autograd.graph.register_multi_grad_hook(outs, lambda _grad: fn(), mode="any")
-
-
-class Unit:
-    """One unit: its parameters, where they sit in the unit's flat buffer, its shard."""
-
-    def __init__(self, index: int, plan: UnitPlan, params: list[nn.Parameter], ids: list[int],
-                 layout: ShardLayout, k: int):
-        self.index, self.module, self.persistent = index, plan.module, plan.persistent
-        self.names, self.params, self.ids = plan.names, params, ids
-        span = layout.buckets[k]
-        self.shard_numel = span.shard
-        self.full_numel = span.shard * layout.world
-        self.offsets = [layout.offsets[i] - span.start for i in ids]
-        self.position = {i: j for j, i in enumerate(ids)}  # global index -> place in the unit
-        self.shapes = [p.shape for p in params]  # kept: the parameters become empty
-        self.homes: list[torch.Tensor] = []  # full-shape tensors bound to the gathered slot
-        self.shard: nn.Parameter  # master values of this rank's shard
-        self.comm_shard: torch.Tensor  # the shard in the compute dtype (the same tensor in fp32)
-        self.slot: torch.Tensor | None = None  # the gathered unit, while it is in memory
-        self.pending: Any = None  # a gather in flight
-        self.bound = False  # the parameters point into ``slot``
-
-    def piece(self, buffer: torch.Tensor, j: int) -> torch.Tensor:
-        """Parameter ``j``'s elements in a whole-unit buffer."""
-        return buffer[self.offsets[j] : self.offsets[j] + self.shapes[j].numel()]
 
 
 class ShardedModel:
@@ -109,6 +84,7 @@ class ShardedModel:
         self.order: list[int] | None = None  # unit indices in forward order (first step)
         self._recording: list[int] = []
         self._persistent_stale = True
+        self._versions = [u.shard._version for u in self.units]  # as last published
         # gathers issued, of them started ahead by prefetch, and most units gathered at once
         self.stats = {"gathers": 0, "prefetches": 0, "max_gathered_units": 0}
         self.reducer = UnitGradReducer(self)
@@ -132,17 +108,21 @@ class ShardedModel:
                 self.pool.give(full)
 
     def _detach_params(self) -> None:
-        """The originals leave ``_parameters`` (plain attributes now, holding no memory);
-        each unit's module registers its shard instead."""
+        """The originals leave ``_parameters`` (plain attributes now, holding no memory,
+        tagged so an optimizer can place them); each unit's module registers its shard."""
         for u in self.units:
-            for name, p in zip(u.names, u.params, strict=True):
+            for name, p, i in zip(u.names, u.params, u.ids, strict=True):
                 owner, _, attr = name.rpartition(".")
                 module = self.model.get_submodule(owner)
                 del module._parameters[attr]
                 module.__dict__[attr] = p
                 p.data = self._empty
-            u.module.register_parameter(PERSISTENT_SHARD_NAME if u.persistent else SHARD_NAME,
-                                        u.shard)
+                p.zero3_param = (self, i)  # type: ignore[attr-defined]
+            u.module.register_parameter(self._shard_name(u), u.shard)
+
+    @staticmethod
+    def _shard_name(u: Unit) -> str:
+        return PERSISTENT_SHARD_NAME if u.persistent else SHARD_NAME
 
     def _make_homes(self) -> None:
         self._empty = torch.empty(0, dtype=self.compute_dtype)
@@ -184,6 +164,7 @@ class ShardedModel:
     # -- forward ---------------------------------------------------------------------------------
 
     def _begin_forward(self, _module: nn.Module, args: Any, kwargs: Any) -> Any:
+        self.adopt_model_writes()
         if self._persistent_stale:
             for u in self.units:
                 if u.persistent:
@@ -299,6 +280,27 @@ class ShardedModel:
                 for u in self.units:
                     u.comm_shard.copy_(u.shard)
         self._persistent_stale = True
+        self._versions = [u.shard._version for u in self.units]
+
+    @torch.no_grad()
+    def adopt_model_writes(self) -> None:
+        """Publish shards written outside a step (``model.load_state_dict``: their version
+        counters moved; ``assign=True``: another tensor is registered, whose values are
+        copied into the shard, which is registered again), so no forward gathers stale
+        compute-dtype copies or a stale persistent unit."""
+        replaced = False
+        for u in self.units:
+            current = u.module._parameters.get(self._shard_name(u))
+            if current is not u.shard and current is not None:
+                if current.shape != u.shard.shape:
+                    raise ValueError(f"shard_model: unit {u.index}'s shard was replaced by a "
+                                     f"tensor of shape {tuple(current.shape)}; it has "
+                                     f"shape {tuple(u.shard.shape)}")
+                u.shard.copy_(current)
+                u.module.register_parameter(self._shard_name(u), u.shard)
+                replaced = True
+        if replaced or [u.shard._version for u in self.units] != self._versions:
+            self.publish_shards()
 
     # -- reporting -------------------------------------------------------------------------------
 

@@ -12,26 +12,50 @@ those.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from parallel.grad_hooks import EndOfBackward, on_grad_ready
 from parallel.zero import zero_comms as comms
+from parallel.zero.shard_layout import ShardLayout
+from parallel.zero.slot_pool import SlotPool
+from parallel.zero.units import Unit
 from pycomm.bucketer import Bucketer
 from pycomm.flat_arena import Arena
 
-if TYPE_CHECKING:
-    from parallel.zero.sharded_model import ShardedModel, Unit
-
 MAX_IN_FLIGHT = 2
+
+
+class UnitHost(Protocol):
+    """What the reducer uses of the sharded model that owns it (``ShardedModel``): its
+    units and their buffers, and when it may free a unit's gathered parameters."""
+
+    group: dist.ProcessGroup | None
+    world: int
+    dtype: torch.dtype
+    layout: ShardLayout
+    params: list[nn.Parameter]
+    units: list[Unit]
+    unit_of: dict[int, Unit]
+    pool: SlotPool
+
+    def backward_unit_order(self) -> list[int]: ...
+
+    def shard_views(self, arena: Arena) -> list[torch.Tensor]: ...
+
+    def release(self, u: Unit) -> None: ...
+
+    def release_all(self) -> None: ...
 
 
 class UnitGradReducer:
     """Owns the reduced gradient shards (``shard_grads``, in the reduce dtype) and fills
     them every backward; the optimizer steps on them (see ``step_on_masters``)."""
 
-    def __init__(self, engine: ShardedModel):
+    def __init__(self, engine: UnitHost):
         self.engine = engine
         self.set_reduce_dtype(engine.dtype)
         self._op, self._divide_after = comms.averaging_op(engine.group)

@@ -1,4 +1,5 @@
-"""Which parameters stage 3 gathers together: one unit per layer, plus the small ones.
+"""Which parameters stage 3 gathers together (one unit per layer, plus the small ones),
+and the :class:`Unit` each becomes.
 
 A unit is the set of parameters one all-gather brings in before a module's forward (and
 again before its backward) and frees after. By default every child of an
@@ -14,8 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import nn
+
+from parallel.zero.shard_layout import ShardLayout
 
 
 @dataclass
@@ -90,3 +95,28 @@ def _innermost_unit(model: nn.Module, module_name: str, plans: dict[int, UnitPla
         if inside and prefix.count(".") + (prefix != "") > depth:
             best, depth = plan, prefix.count(".") + (prefix != "")
     return best
+
+
+class Unit:
+    """One unit: its parameters, where they sit in the unit's flat buffer, its shard."""
+
+    def __init__(self, index: int, plan: UnitPlan, params: list[nn.Parameter], ids: list[int],
+                 layout: ShardLayout, k: int):
+        self.index, self.module, self.persistent = index, plan.module, plan.persistent
+        self.names, self.params, self.ids = plan.names, params, ids
+        span = layout.buckets[k]
+        self.shard_numel = span.shard
+        self.full_numel = span.shard * layout.world
+        self.offsets = [layout.offsets[i] - span.start for i in ids]
+        self.position = {i: j for j, i in enumerate(ids)}  # global index -> place in the unit
+        self.shapes = [p.shape for p in params]  # kept: the parameters become empty
+        self.homes: list[torch.Tensor] = []  # full-shape tensors bound to the gathered slot
+        self.shard: nn.Parameter  # master values of this rank's shard
+        self.comm_shard: torch.Tensor  # the shard in the compute dtype (the same tensor in fp32)
+        self.slot: torch.Tensor | None = None  # the gathered unit, while it is in memory
+        self.pending: Any = None  # a gather in flight
+        self.bound = False  # the parameters point into ``slot``
+
+    def piece(self, buffer: torch.Tensor, j: int) -> torch.Tensor:
+        """Parameter ``j``'s elements in a whole-unit buffer."""
+        return buffer[self.offsets[j] : self.offsets[j] + self.shapes[j].numel()]

@@ -14,7 +14,7 @@ Group = dist.ProcessGroup | None
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
-__all__ = ["all_gather_shard", "averaging_op", "broadcast_flat", "gather_unit", "global_sq_norm",
+__all__ = ["all_gather_shard", "averaging_op", "broadcast_flat", "gather_unit",
            "reduce_scatter_bucket"]
 
 
@@ -33,16 +33,6 @@ def all_gather_shard(full: torch.Tensor, rank: int, group: Group) -> Any:
     shard = full.numel() // dist.get_world_size(group)
     mine = full[rank * shard : (rank + 1) * shard]
     return _all_gather(full, mine, group=group, async_op=True)
-
-
-def global_sq_norm(shards: list[torch.Tensor], group: Group) -> torch.Tensor:
-    """Sum over all ranks of the squared elements of every rank's shards (float64)."""
-    local = torch.zeros((), dtype=torch.float64)
-    for s in shards:
-        local += s.double().square().sum()
-    total = local.reshape(1)
-    dist.all_reduce(total, group=group)
-    return total[0]
 
 
 def gather_unit(full: torch.Tensor, shard: torch.Tensor, group: Group) -> Any:

@@ -1,58 +1,53 @@
-"""ZeRO-DP stages 1 and 2: optimizer state (and gradients) partitioned across ranks.
+"""``ZeroOptimizer``: a ``torch.optim.Optimizer`` whose state is partitioned across ranks.
 
-Stage 1: every rank keeps the whole gradient in a gradient arena, all-reduced in
-buckets during backward (as data parallel), but optimizer state only for its shard of
-each bucket; after its step it all-gathers the updated shards back into the parameters.
-Stage 2: each bucket's gradients are packed into one of two constant-size bucket
-buffers and reduce-scattered straight into the rank's gradient shard as soon as the
-bucket is complete; the full gradients are freed then, so a rank holds ``1/world`` of
-the gradients plus the buckets in flight.
-
-Parameters live in one flat buffer laid out by :class:`ShardLayout`; on a pycomm group
-it is shared memory, so the all-gathers read peers' shards in place.
+It wraps an inner ``torch.optim`` optimizer that steps only this rank's ``1/world`` of
+the parameters (ZeRO's P_os). The stage-specific machinery is a collaborator:
+:class:`FlatShards` for stages 1 and 2 (the model's parameters become views of one flat
+buffer; gradients are all-reduced, or reduce-scattered, in buckets during backward) and
+:class:`Stage3Shards` for stage 3 (a model from :func:`shard_model` owns the shards).
+This class holds what every stage shares: the parameter groups a user (and an LR
+scheduler) sees, the inner optimizer over this rank's pieces of each group
+(:mod:`parallel.zero.param_groups`), the step, clipping and the ``state_dict``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.grad_hooks import EndOfBackward, move_grad_into, on_grad_ready
-from parallel.zero import zero_comms as comms
+from parallel.tensor.sharding import model_parallel_groups, replicated_copies
+from parallel.zero import optimizer_state
+from parallel.zero.flat_shards import FlatShards
+from parallel.zero.param_groups import (
+    Piece,
+    check_params,
+    group_tensors,
+    normalize_groups,
+    options,
+    plan_pieces,
+)
 from parallel.zero.precision import Precision, step_on_masters
-from parallel.zero.shard_layout import ShardLayout
-from pycomm.bucketer import Bucketer
-from pycomm.flat_arena import Arena
-
-MB = 1 << 20
+from parallel.zero.stage3_shards import Stage3Shards, engine_of, group_of_params
 
 
-def _check_params(params: list[Any]) -> list[nn.Parameter]:
-    if any(isinstance(p, dict) for p in params):
-        raise TypeError("ZeroOptimizer: pass parameters, not parameter groups (dicts)")
-    seen: dict[int, int] = {}
-    for i, p in enumerate(params):
-        if id(p) in seen:
-            raise ValueError(f"ZeroOptimizer: parameter {i} is the same tensor as parameter "
-                             f"{seen[id(p)]}; pass each parameter once")
-        seen[id(p)] = i
-    if len({p.dtype for p in params}) > 1:
-        dtypes = sorted({str(p.dtype) for p in params})
-        raise ValueError(f"ZeroOptimizer: parameters must share one dtype, got {dtypes}")
-    return params
-
-
-class ZeroOptimizer:
+class ZeroOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer_class`` so each rank keeps state only for its ``1/world`` shard.
 
     Args:
-        params: the model's parameters (each once), all of one dtype.
-        optimizer_class: any ``torch.optim`` optimizer (AdamW, Adam, SGD, ...).
+        params: the model's parameters (each once, all of one dtype), or parameter
+            groups as torch takes them (``[{"params": decay, "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0}]``); per-group options apply to
+            this rank's shards of that group's parameters. Stage 3: the sharded model's
+            ``parameters()``, or its original parameters collected before
+            :func:`shard_model` (to group them), each in exactly one group. Parameters
+            that do not require grad are left out. Stages 1-2 lay buckets out in the
+            order given (last first), so list parameters in the model's order.
+        optimizer_class: an elementwise ``torch.optim`` optimizer (AdamW, Adam, SGD, ...).
         stage: 1 (optimizer state sharded), 2 (also gradients) or 3 (also parameters:
             pass the parameters of a model from :func:`parallel.zero.shard_model`).
         process_group: the data-parallel group (None: default).
@@ -60,258 +55,322 @@ class ZeroOptimizer:
         mixed_precision: compute and communicate in this dtype (``torch.bfloat16``),
             keeping fp32 master shards and optimizer state.
         reduce_dtype: reduce gradients in this dtype (default: ``mixed_precision``).
-        **optimizer_kwargs: passed to ``optimizer_class``.
+        reduce_in_backward: stages 1-2 reduce each bucket as backward fills it (the
+            overlap); False leaves the gradients in ``.grad`` for :meth:`reduce_gradients`
+            (a composed job whose ``finalize_grads`` sums tensor-parallel partial
+            gradients first; a pipeline's many backwards). Stage 3 always reduces units
+            in backward.
+        **optimizer_kwargs: defaults for every group, passed to ``optimizer_class``.
+
+    ``param_groups`` are the groups given (with every default filled in): an LR
+    scheduler, or a write to ``param_groups[i]["lr"]``, takes effect at the next
+    :meth:`step`, which copies every group's options to the inner optimizer
+    (``self.optimizer``, whose ``state`` is also :attr:`state`: this rank's pieces).
+    Weights written into the model (``model.load_state_dict``) are noticed at the next
+    step and become the masters' values (stage 3: at the next forward, also after
+    ``assign=True``; stages 1-2: build the optimizer after an ``assign=True`` load, as
+    for any torch optimizer); load them on every rank.
 
     Raises:
         ValueError: a stage other than 1-3, a parameter passed twice, mixed dtypes,
             shards of a sharded model below stage 3 or plain parameters at stage 3.
+        TypeError: a group that is not a dict with ``"params"``.
 
     Example::
 
-        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
-        opt.zero_grad(); loss.backward(); opt.clip_grad_norm_(1.0); opt.step()
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        opt = ZeroOptimizer([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}],
+                            torch.optim.AdamW, stage=2, lr=1e-3)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+        opt.zero_grad(); loss.backward(); opt.clip_grad_norm_(1.0); opt.step(); sched.step()
     """
 
-    def __new__(cls, params: Any = None, optimizer_class: Any = None, stage: int = 1,
-                *args: Any, **kwargs: Any) -> ZeroOptimizer:
-        if cls is ZeroOptimizer and stage == 3:  # the model is sharded: another machine
-            from parallel.zero.stage3_optimizer import Stage3Optimizer
-
-            return super().__new__(Stage3Optimizer)
-        return super().__new__(cls)
-
-    def __init__(self, params: Iterable[nn.Parameter], optimizer_class: type[torch.optim.Optimizer],
+    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
                  stage: int = 1, process_group: dist.ProcessGroup | None = None,
                  bucket_cap_mb: float = 25, mixed_precision: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, **optimizer_kwargs: Any):
+                 reduce_dtype: torch.dtype | None = None, reduce_in_backward: bool = True,
+                 **optimizer_kwargs: Any):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroOptimizer: stage must be 1, 2 or 3 (got {stage!r})")
-        self.stage, self.group = stage, process_group
-        self.params = _check_params([p for p in params if p.requires_grad])
-        if any(hasattr(p, "zero3") for p in self.params):
-            raise ValueError(f"ZeroOptimizer: stage {stage} got the shards of a model from "
-                             "shard_model; a sharded model needs stage=3")
-        self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        master = self.params[0].dtype if self.params else torch.float32
-        self.precision = Precision.choose(master, mixed_precision, reduce_dtype)
-        cap = int(bucket_cap_mb * MB)
-        self.layout = ShardLayout(self.params, self.world, self.rank, cap, self.precision.compute)
-        self._op, self._divide_after = comms.averaging_op(process_group)
-        self._adopt_params()
-        self._make_grad_buffers(self.precision.reduce)
-        self.optimizer = optimizer_class(self.shard_params, **optimizer_kwargs)
-        self._bucketer = Bucketer([b.params for b in self.layout.buckets], self._launch)
-        self._sync, self._fresh = True, True
-        self._end_of_backward = EndOfBackward(self._finalize)
-        on_grad_ready(self.params, self._on_grad_ready)
+        groups = normalize_groups(params)
+        members = [group_tensors(g) for g in groups]
+        self._shards, group_of = _build_shards(members, stage, process_group, bucket_cap_mb,
+                                               mixed_precision, reduce_dtype,
+                                               reduce_in_backward)
+        self.pieces: list[Piece] = plan_pieces(self._shards.layout, group_of)
+        self.piece_params = self._make_piece_params()
+        # Which of ``params`` each group holds (by index), and its pieces on this rank.
+        self.group_params = [[i for i, g in enumerate(group_of) if g == n]
+                             for n in range(len(groups))]
+        inner_groups = [{**options(group), "params": self._pieces_of(n)}
+                        for n, group in enumerate(groups)]
+        self.optimizer = optimizer_class(inner_groups, **optimizer_kwargs)
+        self._frozen = False
+        super().__init__(groups, dict(self.optimizer.defaults))
+        self._frozen = True  # the layout is fixed: no group can be added later
+        self.state = self.optimizer.state
 
-    # -- setup -------------------------------------------------------------------------------
+    def _make_piece_params(self) -> list[nn.Parameter]:
+        """The inner optimizer's parameters: each piece of a master shard (the shard
+        itself when one piece covers it, so a single group steps whole shards)."""
+        out = []
+        for piece in self.pieces:
+            shard = self._shards.shard_params[piece.bucket]
+            whole = piece.start == 0 and piece.stop == shard.numel()
+            out.append(shard if whole else nn.Parameter(shard.detach()[piece.start : piece.stop]))
+        return out
 
-    def _param_view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return buffer[self.layout.offsets[i] : self.layout.offsets[i] + p.numel()].view_as(p)
+    def _pieces_of(self, group: int) -> list[nn.Parameter]:
+        return [q for q, piece in zip(self.piece_params, self.pieces, strict=True)
+                if piece.group == group]
 
-    def _adopt_params(self) -> None:
-        """Move every parameter into the flat buffer (rank 0's values everywhere); the
-        optimizer's parameters are this rank's shards of it, or fp32 copies of them."""
-        prec, shards = self.precision, [b.shard_of(self.rank) for b in self.layout.buckets]
-        with torch.no_grad():
-            flat = Arena.for_group(self.layout.numel, prec.master, self.group)
-            for i, p in enumerate(self.params):
-                self._param_view(flat.buffer, i).copy_(p)
-            comms.broadcast_flat(flat.buffer, self.group)
-            self.masters: Arena | None = None
-            if prec.mixed:
-                self.masters = Arena(self.layout.shard_numel, prec.master)
-                master_views = [self.masters.allocate(s.stop - s.start) for s in shards]
-                for view, s in zip(master_views, shards, strict=True):
-                    view.copy_(flat.buffer[s])
-                low = Arena.for_group(self.layout.numel, prec.compute, self.group)
-                low.buffer.copy_(flat.buffer)
-                flat = low  # the whole fp32 copy is dropped here
-            self.flat = flat
-            for i, p in enumerate(self.params):
-                p.data = self._param_view(self.flat.buffer, i)
-        masters = master_views if prec.mixed else [self.flat.buffer[s] for s in shards]
-        self.shard_params = [nn.Parameter(m) for m in masters]
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only while constructing: the shard layout of every parameter is fixed then.
 
-    def _make_grad_buffers(self, dtype: torch.dtype) -> None:
-        shards = [self.flat.buffer[b.shard_of(self.rank)] for b in self.layout.buckets]
-        # Stage 1 keeps whole gradients, every .grad a view (as parallel.data); when they
-        # are reduced in another dtype than computed, each is added into its view instead.
-        self._grads_are_views = self.precision.reduce == self.precision.compute
-        if self.stage == 1:
-            self.grads = Arena.for_group(self.layout.numel, dtype, self.group)
-            self._point_grads_at_views()
-            shard_grads = [self.grads.buffer[b.shard_of(self.rank)] for b in self.layout.buckets]
-        else:  # only this rank's shards, plus two bucket buffers for packing
-            self.grads = Arena(self.layout.shard_numel, dtype)
-            shard_grads = [self.grads.allocate(s.numel()) for s in shards]
-            biggest = max((b.shard * self.world for b in self.layout.buckets), default=0)
-            self._bucket_buffers = [Arena.for_group(biggest, dtype, self.group) for _ in range(2)]
-            self._free = [a.buffer for a in self._bucket_buffers]
-            self._in_flight: list[tuple[Any, torch.Tensor]] = []
-            self._scratch: torch.Tensor | None = None
-        self.shard_grads = shard_grads
+        Raises:
+            RuntimeError: after construction (build a new ZeroOptimizer instead).
+        """
+        if self._frozen:
+            raise RuntimeError("ZeroOptimizer.add_param_group: parameters are laid out in "
+                               "shards when the optimizer is built; build a new "
+                               "ZeroOptimizer with every group instead")
+        super().add_param_group(param_group)
 
-    def _point_grads_at_views(self) -> None:
-        for i, p in enumerate(self.params):
-            p.grad = self._param_view(self.grads.buffer, i) if self._grads_are_views else None
+    # -- what the stage machinery holds ---------------------------------------------------------
 
-    # -- backward ------------------------------------------------------------------------------
+    @property
+    def stage(self) -> int:
+        return self._shards.stage
 
-    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
-        if self.stage == 1:
-            view = self._param_view(self.grads.buffer, i)
-            if self._grads_are_views:
-                move_grad_into(param, view)
-            elif param.grad is not None:
-                view.add_(param.grad)
-                param.grad = None
-        if not self._sync:
-            return
-        self._end_of_backward.request()
-        self._bucketer.mark_ready(i)
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self._shards.group
 
-    def _launch(self, k: int) -> Any:
-        bucket = self.layout.buckets[k]
-        if self.stage == 1:
-            full = self.grads.buffer[bucket.full(self.world)]
-            return dist.all_reduce(full, op=self._op, group=self.group, async_op=True)
-        base = self._take_buffer()
-        buffer = base[: bucket.shard * self.world]
-        used = 0
-        for i in bucket.params:
-            p = self.params[i]
-            start = self.layout.offsets[i] - bucket.start
-            target = buffer[start : start + p.numel()]
-            if p.grad is None:  # no gradient this backward: it contributes zeros
-                target.zero_()
-            else:
-                target.copy_(p.grad.reshape(-1))
-            used = max(used, start + p.numel())
-            p.grad = None  # the full gradient is not kept (stage 2)
-        buffer[used:].zero_()
-        out = self.shard_grads[k] if self._fresh else self._scratch_for(k)
-        work = comms.reduce_scatter_bucket(out, buffer, self._op, self.group)
-        self._in_flight.append((work, base))
-        return work
+    @property
+    def world(self) -> int:
+        return self._shards.world
 
-    def _take_buffer(self) -> torch.Tensor:
-        """A free bucket buffer; if both are in flight, wait for the older."""
-        if not self._free:
-            work, base = self._in_flight.pop(0)
-            work.wait()
-            self._free.append(base)
-        return self._free.pop(0)
+    @property
+    def rank(self) -> int:
+        return self._shards.rank
 
-    def _scratch_for(self, k: int) -> torch.Tensor:
-        """Where a reduce-scatter lands when gradients accumulate over several backwards."""
-        if self._scratch is None:
-            self._scratch = torch.empty(self.layout.shard_numel, dtype=self.grads.dtype)
-        offsets = self.layout.local_offsets()
-        return self._scratch[offsets[k] : offsets[k] + self.layout.buckets[k].shard]
+    @property
+    def precision(self) -> Precision:
+        return self._shards.precision
 
-    def _finalize(self) -> None:
-        missing = self._bucketer.missing_items()
-        for i in missing:  # parameters without a gradient this backward contribute zeros
-            self._bucketer.mark_ready(i)
-        self._bucketer.wait()
-        self._bucketer.reset()
-        if self.stage == 2:
-            self._in_flight.clear()
-            self._free = [a.buffer for a in self._bucket_buffers]
-        # What this backward produced: the gradients themselves, or (accumulating in
-        # stage 2) the scratch that is added to them. Without AVG (gloo) it is a sum.
-        added = self._scratch if self.stage == 2 and not self._fresh else self.grads.buffer
-        if self._divide_after and added is not None:
-            added.div_(self.world)
-        if added is not self.grads.buffer and added is not None:
-            self.grads.buffer.add_(added)
-        self._fresh = False
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """Every parameter, in layout index order (stage 3: the original parameters)."""
+        return self._shards.params
 
-    # -- the step ------------------------------------------------------------------------------
+    @property
+    def layout(self) -> Any:
+        return self._shards.layout
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """Step on this rank's shards, then all-gather every bucket's updated shards."""
-        step_on_masters(self.optimizer, self.shard_params, self.shard_grads)
-        self.publish_shards()
+    @property
+    def shard_params(self) -> list[nn.Parameter]:
+        """This rank's master shard of each bucket (stage 3: unit), in layout order."""
+        return self._shards.shard_params
 
-    @torch.no_grad()
-    def publish_shards(self) -> None:
-        """Every rank's (updated) shards into every rank's parameters."""
-        if self.precision.mixed:
-            for b, master in zip(self.layout.buckets, self.shard_params, strict=True):
-                self.flat.buffer[b.shard_of(self.rank)].copy_(master)
-        works = [comms.all_gather_shard(self.flat.buffer[b.full(self.world)], self.rank, self.group)
-                 for b in self.layout.buckets]
-        for work in works:
-            work.wait()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients (stage 1: the arena, in place, so the views stay; stage 2:
-        the next backward overwrites this rank's shards)."""
-        if self.stage == 1:
-            self.grads.buffer.zero_()
-            self._point_grads_at_views()
-        else:
-            for p in self.params:
-                p.grad = None
-            self.grads.buffer.zero_()  # a backward that reaches no bucket leaves zeros
-        self._fresh = True
-
-    @contextmanager
-    def no_sync(self) -> Any:
-        """Stage 1 only: accumulate whole gradients locally; the next backward outside
-        reduces the sum (stage 2 reduces every backward: it keeps no whole gradients)."""
-        if self.stage != 1:
-            raise RuntimeError("ZeroOptimizer.no_sync: stage 2 keeps no whole gradients to "
-                               "accumulate; just call backward again (shards accumulate)")
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global 2-norm over every rank's shards; returns that norm."""
-        total = comms.global_sq_norm(self.shard_grads, self.group).sqrt()
-        coef = max_norm / (float(total) + 1e-6)
-        if coef < 1.0:
-            for g in self.shard_grads:
-                g.mul_(coef)
-        return total.to(self.precision.master)
+    @property
+    def shard_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient of each bucket (stage 3: unit)."""
+        return self._shards.shard_grads
 
     def param_shapes(self) -> list[torch.Size]:
         """The shape of each of :attr:`params` (checkpoints)."""
-        return [p.shape for p in self.params]
+        return self._shards.param_shapes()
 
     def param_names(self, model: nn.Module) -> list[str]:
         """The qualified name in ``model`` of each of :attr:`params` (checkpoints)."""
-        by_id = {id(p): n for n, p in model.named_parameters()}
-        missing = [i for i, p in enumerate(self.params) if id(p) not in by_id]
-        if missing:
-            raise ValueError(f"zero checkpoint: optimizer parameters {missing} are not in "
-                             "the model")
-        return [by_id[id(p)] for p in self.params]
+        return self._shards.param_names(model)
 
-    # -- reporting -----------------------------------------------------------------------------
+    # -- the step --------------------------------------------------------------------------------
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step on this rank's pieces with each group's current options, then publish the
+        new values (stages 1-2: all-gather them into every rank's parameters; stage 3:
+        the next forward gathers them). Returns ``closure()``'s loss, if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._shards.adopt_model_writes()
+        self._copy_options()
+        step_on_masters(self.optimizer, self.piece_params, self._piece_grads())
+        self._shards.publish_shards()
+        return loss
+
+    def reduce_gradients(self) -> None:
+        """Reduce the gradients backward left in ``.grad`` (built with
+        ``reduce_in_backward=False``, as a composed job's ``finalize_grads`` does: after
+        the tensor-parallel partial sums). Stage 3 reduces each unit in backward."""
+        if self.stage == 3:
+            return
+        self._shards.reduce_gradients()  # type: ignore[union-attr]
+
+    def _copy_options(self) -> None:
+        """The groups' options (an LR scheduler writes them) into the inner optimizer."""
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
+            inner.update(options(outer))
+
+    def _piece_grads(self) -> list[torch.Tensor]:
+        grads = self._shards.shard_grads
+        return [grads[p.bucket] if q is self.shard_params[p.bucket] else
+                grads[p.bucket][p.start : p.stop] for p, q in zip(self.pieces, self.piece_params,
+                                                                   strict=True)]
+
+    def publish_shards(self) -> None:
+        """Every rank's master shards into the parameters (after writing the masters)."""
+        self._shards.publish_shards()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's: every parameter's ``.grad`` (the groups', stage 3's original
+        parameters' and this rank's pieces') becomes None, or is zeroed in place if it
+        exists; the reduced gradients are zeroed either way, and the next backward
+        overwrites them (instead of accumulating)."""
+        self._shards.zero_grad()
+        super().zero_grad(set_to_none)
+        for p in [*self.params, *self.piece_params]:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        """Stage 1 only: accumulate whole gradients locally; the next backward outside
+        reduces the sum (stages 2 and 3 reduce every backward: they keep no whole
+        gradients)."""
+        return self._shards.no_sync()
+
+    def grad_parts(self) -> list[tuple[int, torch.Tensor]]:
+        """(index in :attr:`params`, the part of this rank's reduced gradient that is that
+        parameter's), for every parameter this rank owns elements of."""
+        parts = []
+        layout, grads = self.layout, self.shard_grads
+        for k, bucket in enumerate(layout.buckets):
+            mine = bucket.shard_of(layout.rank)
+            for i in bucket.params:
+                lo = max(layout.offsets[i], mine.start)
+                hi = min(layout.offsets[i] + layout.numels[i], mine.stop)
+                if lo < hi:
+                    parts.append((i, grads[k][lo - mine.start : hi - mine.start]))
+        return parts
+
+    def clip_grad_norm_(self, max_norm: float, model_parallel_group: Any = None) -> torch.Tensor:
+        """Clip by the global 2-norm of the model's gradient; returns that norm.
+
+        The norm is summed over the data-parallel group's shards and over the model-
+        parallel ranks: by default the tensor-parallel group that
+        :func:`parallel.tensor.apply_tensor_parallel` recorded on the parameters, where a
+        split parameter counts every rank's part and a replicated one counts once.
+        A pipeline (whose stages hold different parameters) passes the group of every
+        tensor- and pipeline-parallel rank as ``model_parallel_group`` (Megatron's
+        ``get_model_parallel_group()``).
+        """
+        weighted = torch.zeros((), dtype=torch.float64)
+        for i, part in self.grad_parts():
+            copies = replicated_copies(self.params[i])
+            weighted += part.double().square().sum() / copies
+        total = weighted.reshape(1)
+        dist.all_reduce(total, group=self.group)
+        for group in model_parallel_groups(self.params, model_parallel_group):
+            dist.all_reduce(total, group=group)
+        norm = total[0].sqrt()
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for g in self.shard_grads:
+                g.mul_(coef)
+        return norm.to(self.precision.master)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state, to resume at the same world size, stage and layout:
+        the inner optimizer's state of this rank's pieces (step counts included), the
+        fp32 master shards under mixed precision at stages 1-2 (elsewhere the masters
+        are the model's own parameters: save ``model.state_dict()`` beside it), and
+        every group's options. Tensors are references, as torch's are: save it (one
+        file per rank) or copy it before training on.
+
+        To resume on another world size, or to get a plain full model, use
+        :func:`parallel.zero.save_sharded` / :func:`load_sharded` / :func:`consolidate`
+        instead: they store element ranges by parameter name.
+        """
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        self._shards.adopt_model_writes()  # masters of weights loaded since the last step
+        masters = None if self._shards.masters_in_model else [m.detach()
+                                                                for m in self.shard_params]
+        state = {
+            **self._signature(),
+            "param_groups": [{**options(g), "params": list(ids)}
+                             for g, ids in zip(self.param_groups, self.group_params, strict=True)],
+            "inner": self.optimizer.state_dict(),
+            "masters": masters,
+        }
+        for post in self._optimizer_state_dict_post_hooks.values():
+            state = post(self, state) or state
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved on this rank (before or after loading
+        the model's weights). Collective under mixed precision at stages 1-2 (the
+        loaded masters are all-gathered into the parameters): call it on every rank.
+
+        Raises:
+            ValueError: the state is not a ZeroOptimizer's, or is from another world size,
+                rank, stage, precision, optimizer class, layout or grouping.
+        """
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
+        optimizer_state.check(self._signature(), state_dict)
+        self.optimizer.load_state_dict(state_dict["inner"])
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update(options(saved))
+        self._copy_options()
+        if state_dict["masters"] is not None:
+            with torch.no_grad():
+                for mine, saved in zip(self.shard_params, state_dict["masters"], strict=True):
+                    mine.copy_(saved)
+            self.publish_shards()
+            self._shards.adopt_model_writes()  # what publishing wrote is the optimizer's own
+        for post in self._optimizer_load_state_dict_post_hooks.values():
+            post(self)
+
+    def _signature(self) -> dict[str, Any]:
+        return optimizer_state.signature(self.stage, self.world, self.rank, self.precision,
+                                         self.optimizer, self.layout, self.pieces,
+                                         self.group_params)
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds for parameters (compute dtype), fp32 master shards
-        (mixed precision), reduced gradients, optimizer state and buckets."""
+        (mixed precision), reduced gradients, optimizer state and buckets (stage 3:
+        pooled whole-unit buffers, and their peak)."""
         state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                     for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        buckets = sum(a.stats()["reserved_bytes"] for a in getattr(self, "_bucket_buffers", []))
-        return {
-            "param_bytes": self.flat.stats()["reserved_bytes"],
-            "master_bytes": self.masters.stats()["reserved_bytes"] if self.masters else 0,
-            "grad_bytes": self.grads.stats()["reserved_bytes"],
-            "optimizer_state_bytes": state,
-            "bucket_bytes": buckets,
-        }
+        return self._shards.memory_stats(state)
+
+
+def _build_shards(members: list[list[torch.Tensor]], stage: int,
+                  process_group: dist.ProcessGroup | None, bucket_cap_mb: float,
+                  mixed_precision: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                  reduce_in_backward: bool = True,
+                  ) -> tuple[FlatShards | Stage3Shards, list[int]]:
+    """The stage's machinery, and the group of each of its parameters (layout index)."""
+    if stage == 3:
+        engine = engine_of([p for tensors in members for p in tensors])
+        group_of = group_of_params(engine, members)
+        precision = Precision.choose(engine.dtype, mixed_precision, reduce_dtype)
+        return Stage3Shards(engine, process_group, precision), group_of
+    params = check_params([p for tensors in members for p in tensors])
+    master = params[0].dtype if params else torch.float32
+    precision = Precision.choose(master, mixed_precision, reduce_dtype)
+    group_of = [n for n, tensors in enumerate(members) for _ in tensors]
+    shards = FlatShards(params, stage, process_group, bucket_cap_mb, precision,  # type: ignore[arg-type]
+                        reduce_in_backward)
+    return shards, group_of
