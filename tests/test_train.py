@@ -244,20 +244,10 @@ def test_torchrun_ranks_train_what_one_process_trains(one_process, tiny, text_di
     assert_same_run(out, one_process[0])
 
 
-class ZeroPending(Exception):
-    """The engine refused zero=1..3: not wired into parallelize yet (the lead's work)."""
-
-
-@pytest.mark.xfail(raises=ZeroPending, reason="PENDING the lead: zero=1..3 are not wired "
-                   "into parallelize yet (dp_plan raises NotImplementedError); XPASS = wired")
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_stages_train_what_one_process_trains(one_process, tiny, text_dir, tmp_path, zero):
     out = tmp_path / "m.jsonl"
-    done = _run([sys.executable, "-m", "parallel.train", *tiny, "--dp", "2", "--zero",
-                 str(zero), "--data", str(text_dir), "--metrics", str(out)])
-    if done.returncode and f"zero={zero} is not wired yet" in done.stderr:
-        raise ZeroPending(done.stderr[-2000:])
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    train(*tiny, "--dp", "2", "--zero", str(zero), "--data", text_dir, "--metrics", out)
     assert_same_run(out, one_process[0])
 
 
@@ -281,10 +271,12 @@ def test_layouts_table_compares_with_one_process(tiny, text_dir, tmp_path):
 
 
 @pytest.mark.parametrize("saved_in, resumed_in, dropout", [
-    ([], ["--dp", "2"], "0"),
-    (["--tp", "2", "--pp", "2"], [], "0"),
+    (["--dp", "2", "--tp", "2"], ["--tp", "2", "--pp", "2"], "0"),
+    (["--dp", "2", "--tp", "2", "--zero", "2"], [], "0"),
+    (["--dp", "2", "--zero", "3"], ["--dp", "2", "--zero", "1"], "0"),
     ([], [], "0.1"),
-], ids=["1x1x1-to-2x1x1", "1x2x2-to-1x1x1", "1x1x1-to-1x1x1-dropout"])
+], ids=["2x2x1-to-1x2x2", "2x2x1-zero2-to-1x1x1", "2x1x1-zero3-to-2x1x1-zero1",
+        "1x1x1-to-1x1x1-dropout"])
 def test_resume_continues_the_uninterrupted_run(tiny, text_dir, tmp_path, saved_in, resumed_in,
                                                 dropout):
     """Save at step 3 of 6; resume in another layout (or, with dropout, in the same one):
