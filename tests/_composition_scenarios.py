@@ -175,3 +175,118 @@ def zero_tp_clip_and_checkpoint(stage: int, path: str) -> dict[str, Any]:
             saved = {"keys": [f"consolidate raised {e!r}"], "diff": float("inf")}  # norm too
     return {"norm": abs(norm / want_norm - 1), "params": _max_diff(got, ref.state_dict()),
             "replicas": (copies[0] - copies[1]).abs().max().item(), **saved}
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def pipeline_recompute_tp_dropout(schedule: str) -> dict[str, float]:
+    """Defect 4: a 2-stage pipeline of tensor-parallel blocks with dropout 0.1 (4 ranks:
+    TP pairs [0,1], [2,3]; pipeline pairs [0,2], [1,3]), recomputing every micro-batch
+    (``checkpoint="always"``) or keeping activations: the gradients must be identical,
+    so backward must draw the TP dropout streams' masks forward drew."""
+    from dataclasses import replace
+
+    from parallel.pipeline import Pipeline
+    from parallel.tensor import apply_tensor_parallel, model_parallel_seed
+
+    rank = dist.get_rank()
+    tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp, pp = tps[rank // 2], pps[rank % 2]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, CFG.block_size, CFG.n_embd, generator=gen)
+    y = torch.randn(4, CFG.block_size, CFG.n_embd, generator=gen)
+    grads = []
+    for mode in ("never", "always"):
+        torch.manual_seed(0)
+        dense = GPT(replace(CFG, n_layer=4, dropout=0.1))
+        apply_tensor_parallel(dense, tp)
+        pipe = Pipeline(nn.Sequential(*dense.blocks), [2, 2], chunks=2, checkpoint=mode,
+                        schedule=schedule, process_group=pp)
+        model_parallel_seed(7, tp)  # the same streams, from the same state, for both runs
+        pipe.step(x, y, nn.functional.mse_loss)
+        grads.append(_grads(pipe.stage))
+    return {"diff": _max_diff(grads[1], grads[0])}
+
+
+def partitioned_activations_with_sp() -> dict[str, Any]:
+    """Defect 5: ``P_a`` (the checkpointed input partitioned over TP) on a sequence-
+    parallel block, whose input differs across TP ranks (2 ranks). Either refused with an
+    error naming sequence parallelism, or the gradients of the unpartitioned run."""
+    from dataclasses import replace
+
+    from parallel.recompute import checkpoint
+    from parallel.tensor import apply_tensor_parallel
+
+    cfg = replace(CFG, dropout=0.0)
+    gen = torch.Generator().manual_seed(3 + dist.get_rank())  # this rank's sequence shard
+    x = torch.randn(2, cfg.block_size // 2, cfg.n_embd, generator=gen, requires_grad=True)
+    grads, error = [], ""
+    for group in (None, dist.group.WORLD):
+        torch.manual_seed(0)
+        block = apply_tensor_parallel(GPT(cfg), dist.group.WORLD, sequence_parallel=True
+                                      ).blocks[0]
+        try:
+            checkpoint(block, x, partition_group=group).square().mean().backward()
+        except ValueError as e:
+            error = str(e)
+            break
+        grads.append(_grads(block))
+    diff = _max_diff(grads[1], grads[0]) if len(grads) == 2 else None
+    return {"error": error, "diff": diff}
+
+
+def zero_optimizer_contract() -> dict[str, Any]:
+    """Defect 8 (2 ranks): ZeroOptimizer as a torch Optimizer: param groups (weight decay
+    on matrices only) against torch's AdamW, a LambdaLR scheduler, and state_dict
+    round trips; and weights loaded into the model after a mixed-precision stage-1 step
+    must survive the next step. Each check reports what went wrong instead of raising."""
+    from parallel.zero import ZeroOptimizer
+
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    ref = copy.deepcopy(net)
+    x = torch.randn(6, 8)
+
+    def groups(m: nn.Module) -> list[dict[str, Any]]:
+        ps = list(m.parameters())
+        return [{"params": [p for p in ps if p.dim() > 1], "weight_decay": 0.1},
+                {"params": [p for p in ps if p.dim() <= 1], "weight_decay": 0.0}]
+
+    try:
+        opt = ZeroOptimizer(groups(net), torch.optim.AdamW, stage=2, lr=0.01)
+        out["is_optimizer"] = isinstance(opt, torch.optim.Optimizer)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+        want_opt = torch.optim.AdamW(groups(ref), lr=0.01)
+        want_sched = torch.optim.lr_scheduler.LambdaLR(want_opt, lambda s: 1.0 / (s + 1))
+        for _ in range(3):
+            for m, o, s in ((net, opt, sched), (ref, want_opt, want_sched)):
+                o.zero_grad()
+                m(x).square().mean().backward()
+                o.step()
+                s.step()
+        out["groups"] = _max_diff(dict(net.named_parameters()), dict(ref.named_parameters()))
+        state = opt.state_dict()
+        opt.load_state_dict(state)
+        out["state_dict"] = sorted(state)
+    except (TypeError, AttributeError, ValueError, KeyError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    try:
+        torch.manual_seed(0)
+        low = nn.Linear(8, 8)  # the optimizer makes its parameters bf16 views
+        mixed = ZeroOptimizer(low.parameters(), torch.optim.SGD, stage=1, lr=0.1,
+                              mixed_precision=torch.bfloat16, reduce_dtype=torch.float32)
+        wanted = {k: torch.full_like(v, 0.5) for k, v in low.state_dict().items()}
+        low(x.bfloat16()).float().square().mean().backward()
+        mixed.step()
+        low.load_state_dict(wanted)
+        mixed.zero_grad()
+        (low(x.bfloat16()).float().sum() * 0).backward()
+        mixed.step()  # a zero gradient: nothing may change
+        out["loaded"] = _max_diff(low.state_dict(), wanted)
+    except (TypeError, AttributeError, ValueError, RuntimeError) as e:
+        out["loaded_error"] = f"{type(e).__name__}: {e}"
+    return out
