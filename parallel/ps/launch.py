@@ -1,0 +1,122 @@
+"""``python -m parallel.ps.launch --servers S --workers W [--replicas R] -- CMD ...``:
+a parameter-server job on this host: the scheduler (in this process), S server
+processes and W worker processes running CMD with ``PS_RANK`` set.
+
+On many hosts, start each process yourself with ``PS_ROLE=scheduler|server|worker`` and
+``PS_SCHEDULER=host:port`` (``python -m parallel.ps.launch --role-from-env``), as
+ps-lite's ``DMLC_ROLE``. Exits with the first failing worker's status (a worker that was
+killed on purpose is reported by the scheduler, not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from parallel.ps.config import JobConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m parallel.ps.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=0, help="copies of each range beyond "
+                   "its primary (chain of the next R servers on the ring)")
+    p.add_argument("--consistency", choices=["bsp", "ssp", "async"], default="bsp")
+    p.add_argument("--tau", type=int, default=0, help="ssp: the largest lead, in steps")
+    p.add_argument("--scheduler", default="", help="host:port or ipc:// (default: an ipc "
+                   "socket in a temporary folder)")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--role-from-env", action="store_true", help="run the one role "
+                   "PS_ROLE names (multi-host)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
+    return p
+
+
+class Job:
+    """The processes of one local job; servers may be added while it runs."""
+
+    def __init__(self, cfg: JobConfig, cmd: list[str]):
+        self.cfg, self.cmd = cfg, cmd
+        self.env = {**os.environ, **cfg.env(), "PYTHONUNBUFFERED": "1"}
+        self.servers: list[subprocess.Popen[Any]] = []
+        self.workers: list[subprocess.Popen[Any]] = []
+
+    def spawn_server(self) -> None:
+        env = {**self.env, "PS_ROLE": "server"}
+        self.servers.append(subprocess.Popen([sys.executable, "-m", "parallel.ps.server"],
+                                             env=env))
+
+    def spawn_worker(self, rank: int) -> None:
+        env = {**self.env, "PS_ROLE": "worker", "PS_RANK": str(rank)}
+        self.workers.append(subprocess.Popen(self.cmd, env=env))
+
+    def finish(self) -> int:
+        """Wait for the workers; stop every process still alive."""
+        codes = [w.wait() for w in self.workers]
+        for p in self.servers:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+        failed = [c for c in codes if c not in (0, -signal.SIGKILL)]
+        return failed[0] if failed else 0
+
+    def kill_all(self) -> None:
+        for p in [*self.workers, *self.servers]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.role_from_env:
+        return _run_role()
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        build_parser().error("give the worker command after --")
+    with tempfile.TemporaryDirectory(prefix="ps-") as tmp:
+        cfg = JobConfig(args.scheduler or f"ipc://{tmp}/scheduler", args.servers, args.workers,
+                        args.replicas, args.consistency, args.tau, args.heartbeat_timeout,
+                        args.timeout)
+        from parallel.ps.scheduler import Scheduler
+
+        job = Job(cfg, cmd)
+        scheduler = Scheduler(cfg, spawn_server=job.spawn_server)
+        try:
+            for _ in range(cfg.servers):
+                job.spawn_server()
+            for rank in range(cfg.workers):
+                job.spawn_worker(rank)
+            scheduler.run()
+            return job.finish()
+        finally:
+            job.kill_all()
+
+
+def _run_role() -> int:
+    role = os.environ.get("PS_ROLE", "")
+    if role == "scheduler":
+        from parallel.ps.scheduler import Scheduler
+
+        return Scheduler(JobConfig.from_env()).run()
+    if role == "server":
+        from parallel.ps.server import main as server_main
+
+        server_main()
+        return 0
+    raise SystemExit(f"ps: PS_ROLE must be scheduler or server here (got {role!r}); a "
+                     "worker is your own program, using parallel.ps.KVWorker")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

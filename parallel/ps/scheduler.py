@@ -1,0 +1,291 @@
+"""The scheduler: registers servers and workers, gives servers their ids and the ring,
+watches heartbeats, and changes the ring when a server dies or joins (prepare: the
+servers copy the rows new holders lack; commit: everyone switches). It also runs
+barriers, checkpoints, and ends the job when every live worker is done.
+
+Workers and servers talk to it over one ROUTER; a node is known by the name it
+registered under (``server{i}``, ``worker{r}``); heartbeats come on a socket of their
+own (``...-hb``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from parallel.ps import wire
+from parallel.ps.config import JobConfig, address
+from parallel.ps.node import send
+from parallel.ps.ring import Ring
+
+
+@dataclass
+class Node:
+    name: str
+    identity: bytes
+    endpoint: str = ""
+    pid: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class Scheduler:
+    def __init__(self, cfg: JobConfig, log: Callable[[str], None] | None = None,
+                 spawn_server: Callable[[], None] | None = None):
+        self.cfg = cfg
+        self.log = log or (lambda m: print(f"ps scheduler: {m}", file=sys.stderr, flush=True))
+        self.spawn_server = spawn_server
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 500)
+        self.sock.bind(address(cfg.scheduler))
+        self.servers: dict[int, Node] = {}
+        self.workers: dict[int, Node] = {}
+        self.dead_workers: list[int] = []
+        self.dead_servers: list[int] = []
+        self.done: set[int] = set()
+        self.started = False
+        self.epoch = 0
+        self.ring: Ring | None = None
+        self.change: dict[str, Any] | None = None  # the ring change under way
+        self.joining: list[Node] = []
+        self.barrier: dict[int, bytes] = {}
+        self.checkpoint: dict[str, Any] | None = None
+        self.stats_wait: dict[str, Any] | None = None
+        self.events: list[dict[str, Any]] = []
+
+    def run(self) -> int:
+        """Serve until every live worker is done; 0, or 1 if no worker is left alive."""
+        try:
+            while True:
+                if self.sock.poll(100):
+                    self._receive(self.sock.recv_multipart())
+                self._watch()
+                if self.started and len(self.done) + len(self.dead_workers) == self.cfg.workers:
+                    break
+            for node in self.servers.values():
+                send(self.sock, {"op": "stop"}, to=node.identity)
+            return 0 if self.done else 1
+        finally:
+            time.sleep(0.2)
+            self.sock.close(linger=500)
+            self.ctx.term()
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def _receive(self, frames: list[bytes]) -> None:
+        who = frames[0]
+        try:
+            header, _ = wire.unpack(frames[1:])
+        except wire.WireError as e:
+            self.log(f"dropped a bad message from {who!r}: {e}")
+            return
+        op = header["op"]
+        if op == "heartbeat":
+            self._heard(str(header.get("node", "")))
+            return
+        handler = getattr(self, f"_on_{op}", None)
+        if handler is None:
+            self.log(f"unknown op {op!r} from {who!r}")
+            return
+        handler(who, header)
+
+    def _heard(self, name: str) -> None:
+        for node in [*self.servers.values(), *self.workers.values()]:
+            if node.name == name:
+                node.last_seen = time.monotonic()
+
+    def _on_register(self, who: bytes, header: dict[str, Any]) -> None:
+        if header.get("role") == "server":
+            node = Node("", who, str(header["endpoint"]), int(header.get("pid", 0)))
+            if self.started:
+                self.joining.append(node)
+                self._next_change()
+            else:
+                sid = len(self.servers)
+                node.name = f"server{sid}"
+                self.servers[sid] = node
+        else:
+            rank = int(header["rank"])
+            if not 0 <= rank < self.cfg.workers or rank in self.workers:
+                send(self.sock, {"op": "error", "message": f"worker rank {rank} is out of "
+                                 f"[0, {self.cfg.workers}) or taken"}, to=who)
+                return
+            self.workers[rank] = Node(f"worker{rank}", who, pid=int(header.get("pid", 0)))
+        if (not self.started and len(self.servers) == self.cfg.servers
+                and len(self.workers) == self.cfg.workers):
+            self._start()
+
+    def _members(self) -> dict[str, Any]:
+        assert self.ring is not None
+        return {"ring": self.ring.spec(), "epoch": self.epoch,
+                "endpoints": {str(s): self.servers[s].endpoint for s in self.ring.ids}}
+
+    def _start(self) -> None:
+        self.ring = Ring(sorted(self.servers), self.cfg.replicas)
+        self.started = True
+        for node in [*self.servers.values(), *self.workers.values()]:
+            node.last_seen = time.monotonic()  # heartbeats start with the job
+        for sid, node in self.servers.items():
+            send(self.sock, {"op": "start", "sid": sid, **self._members()}, to=node.identity)
+        for node in self.workers.values():
+            send(self.sock, {"op": "start", **self._members()}, to=node.identity)
+        self.log(f"started: {len(self.servers)} servers, {len(self.workers)} workers, "
+                 f"replicas {self.ring.replicas}, {self.cfg.consistency}"
+                 f"{f' tau={self.cfg.tau}' if self.cfg.consistency == 'ssp' else ''}")
+
+    # -- liveness ----------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        if not self.started:
+            return
+        now = time.monotonic()
+        late = self.cfg.heartbeat_timeout_s
+        for sid, node in list(self.servers.items()):
+            if now - node.last_seen > late and sid not in self.dead_servers:
+                self.dead_servers.append(sid)
+                self._event("server_dead", server=sid, pid=node.pid)
+                self._next_change()
+        for rank, node in list(self.workers.items()):
+            if (now - node.last_seen > late and rank not in self.dead_workers
+                    and rank not in self.done):
+                self.dead_workers.append(rank)
+                self._event("worker_dead", worker=rank, pid=node.pid)
+                live = [w for w in self.workers if w not in self.dead_workers]
+                for s in self._live_servers():
+                    send(self.sock, {"op": "workers", "live": live}, to=self.servers[s].identity)
+                for w in live:
+                    send(self.sock, {"op": "worker_dead", "worker": rank},
+                         to=self.workers[w].identity)
+                self._release_barrier()
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.events.append({"event": kind, **fields})
+        self.log(f"{kind}: {fields}")
+
+    def _live_servers(self) -> list[int]:
+        return [s for s in self.servers if s not in self.dead_servers]
+
+    # -- ring changes ------------------------------------------------------------------------
+
+    def _next_change(self) -> None:
+        """Start a ring change if none is under way: servers that died leave, servers that
+        registered join."""
+        if self.change is not None or not self.started:
+            return
+        for node in self.joining:
+            sid = max(self.servers) + 1
+            node.name, node.last_seen = f"server{sid}", time.monotonic()
+            self.servers[sid] = node
+            send(self.sock, {"op": "start", "sid": sid, **self._members()}, to=node.identity)
+            self._event("server_joined", server=sid)
+        self.joining = []
+        ids = self._live_servers()
+        assert self.ring is not None
+        if sorted(ids) == self.ring.ids:
+            return
+        if not ids:
+            self.log("every server is dead: the job cannot go on")
+            raise SystemExit(1)
+        ring = Ring(ids, self.cfg.replicas)
+        self.change = {"ring": ring, "epoch": self.epoch + 1, "waiting": set(ids)}
+        # Servers joining copy nothing out, but prepare too (they hold no rows yet).
+        members = {"ring": ring.spec(), "epoch": self.epoch + 1,
+                   "endpoints": {str(s): self.servers[s].endpoint for s in ids}}
+        for s in ids:
+            send(self.sock, {"op": "prepare", **members}, to=self.servers[s].identity)
+
+    def _on_prepared(self, _: bytes, header: dict[str, Any]) -> None:
+        if self.change is None or int(header["epoch"]) != self.change["epoch"]:
+            return
+        self.change["waiting"].discard(int(header["sid"]))
+        if self.change["waiting"]:
+            return
+        self.ring, self.epoch = self.change["ring"], self.change["epoch"]
+        self.change = None
+        members = self._members()
+        for s in self._live_servers():
+            send(self.sock, {"op": "commit", **members}, to=self.servers[s].identity)
+        for w, node in self.workers.items():
+            if w not in self.dead_workers:
+                send(self.sock, {"op": "ring", **members}, to=node.identity)
+        self._event("ring", epoch=self.epoch, servers=self.ring.ids)
+        self._next_change()
+
+    def _on_add_server(self, who: bytes, header: dict[str, Any]) -> None:
+        if self.spawn_server is None:
+            send(self.sock, {"op": "error", "id": header.get("id"), "message":
+                             "add_server: this scheduler cannot start processes (it was not "
+                             "started by parallel.ps.launch); start a server with "
+                             "PS_ROLE=server and it joins"}, to=who)
+            return
+        self.spawn_server()
+        send(self.sock, {"op": "ok", "id": header.get("id")}, to=who)
+
+    # -- barriers, checkpoints, the end --------------------------------------------------------
+
+    def _on_barrier(self, who: bytes, header: dict[str, Any]) -> None:
+        self.barrier[int(header["worker"])] = who
+        self._release_barrier()
+
+    def _release_barrier(self) -> None:
+        live = {w for w in self.workers if w not in self.dead_workers and w not in self.done}
+        if self.barrier and live <= set(self.barrier):
+            for who in self.barrier.values():
+                send(self.sock, {"op": "barrier_done"}, to=who)
+            self.barrier = {}
+
+    def _on_checkpoint(self, who: bytes, header: dict[str, Any]) -> None:
+        path = str(header["path"])
+        os.makedirs(path, exist_ok=True)
+        self.checkpoint = {"who": who, "id": header.get("id"), "path": path,
+                           "waiting": set(self._live_servers())}
+        for s in self._live_servers():
+            send(self.sock, {"op": "checkpoint", "path": path}, to=self.servers[s].identity)
+
+    def _on_checkpointed(self, _: bytes, header: dict[str, Any]) -> None:
+        if self.checkpoint is None:
+            return
+        self.checkpoint["waiting"].discard(int(header["sid"]))
+        if not self.checkpoint["waiting"]:
+            torch.save({"servers": self._live_servers(), "epoch": self.epoch},
+                       os.path.join(self.checkpoint["path"], "job.pt"))
+            send(self.sock, {"op": "ok", "id": self.checkpoint["id"]}, to=self.checkpoint["who"])
+            self.checkpoint = None
+
+    def _on_stats(self, who: bytes, header: dict[str, Any]) -> None:
+        if "sid" in header:  # a server's answer
+            if self.stats_wait is not None:
+                self.stats_wait["got"][int(header["sid"])] = header
+                if set(self.stats_wait["got"]) >= set(self._live_servers()):
+                    got = self.stats_wait["got"]
+                    send(self.sock, {"op": "stats", "id": self.stats_wait["id"],
+                                     "applied": sum(int(h["applied"]) for h in got.values()),
+                                     "servers": sorted(got), "events": self.events,
+                                     "server_pids": {str(s): self.servers[s].pid
+                                                     for s in self._live_servers()}},
+                         to=self.stats_wait["who"])
+                    self.stats_wait = None
+            return
+        self.stats_wait = {"who": who, "id": header.get("id"), "got": {}}
+        for s in self._live_servers():
+            send(self.sock, {"op": "stats"}, to=self.servers[s].identity)
+
+    def _on_done(self, _: bytes, header: dict[str, Any]) -> None:
+        self.done.add(int(header["worker"]))
+        self._release_barrier()
+
+
+def main() -> None:
+    cfg = JobConfig.from_env()
+    sys.exit(Scheduler(cfg).run())
+
+
+if __name__ == "__main__":
+    main()
