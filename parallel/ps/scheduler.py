@@ -55,6 +55,7 @@ class Scheduler:
         self.ring: Ring | None = None
         self.change: dict[str, Any] | None = None  # the ring change under way
         self.joining: list[Node] = []
+        self.adding: list[tuple[bytes, Any, int]] = []  # add_server callers waiting
         self.barrier: dict[int, bytes] = {}
         self.checkpoint: dict[str, Any] | None = None
         self.stats_wait: dict[str, Any] | None = None
@@ -216,6 +217,12 @@ class Scheduler:
             if w not in self.dead_workers:
                 send(self.sock, {"op": "ring", **members}, to=node.identity)
         self._event("ring", epoch=self.epoch, servers=self.ring.ids)
+        waiting, self.adding = self.adding, []
+        for who, rid, known in waiting:
+            if len(self.servers) > known:  # the server spawned for it has joined
+                send(self.sock, {"op": "ok", "id": rid, "servers": self.ring.ids}, to=who)
+            else:
+                self.adding.append((who, rid, known))
         self._next_change()
 
     def _on_add_server(self, who: bytes, header: dict[str, Any]) -> None:
@@ -226,7 +233,7 @@ class Scheduler:
                              "PS_ROLE=server and it joins"}, to=who)
             return
         self.spawn_server()
-        send(self.sock, {"op": "ok", "id": header.get("id")}, to=who)
+        self.adding.append((who, header.get("id"), len(self.servers)))  # answered when in
 
     # -- barriers, checkpoints, the end --------------------------------------------------------
 

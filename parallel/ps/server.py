@@ -391,7 +391,8 @@ class Server:
         mid = self._new_id()
         self.migrations.add(mid)
         send(self._peer(target), {"op": "migrate", "mid": mid, "table": table.spec.as_dict(),
-                                  "state": names, "pending": entries}, tensors)
+                                  "state": names, "pending": entries,
+                                  "vc": self.vc.as_dict()}, tensors)
 
     def _on_migrate(self, who: bytes, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         table = self._declare(TableSpec.from_dict(header["table"]))
@@ -399,6 +400,8 @@ class Server:
         n = 4 + len(names)
         table.insert(Rows.from_tensors(tensors[:n], names))
         rest = tensors[n:]
+        for worker, clock in header.get("vc", {}).items():  # a joining server's clocks
+            self.vc.advance(int(worker), int(clock))
         for i, (clock, worker) in enumerate(header["pending"]):
             self.pending[table.spec.name].append(
                 Pending(int(clock), int(worker), rest[2 * i], rest[2 * i + 1]))

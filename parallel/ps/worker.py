@@ -345,10 +345,12 @@ class KVWorker:
         for sid in list(self.servers):
             if sid not in self.endpoints:
                 self.servers.pop(sid).close(linger=0)
-        for sid, ep in self.endpoints.items():
-            if sid not in self.servers:
-                self.servers[sid] = dealer(self.ctx, ep, f"w{self.rank}")
+        joined = [sid for sid in self.endpoints if sid not in self.servers]
+        for sid in joined:
+            self.servers[sid] = dealer(self.ctx, self.endpoints[sid], f"w{self.rank}")
         self.ring, self.epoch = Ring.from_spec(header["ring"]), int(header["epoch"])
+        for sid in joined if header["op"] == "ring" else []:  # a new server learns our clock
+            self._send_to(sid, {"op": "clock", "worker": self.rank, "clock": self.clock_value})
         # Parts sent to servers that left are sent again under the new ring.
         for pid in [p for p, ts in self.part_of.items()
                     if self.requests.get(ts) and self.requests[ts].parts.get(p, (None,))[0]
