@@ -1,0 +1,1 @@
+"""Data sets and models for the parameter-server examples, independent of the transport."""
