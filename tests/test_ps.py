@@ -1,0 +1,155 @@
+"""parallel.ps: the parameter server's pieces alone (messages, ring, rows, consistency
+gates), then real jobs (``python -m parallel.ps.launch``: a scheduler, server processes
+and worker processes over ZeroMQ) checked against one process applying the same pushes
+with the same update rule: synchronous training, a server killed, a server added, a
+worker killed, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel.ps import wire
+from parallel.ps.consistency import Gate, VectorClock
+from parallel.ps.ring import Ring
+from parallel.ps.store import Table, TableSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --- pieces ---------------------------------------------------------------------------------
+
+
+def test_messages_round_trip_and_refuse_what_the_header_does_not_say():
+    keys, vals = torch.tensor([1, 5, 9]), torch.randn(3, 4)
+    header, (k, v) = wire.unpack([bytes(f) for f in wire.pack({"op": "push"}, [keys, vals])])
+    assert header["op"] == "push" and torch.equal(k, keys) and torch.equal(v, vals)
+    frames = [bytes(f) for f in wire.pack({"op": "push"}, [keys, vals])]
+    with pytest.raises(wire.WireError, match=r"tensor 1 \(float32 \[3, 4\]\): frame holds 40"):
+        wire.unpack([frames[0], frames[1], frames[2][:40]])
+    with pytest.raises(wire.WireError, match="lists 2 tensors, message has 1"):
+        wire.unpack(frames[:2])
+    with pytest.raises(wire.WireError, match="not JSON"):
+        wire.unpack([b"\xff{", frames[1]])
+    bad = json.dumps({"op": "push", "tensors": [["float128", [1]]]}).encode()
+    with pytest.raises(wire.WireError, match="bad spec"):
+        wire.unpack([bad, b"x" * 16])
+
+
+def test_ring_spreads_keys_and_moves_few_when_a_server_joins():
+    keys = torch.arange(20_000, dtype=torch.int64)
+    three, four = Ring([0, 1, 2], replicas=1), Ring([0, 1, 2, 3], replicas=1)
+    share = torch.bincount(three.primary("t", keys), minlength=3).float() / len(keys)
+    assert float(share.min()) > 0.2, share  # 64 virtual nodes each: roughly a third each
+    moved = (three.primary("t", keys) != four.primary("t", keys)).float().mean()
+    assert 0.1 < float(moved) < 0.4, moved  # ~1/4 of the keys, all of them to server 3
+    assert bool((four.primary("t", keys)[three.primary("t", keys) != four.primary("t", keys)]
+                 == 3).all())
+    holders = three.holders("t", keys)
+    assert bool((holders[:, 0] != holders[:, 1]).all())  # a replica is another server
+
+
+def test_rows_insert_find_drop_and_remember_each_workers_last_push():
+    t = Table(TableSpec("t", 2, {"name": "sgd", "lr": 1.0}, "zeros"), workers=2)
+    rows = t.rows_for(torch.tensor([3, 9]), create=True)
+    t.update(rows, torch.ones(2, 2))
+    t.record(rows, worker=1, seq=5)
+    assert t.rows_for(torch.tensor([1, 3, 9]), create=True).tolist() == [0, 1, 2]
+    assert t.keys.tolist() == [1, 3, 9]  # kept sorted by an insert
+    rows = t.rows_for(torch.tensor([3, 9]), create=False)
+    assert t.values[rows].tolist() == [[-1.0, -1.0]] * 2
+    assert t.fresh_rows(rows, 1, 5).tolist() == [False, False]  # a resent push: skipped
+    assert t.fresh_rows(rows, 0, 5).tolist() == [True, True]
+    strict = Table(TableSpec("s", 2, {"name": "sgd"}, "none"), workers=1)
+    with pytest.raises(KeyError, match="never pushed or set"):
+        strict.rows_for(torch.tensor([4]), create=False)
+
+
+@pytest.mark.parametrize(("mode", "tau", "answers"), [
+    ("bsp", 0, [True, True, False]), ("ssp", 1, [True, True, True]), ("async", 0, [True] * 3)])
+def test_gate_answers_pulls_by_the_slowest_workers_clock(mode, tau, answers):
+    vc = VectorClock(2)
+    vc.advance(0, 3)
+    vc.advance(1, 1)  # worker 1 has finished 1 step, worker 0 three
+    assert [Gate(mode, tau).may_answer(c, vc) for c in (0, 1, 2)] == answers
+    vc.live = {0}  # worker 1 died: only the living count
+    assert Gate(mode, tau).may_answer(3, vc)
+
+
+# --- jobs -----------------------------------------------------------------------------------
+
+
+def job(tmp_path: Path, scenario: str, arg: str = "", servers: int = 2, workers: int = 2,
+        replicas: int = 0) -> tuple[list[dict], subprocess.CompletedProcess[str]]:
+    out = tmp_path / scenario
+    out.mkdir()
+    cmd = [sys.executable, "-m", "parallel.ps.launch", "--servers", str(servers), "--workers",
+           str(workers), "--replicas", str(replicas), "--heartbeat-timeout", "1.5",
+           "--timeout", "60", "--", sys.executable, str(ROOT / "tests" / "_ps_jobs.py"),
+           scenario, str(out), arg]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    return results, done
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adam"])
+def test_bsp_equals_one_process(tmp_path, rule):
+    results, done = job(tmp_path, "bsp", rule)
+    assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
+    assert results[0]["diff"] <= 1e-5, results[0]
+    assert results[0]["applied"] == sum(r["sent"] for r in results)
+
+
+def test_a_killed_server_loses_nothing(tmp_path):
+    """SIGKILL one of 3 servers (each range on 2) mid-run: the job finishes with the
+    model of a run without the kill, and every push sent was applied once."""
+    results, done = job(tmp_path, "kill_server", "1", servers=3, replicas=1)
+    assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
+    assert [e["event"] for e in results[0]["events"]] == ["server_dead", "ring"]
+    assert results[0]["servers"] == [0, 2]
+    assert results[0]["diff"] <= 1e-5, results[0]
+    assert results[0]["applied"] == sum(r["sent"] for r in results)
+
+
+def test_a_server_added_mid_run_takes_ranges_over(tmp_path):
+    results, done = job(tmp_path, "add_server", servers=2, replicas=1)
+    assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
+    assert results[0]["servers"] == [0, 1, 2]
+    assert results[0]["diff"] <= 1e-5 and results[0]["applied"] == sum(r["sent"] for r in results)
+
+
+def test_a_killed_worker_is_named_and_the_others_finish(tmp_path):
+    results, done = job(tmp_path, "kill_worker")
+    assert len(results) == 1, done.stderr[-3000:]  # worker 1 died at step 3
+    assert results[0]["dead"] == [1] and "worker_dead: {'worker': 1" in done.stderr
+    assert results[0]["diff"] <= 1e-5, results[0]  # BSP went on with the live worker
+
+
+def test_bad_input_gets_a_clear_error(tmp_path):
+    results, done = job(tmp_path, "bad_input", workers=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = results[0]["errors"]
+    expect = {"unsorted": "unsorted at index 1 (5 then 2)",
+              "duplicate": "duplicate at index 1 (2 then 2)",
+              "length": "2 keys x dim 3 = 6 values expected, got 5",
+              "dtype": "keys must be a 1-D int64 tensor, got torch.float32",
+              "undeclared": "table 'nope' was not declared",
+              "never_set": "never pushed or set, e.g. [",  # each server names its keys
+              "redeclared": "was declared as"}
+    for case, text in expect.items():
+        assert text in errors[case], (case, errors[case])
+
+
+def test_a_scheduler_that_does_not_answer_is_named():
+    from parallel.ps import KVWorker, PSError
+    from parallel.ps.config import JobConfig
+
+    cfg = JobConfig("tcp://127.0.0.1:9", 1, 1, timeout_s=1.0)
+    with pytest.raises(PSError, match=r"no answer from the scheduler at tcp://127.0.0.1:9"):
+        KVWorker(rank=0, cfg=cfg)
