@@ -21,6 +21,7 @@ import zmq
 from parallel.ps import wire
 from parallel.ps.config import JobConfig, address
 from parallel.ps.consistency import Gate, VectorClock
+from parallel.ps.filters import decode
 from parallel.ps.node import Heartbeat, dealer, send
 from parallel.ps.ring import Ring
 from parallel.ps.store import Rows, Table, TableSpec
@@ -206,6 +207,12 @@ class Server:
     def _checked(self, header: dict[str, Any], tensors: list[torch.Tensor],
                  values: bool) -> tuple[Table, torch.Tensor, torch.Tensor | None]:
         table = self._table(header.get("table"))
+        if values and "codec" in header and len(tensors) > 1:  # compressed on the wire
+            try:
+                frames = [t.numpy().tobytes() for t in tensors[1:]]
+                tensors = [tensors[0], decode(list(frames), header["codec"])]
+            except ValueError as e:
+                raise RequestError(f"table {table.spec.name!r}: {e}") from None
         if len(tensors) != (2 if values else 1):
             raise RequestError(f"table {table.spec.name!r}: expected "
                                f"{'keys and values' if values else 'keys'}, got "

@@ -19,6 +19,7 @@ import zmq
 
 from parallel.ps import wire
 from parallel.ps.config import JobConfig
+from parallel.ps.filters import encode
 from parallel.ps.node import Heartbeat, dealer, send
 from parallel.ps.ring import Ring
 from parallel.ps.store import TableSpec
@@ -38,6 +39,7 @@ class Request:
     values: torch.Tensor | None  # push/set: (n, dim); pull: the output
     clock: int
     seq: int
+    codec: str = "none"
     parts: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)  # id -> (sid, mask)
     sent_bytes: int = 0
     received_bytes: int = 0
@@ -91,10 +93,13 @@ class KVWorker:
 
     # -- push and pull ---------------------------------------------------------------------
 
-    def push(self, keys: torch.Tensor, values: torch.Tensor, table: str = "default") -> int:
+    def push(self, keys: torch.Tensor, values: torch.Tensor, table: str = "default",
+             codec: str = "none") -> int:
         """Send ``values`` ((len(keys), dim), or flat) for ``keys`` (sorted unique int64)
-        to the servers, which apply the table's update rule. Returns a timestamp."""
-        return self._submit("push", table, keys, values)
+        to the servers, which apply the table's update rule. ``codec`` compresses the
+        values on the wire (parallel.ps.filters: fp16, bf16, int8 with a scale per
+        block). Returns a timestamp."""
+        return self._submit("push", table, keys, values, codec)
 
     def set(self, keys: torch.Tensor, values: torch.Tensor, table: str = "default") -> int:
         """Assign ``values`` to ``keys`` (initial values: no update rule)."""
@@ -235,7 +240,8 @@ class KVWorker:
                                  f"index {i + 1} ({int(keys[i])} then {int(keys[i + 1])})")
         return keys
 
-    def _submit(self, op: str, table: str, keys: torch.Tensor, values: torch.Tensor) -> int:
+    def _submit(self, op: str, table: str, keys: torch.Tensor, values: torch.Tensor,
+                codec: str = "none") -> int:
         dim = self._dim(table)
         keys = self._checked_keys(keys, table)
         if op != "pull":
@@ -246,7 +252,7 @@ class KVWorker:
             values = values.detach().float().reshape(len(keys), dim)
             self.seq += 1
         ts = self._new_id()
-        self.requests[ts] = Request(op, table, keys, values, self.clock_value, self.seq)
+        self.requests[ts] = Request(op, table, keys, values, self.clock_value, self.seq, codec)
         self._send_parts(ts, torch.ones(len(keys), dtype=torch.bool))
         return ts
 
@@ -264,7 +270,12 @@ class KVWorker:
             tensors = [req.keys[part]]
             if req.op != "pull":
                 assert req.values is not None
-                tensors.append(req.values[part])
+                if req.codec != "none":
+                    frames, meta = encode(req.values[part].contiguous(), req.codec)
+                    header["codec"] = meta
+                    tensors += [torch.frombuffer(bytearray(f), dtype=torch.uint8) for f in frames]
+                else:
+                    tensors.append(req.values[part])
                 self.pushed_bytes += sum(t.numel() * t.element_size() for t in tensors)
             pid = self._send_to(sid, header, tensors)
             req.parts[pid] = (sid, part)
