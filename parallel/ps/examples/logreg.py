@@ -13,6 +13,7 @@ final weights on a held-out batch) and, with ``--check``, ``{"check_diff"}``.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -31,7 +32,7 @@ from parallel.ps.filters import SignificanceFilter
 BIAS = torch.zeros(1, dtype=torch.int64)
 
 
-def parser():  # type: ignore[no-untyped-def]
+def parser() -> argparse.ArgumentParser:
     p = job_parser(__doc__.splitlines()[0] if __doc__ else "")
     p.add_argument("--features", type=int, default=10**6)
     p.add_argument("--density", type=float, default=1e-4, help="non-zeros per example / "
@@ -43,7 +44,7 @@ def held_out(data: ClickData) -> SparseBatch:
     return data.batch(worker=10**6, step=0, size=512)
 
 
-def train(args) -> None:  # type: ignore[no-untyped-def]
+def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     data = ClickData(num_features=args.features, density=args.density, seed=args.seed)
     metrics = Metrics(args.metrics)
@@ -79,7 +80,7 @@ def train(args) -> None:  # type: ignore[no-untyped-def]
             report(kv, data, args, metrics)
 
 
-def report(kv: KVWorker, data: ClickData, args, metrics: Metrics) -> None:  # type: ignore[no-untyped-def]
+def report(kv: KVWorker, data: ClickData, args: argparse.Namespace, metrics: Metrics) -> None:
     test = held_out(data)
     w = kv.result(kv.pull(test.keys, table="w"))
     b = kv.result(kv.pull(BIAS, table="b"))
