@@ -153,3 +153,40 @@ def test_a_scheduler_that_does_not_answer_is_named():
     cfg = JobConfig("tcp://127.0.0.1:9", 1, 1, timeout_s=1.0)
     with pytest.raises(PSError, match=r"no answer from the scheduler at tcp://127.0.0.1:9"):
         KVWorker(rank=0, cfg=cfg)
+
+
+def test_a_worker_failing_before_the_start_ends_the_job(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text("import os, sys\nif os.environ['PS_RANK'] == '1':\n    sys.exit(3)\n"
+                      "from parallel.ps import KVWorker\nKVWorker()\n")
+    done = subprocess.run([sys.executable, "-m", "parallel.ps.launch", "--workers", "2", "--",
+                           sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "worker exit codes [" in done.stderr and "before every process registered" in done.stderr
+
+
+def _example(tmp_path: Path, name: str, *flags: str) -> list[dict]:
+    metrics = tmp_path / f"{name}.jsonl"
+    done = subprocess.run([sys.executable, "-m", f"parallel.ps.examples.{name}", *flags,
+                           "--metrics", str(metrics)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def test_logistic_regression_under_bsp_equals_one_process(tmp_path):
+    lines = _example(tmp_path, "logreg", "--workers", "2", "--steps", "12", "--features",
+                     "10000", "--density", "0.01", "--check", "--codec", "none")
+    steps = [r for r in lines if "step" in r]
+    assert sorted({r["worker"] for r in steps}) == [0, 1] and len(steps) == 24
+    assert set(steps[0]) >= {"step", "loss", "worker", "clock", "pushed_bytes", "pulled_bytes"}
+    check = next(r for r in lines if "check_diff" in r)
+    assert check["check_diff"] <= 1e-5 * check["check_scale"], check
+
+
+def test_the_gpt_under_bsp_equals_one_process(tmp_path):
+    lines = _example(tmp_path, "dense", "--workers", "2", "--steps", "3", "--n-layer", "1",
+                     "--n-embd", "32", "--block-size", "16", "--check")
+    check = next(r for r in lines if "check_diff" in r)
+    assert check["check_diff"] <= 1e-5, check

@@ -58,6 +58,16 @@ class Job:
         env = {**self.env, "PS_ROLE": "worker", "PS_RANK": str(rank)}
         self.workers.append(subprocess.Popen(self.cmd, env=env))
 
+    def gone(self, started: bool) -> str | None:
+        """Why the job cannot go on: a worker exited before the job started (the others
+        would wait for it), or every worker has exited."""
+        codes = [w.poll() for w in self.workers]
+        if not started and any(c is not None for c in codes):
+            return f"worker exit codes {codes} before every process registered"
+        if codes and all(c is not None for c in codes):
+            return f"every worker process has exited (exit codes {codes})"
+        return None
+
     def finish(self) -> int:
         """Wait for the workers; stop every process still alive."""
         codes = [w.wait() for w in self.workers]
@@ -91,13 +101,16 @@ def main(argv: list[str] | None = None) -> int:
         from parallel.ps.scheduler import Scheduler
 
         job = Job(cfg, cmd)
-        scheduler = Scheduler(cfg, spawn_server=job.spawn_server)
+        scheduler = Scheduler(cfg, spawn_server=job.spawn_server, processes_gone=job.gone)
         try:
             for _ in range(cfg.servers):
                 job.spawn_server()
             for rank in range(cfg.workers):
                 job.spawn_worker(rank)
-            scheduler.run()
+            if scheduler.run() == 2:  # a worker failed before the job could start
+                job.kill_all()
+                failed = [w.returncode for w in job.workers if (w.returncode or 0) > 0]
+                return failed[0] if failed else 1
             return job.finish()
         finally:
             job.kill_all()

@@ -37,10 +37,14 @@ class Node:
 
 class Scheduler:
     def __init__(self, cfg: JobConfig, log: Callable[[str], None] | None = None,
-                 spawn_server: Callable[[], None] | None = None):
+                 spawn_server: Callable[[], None] | None = None,
+                 processes_gone: Callable[[bool], str | None] | None = None):
         self.cfg = cfg
         self.log = log or (lambda m: print(f"ps scheduler: {m}", file=sys.stderr, flush=True))
         self.spawn_server = spawn_server
+        # The launcher's view: a reason to end when its processes exited (a worker that
+        # failed before registering would otherwise leave the job waiting for it).
+        self.processes_gone = processes_gone or (lambda started: None)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 500)
@@ -62,7 +66,8 @@ class Scheduler:
         self.events: list[dict[str, Any]] = []
 
     def run(self) -> int:
-        """Serve until every live worker is done; 0, or 1 if no worker is left alive."""
+        """Serve until every live worker is done: 0; 1 if no worker is left alive; 2 if the
+        launcher's processes are gone."""
         try:
             while True:
                 if self.sock.poll(100):
@@ -70,10 +75,14 @@ class Scheduler:
                 self._watch()
                 if self.started and len(self.done) + len(self.dead_workers) == self.cfg.workers:
                     break
-            for node in self.servers.values():
-                send(self.sock, {"op": "stop"}, to=node.identity)
+                reason = self.processes_gone(self.started)
+                if reason:
+                    self.log(f"ending the job: {reason}")
+                    return 2
             return 0 if self.done else 1
         finally:
+            for node in self.servers.values():
+                send(self.sock, {"op": "stop"}, to=node.identity)
             time.sleep(0.2)
             self.sock.close(linger=500)
             self.ctx.term()

@@ -163,8 +163,10 @@ class KVWorker:
                 self.wait(ts)
         self.barrier()
 
-    def push_dense(self, named: dict[str, torch.Tensor]) -> list[int]:
-        return [self.push(*self._blocks(name, t), table=name) for name, t in named.items()]
+    def push_dense(self, named: dict[str, torch.Tensor], codec: str = "none") -> list[int]:
+        """Push every tensor of ``named`` (its table: its name); returns the timestamps."""
+        return [self.push(*self._blocks(name, t), table=name, codec=codec)
+                for name, t in named.items()]
 
     def pull_dense(self, named: dict[str, torch.Tensor]) -> None:
         """Pull every tensor of ``named`` into it (in place)."""
