@@ -54,10 +54,11 @@ def reference(updater: dict[str, Any], workers: list[int], steps: int,
     return {int(k): values[i] for i, k in enumerate(keys.tolist())}
 
 
-def train(kv: KVWorker, updater: dict[str, Any], hook: Any = None) -> tuple[int, int]:
+def train(kv: KVWorker, updater: dict[str, Any], hook: Any = None, stop: int = STEPS
+          ) -> tuple[int, int]:
     kv.declare("emb", DIM, updater)
     sent = 0
-    for step in range(STEPS):
+    for step in range(kv.clock_value, stop):  # from the restored clock, if any
         keys = step_keys(kv.rank, step)
         kv.result(kv.pull(keys, table="emb"))
         kv.wait(kv.push(keys, step_grads(kv.rank, step), table="emb"))
@@ -113,6 +114,30 @@ def scenario_kill_worker(kv: KVWorker, arg: str) -> dict[str, Any]:
     sent, _ = train(kv, updater, hook)
     want = reference(updater, list(range(kv.num_workers)), STEPS, dead_after={1: 3})
     return {"diff": final_diff(kv, want), "sent": sent, "dead": kv.dead_workers}
+
+
+def scenario_checkpoint(kv: KVWorker, arg: str) -> dict[str, Any]:
+    """Train 6 of the steps, checkpointing after step 4 (``arg``: the folder); the job
+    then ends, as if it had died after the checkpoint."""
+    def hook(kv: KVWorker, step: int) -> None:
+        if step == 3:
+            kv.barrier()
+            if kv.rank == 0:
+                kv.checkpoint(arg)
+            kv.barrier()
+
+    updater = {"name": "adam", "lr": 0.05}
+    train(kv, updater, hook, stop=6)
+    return {"clock": kv.clock_value}
+
+
+def scenario_restored(kv: KVWorker, arg: str) -> dict[str, Any]:
+    """Started from the checkpoint: the steps after it, then the whole run's model."""
+    start = kv.clock_value
+    updater = {"name": "adam", "lr": 0.05}
+    train(kv, updater)
+    diff = final_diff(kv, reference(updater, list(range(kv.num_workers)), STEPS))
+    return {"diff": diff, "start": start}
 
 
 def scenario_bad_input(kv: KVWorker, arg: str) -> dict[str, Any]:

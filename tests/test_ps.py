@@ -85,11 +85,13 @@ def test_gate_answers_pulls_by_the_slowest_workers_clock(mode, tau, answers):
 
 
 def job(tmp_path: Path, scenario: str, arg: str = "", servers: int = 2, workers: int = 2,
-        replicas: int = 0) -> tuple[list[dict], subprocess.CompletedProcess[str]]:
+        replicas: int = 0, restore: str = ""
+        ) -> tuple[list[dict], subprocess.CompletedProcess[str]]:
     out = tmp_path / scenario
     out.mkdir()
     cmd = [sys.executable, "-m", "parallel.ps.launch", "--servers", str(servers), "--workers",
            str(workers), "--replicas", str(replicas), "--heartbeat-timeout", "1.5",
+           *(["--restore", restore] if restore else []),
            "--timeout", "60", "--", sys.executable, str(ROOT / "tests" / "_ps_jobs.py"),
            scenario, str(out), arg]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -129,6 +131,19 @@ def test_a_killed_worker_is_named_and_the_others_finish(tmp_path):
     assert len(results) == 1, done.stderr[-3000:]  # worker 1 died at step 3
     assert results[0]["dead"] == [1] and "worker_dead: {'worker': 1" in done.stderr
     assert results[0]["diff"] <= 1e-5, results[0]  # BSP went on with the live worker
+
+
+def test_a_checkpoint_restarts_the_job_on_another_number_of_servers(tmp_path):
+    """Saved by 3 servers after step 4, restored on 2: steps 5.. continue, and the final
+    model is the uninterrupted run's."""
+    ckpt = str(tmp_path / "ckpt")
+    results, done = job(tmp_path, "checkpoint", ckpt, servers=3)
+    assert done.returncode == 0 and results[0]["clock"] == 6, done.stderr[-3000:]
+    assert sorted(os.listdir(ckpt)) == ["job.pt", "server0.pt", "server1.pt", "server2.pt"]
+    results, done = job(tmp_path, "restored", servers=2, restore=ckpt)
+    assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
+    assert results[0]["start"] == 4
+    assert results[0]["diff"] <= 1e-5, results[0]
 
 
 def test_bad_input_gets_a_clear_error(tmp_path):

@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "socket in a temporary folder)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--restore", default="", help="start from this checkpoint folder "
+                   "(kv.checkpoint): the servers' rows and the workers' clock")
     p.add_argument("--role-from-env", action="store_true", help="run the one role "
                    "PS_ROLE names (multi-host)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the worker command")
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         from parallel.ps.scheduler import Scheduler
 
         job = Job(cfg, cmd)
-        scheduler = Scheduler(cfg, spawn_server=job.spawn_server, processes_gone=job.gone)
+        scheduler = Scheduler(cfg, restore=args.restore, spawn_server=job.spawn_server,
+                              processes_gone=job.gone)
         try:
             for _ in range(cfg.servers):
                 job.spawn_server()

@@ -35,8 +35,32 @@ class Node:
     last_seen: float = field(default_factory=time.monotonic)
 
 
+CHECKPOINT_FORMAT = "pycomm.ps/1"
+
+
+def read_job_checkpoint(path: str, cfg: JobConfig) -> dict[str, Any]:
+    """What a restart needs from a checkpoint folder, checked: its server files and the
+    clock the workers go on from."""
+    job_file = os.path.join(path, "job.pt")
+    if not os.path.exists(job_file):
+        raise FileNotFoundError(f"ps restore: {path} has no job.pt: not a complete "
+                                "parameter-server checkpoint")
+    job = torch.load(job_file, weights_only=True)
+    if job.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"ps restore: {job_file} is format {job.get('format')!r}, not "
+                         f"{CHECKPOINT_FORMAT!r}")
+    if int(job["workers"]) != cfg.workers:
+        raise ValueError(f"ps restore: the checkpoint has {job['workers']} workers' clocks, "
+                         f"this job {cfg.workers} workers")
+    files = [os.path.join(path, f"server{s}.pt") for s in job["servers"]]
+    if missing := [f for f in files if not os.path.exists(f)]:
+        raise FileNotFoundError(f"ps restore: missing {missing}")
+    return {"path": path, "files": files, "clock": int(job["clock"])}
+
+
 class Scheduler:
     def __init__(self, cfg: JobConfig, log: Callable[[str], None] | None = None,
+                 restore: str = "",
                  spawn_server: Callable[[], None] | None = None,
                  processes_gone: Callable[[bool], str | None] | None = None):
         self.cfg = cfg
@@ -64,6 +88,7 @@ class Scheduler:
         self.checkpoint: dict[str, Any] | None = None
         self.stats_wait: dict[str, Any] | None = None
         self.events: list[dict[str, Any]] = []
+        self.restore = read_job_checkpoint(restore, cfg) if restore else {}
 
     def run(self) -> int:
         """Serve until every live worker is done: 0; 1 if no worker is left alive; 2 if the
@@ -142,10 +167,14 @@ class Scheduler:
         self.started = True
         for node in [*self.servers.values(), *self.workers.values()]:
             node.last_seen = time.monotonic()  # heartbeats start with the job
+        restore = self.restore and {"restore": self.restore["path"],
+                                    "files": self.restore["files"], "clock": self.restore["clock"]}
         for sid, node in self.servers.items():
-            send(self.sock, {"op": "start", "sid": sid, **self._members()}, to=node.identity)
+            send(self.sock, {"op": "start", "sid": sid, **self._members(), **(restore or {})},
+                 to=node.identity)
         for node in self.workers.values():
-            send(self.sock, {"op": "start", **self._members()}, to=node.identity)
+            send(self.sock, {"op": "start", **self._members(),
+                             "clock": self.restore.get("clock", 0)}, to=node.identity)
         self.log(f"started: {len(self.servers)} servers, {len(self.workers)} workers, "
                  f"replicas {self.ring.replicas}, {self.cfg.consistency}"
                  f"{f' tau={self.cfg.tau}' if self.cfg.consistency == 'ssp' else ''}")
@@ -261,16 +290,20 @@ class Scheduler:
         path = str(header["path"])
         os.makedirs(path, exist_ok=True)
         self.checkpoint = {"who": who, "id": header.get("id"), "path": path,
+                           "clock": int(header.get("clock", 0)),
                            "waiting": set(self._live_servers())}
         for s in self._live_servers():
-            send(self.sock, {"op": "checkpoint", "path": path}, to=self.servers[s].identity)
+            send(self.sock, {"op": "checkpoint", "path": path, "clock": self.checkpoint["clock"]},
+                 to=self.servers[s].identity)
 
     def _on_checkpointed(self, _: bytes, header: dict[str, Any]) -> None:
         if self.checkpoint is None:
             return
         self.checkpoint["waiting"].discard(int(header["sid"]))
         if not self.checkpoint["waiting"]:
-            torch.save({"servers": self._live_servers(), "epoch": self.epoch},
+            # job.pt last: its presence says every server's file is complete.
+            torch.save({"format": CHECKPOINT_FORMAT, "servers": self._live_servers(),
+                        "clock": self.checkpoint["clock"], "workers": self.cfg.workers},
                        os.path.join(self.checkpoint["path"], "job.pt"))
             send(self.sock, {"op": "ok", "id": self.checkpoint["id"]}, to=self.checkpoint["who"])
             self.checkpoint = None

@@ -70,6 +70,7 @@ class Server:
         self.next_id = 0
         self.paused = False
         self._preparing: int | None = None
+        self.checkpoint_due: tuple[str, int] | None = None
         self.running = True
         self.heartbeat: Heartbeat | None = None
 
@@ -119,6 +120,8 @@ class Server:
             self.heartbeat = Heartbeat(self.ctx, self.cfg.scheduler, f"server{self.sid}")
             self._set_members(header)
             self.ring, self.epoch = Ring.from_spec(header["ring"]), int(header["epoch"])
+            if header.get("restore"):
+                self._restore(list(header["files"]), int(header["clock"]))
         elif op == "prepare":
             self._set_members(header)
             self._prepare(Ring.from_spec(header["ring"]), int(header["epoch"]))
@@ -128,7 +131,10 @@ class Server:
             self.vc.live = {int(w) for w in header["live"]}
             self._step_complete()
         elif op == "checkpoint":
-            self._checkpoint(header["path"])
+            # Written once every worker's clock has reached the caller's (their clock
+            # messages may still be on their way), so the steps before it are applied.
+            self.checkpoint_due = (str(header["path"]), int(header.get("clock", 0)))
+            self._step_complete()
         elif op == "stats":
             send(self.sched, {"op": "stats", "sid": self.sid, **self._stats()})
         elif op == "stop":
@@ -338,6 +344,9 @@ class Server:
         waiting, self.deferred = self.deferred, []
         for who, header, tensors in waiting:
             self._handle(who, header, tensors, peer=False)
+        if self.checkpoint_due is not None and floor >= self.checkpoint_due[1]:
+            self._checkpoint(self.checkpoint_due[0])
+            self.checkpoint_due = None
 
     def _apply_step(self, table: Table, entries: list[Pending]) -> None:
         """One update from a step's pushes, summed in worker order (the same sum on every
@@ -455,9 +464,29 @@ class Server:
                 torch.zeros(0, dtype=torch.bool)
             out[name] = {"spec": table.spec.as_dict(), "rows": table.take(lead).__dict__}
         tmp = os.path.join(path, f"server{self.sid}.pt.partial")
-        torch.save({"tables": out, "vc": self.vc.as_dict()}, tmp)
+        torch.save({"tables": out}, tmp)
         os.replace(tmp, tmp.removesuffix(".partial"))
         send(self.sched, {"op": "checkpointed", "sid": self.sid})
+
+
+    def _restore(self, files: list[str], clock: int) -> None:
+        """Take, from every server's file, the rows this server holds under its ring (the
+        ring may differ from the saving job's), and the workers' clock."""
+        assert self.ring is not None
+        for path in files:
+            saved = torch.load(path, weights_only=False)
+            for name, entry in saved["tables"].items():
+                table = self._declare(TableSpec.from_dict(entry["spec"]))
+                rows = Rows(**entry["rows"])
+                if not len(rows.keys):
+                    continue
+                mine = (self.ring.holders(name, rows.keys) == self.sid).any(dim=1)
+                # seen: -1, as the new job's workers number their pushes from 1 again.
+                table.insert(Rows(rows.keys[mine], rows.values[mine],
+                                  {k: v[mine] for k, v in rows.state.items()},
+                                  rows.applied[mine], torch.full_like(rows.seen[mine], -1)))
+        for worker in self.vc.finished:
+            self.vc.advance(worker, clock)
 
 
 def _without(entry: Pending, keys: torch.Tensor) -> Pending:

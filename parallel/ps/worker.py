@@ -193,9 +193,12 @@ class KVWorker:
         self.control.pop(rid)
 
     def checkpoint(self, path: str) -> None:
-        """Every server writes the rows it leads to ``path`` (call it between steps, from
-        one worker after a barrier)."""
-        self._control_call({"op": "checkpoint", "path": os.path.abspath(path)}, "checkpoint")
+        """Every server writes the rows it leads to ``path``, then the scheduler writes
+        ``job.pt`` with this worker's clock (call it from one worker between steps, after
+        a :meth:`barrier`). ``launch --restore path`` starts a job from it: the workers'
+        :attr:`clock_value` is the step to go on from."""
+        self._control_call({"op": "checkpoint", "path": os.path.abspath(path),
+                            "clock": self.clock_value}, "checkpoint")
 
     def add_server(self) -> None:
         """Start one more server; it joins the ring and takes its ranges over."""
@@ -362,6 +365,8 @@ class KVWorker:
         for sid in joined:
             self.servers[sid] = dealer(self.ctx, self.endpoints[sid], f"w{self.rank}")
         self.ring, self.epoch = Ring.from_spec(header["ring"]), int(header["epoch"])
+        if header["op"] == "start":
+            self.clock_value = int(header.get("clock", 0))  # > 0 when restored
         for sid in joined if header["op"] == "ring" else []:  # a new server learns our clock
             self._send_to(sid, {"op": "clock", "worker": self.rank, "clock": self.clock_value})
         # Parts sent to servers that left are sent again under the new ring.
