@@ -8,8 +8,6 @@ as the bytes each rank writes to its sockets (/proc/self/io), against the theory
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,6 +17,7 @@ import _islands_scenarios as sc
 import pytest
 
 from pycomm.testing import RankFailure, RankPool, run_ranks
+from tests._netns import in_namespace, netns_unavailable, two_hosts
 
 pytestmark = pytest.mark.usefixtures("require_pycomm")
 
@@ -140,45 +139,21 @@ NETNS_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _netns_unavailable() -> str | None:
-    if shutil.which("ip") is None:
-        return "no network namespaces: no `ip` command (iproute2)"
-    probe = subprocess.run(["ip", "netns", "add", "pycomm-probe"], capture_output=True)
-    if probe.returncode:
-        return f"no network namespaces: `ip netns add` failed: {probe.stderr.decode().strip()}"
-    subprocess.run(["ip", "netns", "del", "pycomm-probe"], check=False)
-    return None
-
-
 def test_two_hosts_in_network_namespaces(tmp_path: Path):
     """Two namespaces joined by a veth pair (10.77.0.1/2, nothing routed): two hosts."""
-    if reason := _netns_unavailable():
+    if reason := netns_unavailable():
         pytest.skip(reason)
-    # Unique names: a namespace left by a killed run, or a concurrent run, cannot clash.
-    ns = (f"pycomm-{os.getpid()}-a", f"pycomm-{os.getpid()}-b")
-    sh = lambda *a: subprocess.run(a, check=True)  # noqa: E731
     script = tmp_path / "rank.py"
     script.write_text(NETNS_SCRIPT)
-    try:
-        for name in ns:
-            sh("ip", "netns", "add", name)
-            sh("ip", "-n", name, "link", "set", "lo", "up")
-        sh("ip", "link", "add", "pcveth0", "netns", ns[0], "type", "veth", "peer", "name",
-           "pcveth0", "netns", ns[1])
-        for i, name in enumerate(ns):
-            sh("ip", "-n", name, "addr", "add", f"10.77.0.{i + 1}/24", "dev", "pcveth0")
-            sh("ip", "-n", name, "link", "set", "pcveth0", "up")
+    with two_hosts("islands") as ns:
         env = {"GLOO_SOCKET_IFNAME": "pcveth0", "PATH": "/usr/bin:/bin",
                "PYTHONPATH": str(Path(__file__).parent.parent)}
-        procs = [subprocess.Popen(["ip", "netns", "exec", ns[rank // 2], "env",
-                                   *[f"{k}={v}" for k, v in env.items()], sys.executable,
-                                   str(script), str(rank), "4", "10.77.0.1", "29517"],
+        procs = [subprocess.Popen(in_namespace(ns[rank // 2], env, [
+                                      sys.executable, str(script), str(rank), "4", "10.77.0.1",
+                                      "29517"]),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                  for rank in range(4)]
         outs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    finally:
-        for name in ns:
-            subprocess.run(["ip", "netns", "del", name], check=False)
     for rank, (proc, out) in enumerate(zip(procs, outs, strict=True)):
         assert proc.returncode == 0, f"rank {rank}:\n{out}"
         assert "ProcessGroupIslands [[0, 1], [2, 3]] True" in out, f"rank {rank}:\n{out}"

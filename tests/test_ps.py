@@ -205,3 +205,39 @@ def test_the_gpt_under_bsp_equals_one_process(tmp_path):
                      "--n-embd", "32", "--block-size", "16", "--check")
     check = next(r for r in lines if "check_diff" in r)
     assert check["check_diff"] <= 1e-5, check
+
+
+def test_two_hosts_one_server_each(tmp_path):
+    """The scheduler, a server and worker 0 in one network namespace, a server and worker
+    1 in the other, over TCP across the veth pair: BSP still equals one process."""
+    from tests._netns import in_namespace, netns_unavailable, two_hosts
+
+    if reason := netns_unavailable():
+        pytest.skip(reason)
+    out = tmp_path / "out"
+    out.mkdir()
+    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+            "PS_SCHEDULER": "10.77.0.1:29611", "PS_NUM_SERVERS": "2", "PS_NUM_WORKERS": "2",
+            "PS_TIMEOUT_S": "60"}
+    role = [sys.executable, "-m", "parallel.ps.launch", "--role-from-env"]
+    work = [sys.executable, str(ROOT / "tests" / "_ps_jobs.py"), "bsp", str(out), "sgd"]
+    with two_hosts("ps") as (a, b):
+        procs = [subprocess.Popen(in_namespace(ns, {**base, **env}, argv), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+                 for ns, env, argv in [
+                     (a, {"PS_ROLE": "scheduler"}, role),
+                     (a, {"PS_ROLE": "server", "PS_BIND": "tcp://10.77.0.1:*"}, role),
+                     (b, {"PS_ROLE": "server", "PS_BIND": "tcp://10.77.0.2:*"}, role),
+                     (a, {"PS_ROLE": "worker", "PS_RANK": "0"}, work),
+                     (b, {"PS_ROLE": "worker", "PS_RANK": "1"}, work)]]
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for p, text in zip(procs, outs, strict=True):
+        assert p.returncode == 0, text[-2000:]
+    result = json.loads((out / "rank0.json").read_text())
+    assert result["diff"] <= 1e-5 and result["servers"] == [0, 1], result
