@@ -140,6 +140,24 @@ def scenario_restored(kv: KVWorker, arg: str) -> dict[str, Any]:
     return {"diff": diff, "start": start}
 
 
+def scenario_replaced_worker(kv: KVWorker, arg: str) -> dict[str, Any]:
+    """Worker 1 dies in step 4, after pushing part of it; the launcher starts a
+    replacement, which redoes step 4 while worker 0 waits (BSP): the model of a run
+    where no one died."""
+    def hook(kv: KVWorker, step: int) -> None:
+        if step == 3 and kv.rank == 1 and os.environ.get("PS_INCARNATION") == "0":
+            kv.push(step_keys(1, 4), step_grads(1, 4), table="emb")  # half a step, lost
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    updater = {"name": "sgd", "lr": 0.1}
+    start = kv.clock_value
+    sent, _ = train(kv, updater, hook)
+    diff = final_diff(kv, reference(updater, list(range(kv.num_workers)), STEPS))
+    return {"diff": diff, "sent": sent, "start": start,
+            "incarnation": os.environ.get("PS_INCARNATION")}
+
+
 def scenario_bad_input(kv: KVWorker, arg: str) -> dict[str, Any]:
     kv.declare("t", 3, "sgd", init="none")
     errors: dict[str, str] = {}

@@ -85,13 +85,13 @@ def test_gate_answers_pulls_by_the_slowest_workers_clock(mode, tau, answers):
 
 
 def job(tmp_path: Path, scenario: str, arg: str = "", servers: int = 2, workers: int = 2,
-        replicas: int = 0, restore: str = ""
+        replicas: int = 0, restore: str = "", *flags: str
         ) -> tuple[list[dict], subprocess.CompletedProcess[str]]:
     out = tmp_path / scenario
     out.mkdir()
     cmd = [sys.executable, "-m", "parallel.ps.launch", "--servers", str(servers), "--workers",
            str(workers), "--replicas", str(replicas), "--heartbeat-timeout", "1.5",
-           *(["--restore", restore] if restore else []),
+           *(["--restore", restore] if restore else []), *flags,
            "--timeout", "60", "--", sys.executable, str(ROOT / "tests" / "_ps_jobs.py"),
            scenario, str(out), arg]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -143,6 +143,19 @@ def test_a_checkpoint_restarts_the_job_on_another_number_of_servers(tmp_path):
     results, done = job(tmp_path, "restored", servers=2, restore=ckpt)
     assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
     assert results[0]["start"] == 4
+    assert results[0]["diff"] <= 1e-5, results[0]
+
+
+def test_a_dead_worker_can_be_replaced_under_bsp(tmp_path):
+    """--on-worker-death wait: worker 1 dies mid-step (part of a push sent); its
+    replacement redoes that step while worker 0 waits; the model equals a run where
+    no one died."""
+    results, done = job(tmp_path, "replaced_worker", "", 2, 2, 0, "", "--on-worker-death",
+                        "wait")
+    assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
+    events = [e["event"] for e in results[0]["events"]]
+    assert events == ["worker_dead", "worker_replaced"], events
+    assert results[1]["incarnation"] == "1" and results[1]["start"] == 4, results[1]
     assert results[0]["diff"] <= 1e-5, results[0]
 
 

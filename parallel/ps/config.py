@@ -25,6 +25,7 @@ class JobConfig:
     tau: int = 0
     heartbeat_timeout_s: float = 3.0
     timeout_s: float = 120.0
+    on_worker_death: str = "continue"  # or "wait": for a replacement of the same rank
 
     def __post_init__(self) -> None:
         if self.servers < 1 or self.workers < 1:
@@ -33,6 +34,9 @@ class JobConfig:
         if not 0 <= self.replicas < self.servers:
             raise ValueError(f"ps: replicas must be in [0, servers - 1 = {self.servers - 1}]"
                              f", got {self.replicas}")
+        if self.on_worker_death not in ("continue", "wait"):
+            raise ValueError(f"ps: on_worker_death must be continue or wait, got "
+                             f"{self.on_worker_death!r}")
         if self.consistency not in MODES:
             raise ValueError(f"ps: consistency must be one of {MODES}, got "
                              f"{self.consistency!r}")
@@ -42,7 +46,7 @@ class JobConfig:
                 "PS_NUM_WORKERS": str(self.workers), "PS_REPLICAS": str(self.replicas),
                 "PS_CONSISTENCY": self.consistency, "PS_TAU": str(self.tau),
                 "PS_HEARTBEAT_TIMEOUT_S": str(self.heartbeat_timeout_s),
-                "PS_TIMEOUT_S": str(self.timeout_s)}
+                "PS_TIMEOUT_S": str(self.timeout_s), "PS_ON_WORKER_DEATH": self.on_worker_death}
 
     @staticmethod
     def from_env() -> JobConfig:
@@ -57,7 +61,8 @@ class JobConfig:
                          int(env["PS_NUM_WORKERS"]), int(env.get("PS_REPLICAS", "0")),
                          env.get("PS_CONSISTENCY", "bsp"), int(env.get("PS_TAU", "0")),
                          float(env.get("PS_HEARTBEAT_TIMEOUT_S", "3")),
-                         float(env.get("PS_TIMEOUT_S", "120")))
+                         float(env.get("PS_TIMEOUT_S", "120")),
+                         env.get("PS_ON_WORKER_DEATH", "continue"))
 
 
 def address(endpoint: str) -> str:

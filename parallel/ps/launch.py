@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "socket in a temporary folder)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--on-worker-death", choices=["continue", "wait"], default="continue",
+                   help="go on without a dead worker, or wait for a replacement (this "
+                   "launcher starts one with the same rank)")
     p.add_argument("--restore", default="", help="start from this checkpoint folder "
                    "(kv.checkpoint): the servers' rows and the workers' clock")
     p.add_argument("--role-from-env", action="store_true", help="run the one role "
@@ -50,6 +53,8 @@ class Job:
         self.env = {**os.environ, **cfg.env(), "PYTHONUNBUFFERED": "1"}
         self.servers: list[subprocess.Popen[Any]] = []
         self.workers: list[subprocess.Popen[Any]] = []
+        self.replaced: list[subprocess.Popen[Any]] = []  # dead workers that were replaced
+        self.incarnations: dict[int, int] = {}
 
     def spawn_server(self) -> None:
         env = {**self.env, "PS_ROLE": "server"}
@@ -57,13 +62,25 @@ class Job:
                                              env=env))
 
     def spawn_worker(self, rank: int) -> None:
-        env = {**self.env, "PS_ROLE": "worker", "PS_RANK": str(rank)}
-        self.workers.append(subprocess.Popen(self.cmd, env=env))
+        self.incarnations[rank] = self.incarnations.get(rank, -1) + 1
+        env = {**self.env, "PS_ROLE": "worker", "PS_RANK": str(rank),
+               "PS_INCARNATION": str(self.incarnations[rank])}  # 0 first, 1 a replacement
+        process = subprocess.Popen(self.cmd, env=env)
+        if rank < len(self.workers):  # a replacement
+            self.replaced.append(self.workers[rank])
+            self.workers[rank] = process
+        else:
+            self.workers.append(process)
 
     def gone(self, started: bool) -> str | None:
         """Why the job cannot go on: a worker exited before the job started (the others
         would wait for it), or every worker has exited."""
         codes = [w.poll() for w in self.workers]
+        if started and self.cfg.on_worker_death == "wait":
+            for rank, code in enumerate(codes):
+                if code is not None and code != 0:  # killed: start its replacement
+                    self.spawn_worker(rank)
+                    codes[rank] = None
         if not started and any(c is not None for c in codes):
             return f"worker exit codes {codes} before every process registered"
         if codes and all(c is not None for c in codes):
@@ -99,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ps-") as tmp:
         cfg = JobConfig(args.scheduler or f"ipc://{tmp}/scheduler", args.servers, args.workers,
                         args.replicas, args.consistency, args.tau, args.heartbeat_timeout,
-                        args.timeout)
+                        args.timeout, args.on_worker_death)
         from parallel.ps.scheduler import Scheduler
 
         job = Job(cfg, cmd)

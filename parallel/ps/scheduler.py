@@ -98,7 +98,8 @@ class Scheduler:
                 if self.sock.poll(100):
                     self._receive(self.sock.recv_multipart())
                 self._watch()
-                if self.started and len(self.done) + len(self.dead_workers) == self.cfg.workers:
+                gone = self.dead_workers if self.cfg.on_worker_death == "continue" else []
+                if self.started and len(self.done) + len(gone) == self.cfg.workers:
                     break
                 reason = self.processes_gone(self.started)
                 if reason:
@@ -148,6 +149,9 @@ class Scheduler:
                 self.servers[sid] = node
         else:
             rank = int(header["rank"])
+            if rank in self.dead_workers and self.cfg.on_worker_death == "wait":
+                self._replace_worker(rank, who, int(header.get("pid", 0)))
+                return
             if not 0 <= rank < self.cfg.workers or rank in self.workers:
                 send(self.sock, {"op": "error", "message": f"worker rank {rank} is out of "
                                  f"[0, {self.cfg.workers}) or taken"}, to=who)
@@ -156,6 +160,12 @@ class Scheduler:
         if (not self.started and len(self.servers) == self.cfg.servers
                 and len(self.workers) == self.cfg.workers):
             self._start()
+
+    def _replace_worker(self, rank: int, who: bytes, pid: int) -> None:
+        self.workers[rank] = Node(f"worker{rank}", who, pid=pid)
+        self.dead_workers.remove(rank)
+        self._event("worker_replaced", worker=rank, pid=pid)
+        send(self.sock, {"op": "start", **self._members(), "replacement": True}, to=who)
 
     def _members(self) -> dict[str, Any]:
         assert self.ring is not None
@@ -194,15 +204,24 @@ class Scheduler:
         for rank, node in list(self.workers.items()):
             if (now - node.last_seen > late and rank not in self.dead_workers
                     and rank not in self.done):
-                self.dead_workers.append(rank)
-                self._event("worker_dead", worker=rank, pid=node.pid)
-                live = [w for w in self.workers if w not in self.dead_workers]
-                for s in self._live_servers():
-                    send(self.sock, {"op": "workers", "live": live}, to=self.servers[s].identity)
-                for w in live:
-                    send(self.sock, {"op": "worker_dead", "worker": rank},
-                         to=self.workers[w].identity)
-                self._release_barrier()
+                self._worker_died(rank, node)
+
+    def _worker_died(self, rank: int, node: Node) -> None:
+        """Name it; then either go on without it (its steps no longer awaited), or wait
+        for a replacement of the same rank (the servers forget its unfinished step)."""
+        self.dead_workers.append(rank)
+        self._event("worker_dead", worker=rank, pid=node.pid, policy=self.cfg.on_worker_death)
+        live = [w for w in self.workers if w not in self.dead_workers]
+        for s in self._live_servers():
+            if self.cfg.on_worker_death == "wait":
+                send(self.sock, {"op": "worker_lost", "worker": rank},
+                     to=self.servers[s].identity)
+            else:
+                send(self.sock, {"op": "workers", "live": live}, to=self.servers[s].identity)
+        for w in live:
+            send(self.sock, {"op": "worker_dead", "worker": rank}, to=self.workers[w].identity)
+        if self.cfg.on_worker_death == "continue":
+            self._release_barrier()
 
     def _event(self, kind: str, **fields: Any) -> None:
         self.events.append({"event": kind, **fields})
@@ -280,7 +299,9 @@ class Scheduler:
         self._release_barrier()
 
     def _release_barrier(self) -> None:
-        live = {w for w in self.workers if w not in self.dead_workers and w not in self.done}
+        waiting_for = self.dead_workers if self.cfg.on_worker_death == "wait" else []
+        live = {w for w in self.workers if w not in self.done
+                and (w not in self.dead_workers or w in waiting_for)}
         if self.barrier and live <= set(self.barrier):
             for who in self.barrier.values():
                 send(self.sock, {"op": "barrier_done"}, to=who)

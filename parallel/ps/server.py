@@ -127,6 +127,8 @@ class Server:
             self._prepare(Ring.from_spec(header["ring"]), int(header["epoch"]))
         elif op == "commit":
             self._commit(Ring.from_spec(header["ring"]), int(header["epoch"]))
+        elif op == "worker_lost":
+            self._forget_unfinished_step(int(header["worker"]))
         elif op == "workers":
             self.vc.live = {int(w) for w in header["live"]}
             self._step_complete()
@@ -347,6 +349,17 @@ class Server:
         if self.checkpoint_due is not None and floor >= self.checkpoint_due[1]:
             self._checkpoint(self.checkpoint_due[0])
             self.checkpoint_due = None
+
+    def _forget_unfinished_step(self, worker: int) -> None:
+        """A dead worker's replacement redoes the step it died in: its pushes of that
+        step (still pending under BSP: the step was not complete) are dropped, and its
+        push numbers start again."""
+        finished = self.vc.finished[worker]
+        for name, entries in self.pending.items():
+            self.pending[name] = [e for e in entries
+                                  if not (e.worker == worker and e.clock >= finished)]
+        for table in self.tables.values():
+            table.seen[:, worker] = -1
 
     def _apply_step(self, table: Table, entries: list[Pending]) -> None:
         """One update from a step's pushes, summed in worker order (the same sum on every

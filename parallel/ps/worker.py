@@ -73,7 +73,12 @@ class KVWorker:
         self.dead_workers: list[int] = []
         self.control: dict[int, dict[str, Any]] = {}
         self._barrier_id = -1
+        self.replacement = False
+        self.stats_replies: dict[int, dict[str, Any]] = {}
         self._await_control(lambda: self.ring is not None, "the job to start")
+        if self.replacement:  # go on from the step the dead worker did not finish
+            reply = self._stats_of(min(self.servers))
+            self.clock_value = int(reply["vc"][str(self.rank)])
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -207,6 +212,17 @@ class KVWorker:
     def stats(self) -> dict[str, Any]:
         """The job's counts: pushes applied (each key's count, summed), the events."""
         return self._control_call({"op": "stats"}, "stats")
+
+    def _stats_of(self, sid: int) -> dict[str, Any]:
+        """One server's counts and vector clock."""
+        rid = self._send_to(sid, {"op": "stats"})
+        self.requests[rid] = Request("stats", "", torch.empty(0, dtype=torch.int64), None, 0, 0,
+                                     parts={rid: (-1, torch.empty(0))})
+        self.part_of[rid] = rid
+        got: dict[str, Any] = {}
+        self.stats_replies[rid] = got
+        self.wait(rid)
+        return got
 
     def close(self) -> None:
         """Tell the scheduler this worker is done (the job ends when all are)."""
@@ -367,6 +383,7 @@ class KVWorker:
         self.ring, self.epoch = Ring.from_spec(header["ring"]), int(header["epoch"])
         if header["op"] == "start":
             self.clock_value = int(header.get("clock", 0))  # > 0 when restored
+            self.replacement = bool(header.get("replacement"))
         for sid in joined if header["op"] == "ring" else []:  # a new server learns our clock
             self._send_to(sid, {"op": "clock", "worker": self.rank, "clock": self.clock_value})
         # Parts sent to servers that left are sent again under the new ring.
@@ -398,7 +415,9 @@ class KVWorker:
             return
         self.part_of.pop(pid)
         _, mask = req.parts.pop(pid)
-        if op == "error":
+        if op == "stats" and pid in self.stats_replies:
+            self.stats_replies.pop(pid).update(header)
+        elif op == "error":
             req.error = req.error or str(header.get("message"))
         elif op == "values":
             assert req.values is not None
