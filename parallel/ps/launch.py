@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 class Job:
     """The processes of one local job; servers may be added while it runs."""
 
-    def __init__(self, cfg: JobConfig, cmd: list[str]):
-        self.cfg, self.cmd = cfg, cmd
+    def __init__(self, cfg: JobConfig, cmd: list[str], ipc_dir: str = ""):
+        self.cfg, self.cmd, self.ipc_dir = cfg, cmd, ipc_dir
         self.env = {**os.environ, **cfg.env(), "PYTHONUNBUFFERED": "1"}
         self.servers: list[subprocess.Popen[Any]] = []
         self.workers: list[subprocess.Popen[Any]] = []
@@ -58,6 +58,8 @@ class Job:
 
     def spawn_server(self) -> None:
         env = {**self.env, "PS_ROLE": "server"}
+        if self.ipc_dir:  # one host: servers listen on IPC sockets, not TCP
+            env["PS_BIND"] = f"ipc://{self.ipc_dir}/server{len(self.servers)}"
         self.servers.append(subprocess.Popen([sys.executable, "-m", "parallel.ps.server"],
                                              env=env))
 
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.timeout, args.on_worker_death)
         from parallel.ps.scheduler import Scheduler
 
-        job = Job(cfg, cmd)
+        job = Job(cfg, cmd, ipc_dir="" if args.scheduler else tmp)
         scheduler = Scheduler(cfg, restore=args.restore, spawn_server=job.spawn_server,
                               processes_gone=job.gone)
         try:
