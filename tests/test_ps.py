@@ -108,13 +108,16 @@ def test_bsp_equals_one_process(tmp_path, rule):
     assert results[0]["applied"] == sum(r["sent"] for r in results)
 
 
-def test_a_killed_server_loses_nothing(tmp_path):
-    """SIGKILL one of 3 servers (each range on 2) mid-run: the job finishes with the
-    model of a run without the kill, and every push sent was applied once."""
-    results, done = job(tmp_path, "kill_server", "1", servers=3, replicas=1)
+@pytest.mark.parametrize(("servers", "replicas", "victim"), [(3, 1, 1), (4, 2, 2)])
+def test_a_killed_server_loses_nothing(tmp_path, servers, replicas, victim):
+    """SIGKILL one server mid-run (each range on a chain of 1 + R servers; with R = 2 the
+    victim is the head, middle or tail of some chain): the job finishes with the model of
+    a run without the kill, and every push sent was applied once."""
+    results, done = job(tmp_path, "kill_server", str(victim), servers=servers,
+                        replicas=replicas)
     assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
     assert [e["event"] for e in results[0]["events"]] == ["server_dead", "ring"]
-    assert results[0]["servers"] == [0, 2]
+    assert results[0]["servers"] == [s for s in range(servers) if s != victim]
     assert results[0]["diff"] <= 1e-5, results[0]
     assert results[0]["applied"] == sum(r["sent"] for r in results)
 
