@@ -53,7 +53,6 @@ class Job:
         self.env = {**os.environ, **cfg.env(), "PYTHONUNBUFFERED": "1"}
         self.servers: list[subprocess.Popen[Any]] = []
         self.workers: list[subprocess.Popen[Any]] = []
-        self.replaced: list[subprocess.Popen[Any]] = []  # dead workers that were replaced
         self.incarnations: dict[int, int] = {}
 
     def spawn_server(self) -> None:
@@ -69,7 +68,6 @@ class Job:
                "PS_INCARNATION": str(self.incarnations[rank])}  # 0 first, 1 a replacement
         process = subprocess.Popen(self.cmd, env=env)
         if rank < len(self.workers):  # a replacement
-            self.replaced.append(self.workers[rank])
             self.workers[rank] = process
         else:
             self.workers.append(process)

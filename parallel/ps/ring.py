@@ -82,3 +82,21 @@ class Ring:
     @staticmethod
     def from_spec(spec: dict) -> Ring:
         return Ring(list(spec["ids"]), spec["replicas"], spec["vnodes"])
+
+
+def handover(old: Ring, new: Ring, table: str, keys: torch.Tensor, sid: int
+             ) -> dict[int, torch.Tensor]:
+    """What server ``sid`` sends when the ring changes from ``old`` to ``new``: for each
+    server that holds some of ``keys`` under ``new`` but not under ``old``, the mask of
+    those keys whose first surviving old holder is ``sid`` (one sender per key)."""
+    before, after = old.holders(table, keys), new.holders(table, keys)
+    alive = torch.isin(before, torch.tensor(new.ids))
+    first = torch.where(alive, before, torch.full_like(before, -1))
+    sender = first.gather(1, alive.int().argmax(dim=1, keepdim=True)).squeeze(1)
+    mine = sender == sid
+    out = {}
+    for target in set(after.flatten().tolist()) - {sid}:
+        lacks = (after == target).any(dim=1) & ~(before == target).any(dim=1) & mine
+        if bool(lacks.any()):
+            out[target] = lacks
+    return out

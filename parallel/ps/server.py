@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import zmq
 
-from parallel.ps import wire
+from parallel.ps import snapshot, wire
 from parallel.ps.config import JobConfig, address
 from parallel.ps.consistency import Gate, VectorClock
 from parallel.ps.filters import decode
 from parallel.ps.node import Heartbeat, dealer, send
-from parallel.ps.ring import Ring
+from parallel.ps.ring import Ring, handover
 from parallel.ps.store import Rows, Table, TableSpec
 
 
@@ -430,20 +429,9 @@ class Server:
         surviving old holder; tell the scheduler once every copy is acknowledged."""
         assert self.ring is not None
         self.paused = True
-        old = self.ring
         for name, table in self.tables.items():
-            if not len(table.keys):
-                continue
-            before, after = old.holders(name, table.keys), new.holders(name, table.keys)
-            alive = torch.tensor([s in new.ids for s in before.flatten().tolist()]
-                                 ).reshape(before.shape)
-            first = torch.where(alive, before, torch.full_like(before, -1))
-            sender = first.gather(1, alive.int().argmax(dim=1, keepdim=True)).squeeze(1)
-            mine = sender == self.sid
-            for target in set(after.flatten().tolist()) - {self.sid}:
-                lacks = (after == target).any(dim=1) & ~(before == target).any(dim=1) & mine
-                if bool(lacks.any()):
-                    self._send_rows(target, table, lacks)
+            for target, mask in handover(self.ring, new, name, table.keys, self.sid).items():
+                self._send_rows(target, table, mask)
         self._maybe_prepared(epoch)
 
     def _send_rows(self, target: int, table: Table, mask: torch.Tensor) -> None:
@@ -505,35 +493,16 @@ class Server:
     # -- checkpoints -------------------------------------------------------------------------
 
     def _checkpoint(self, path: str) -> None:
-        """Write the rows this server leads (each key once in the job) and its clocks."""
         assert self.ring is not None
-        out = {}
-        for name, table in self.tables.items():
-            lead = (self.ring.primary(name, table.keys) == self.sid) if len(table.keys) else \
-                torch.zeros(0, dtype=torch.bool)
-            out[name] = {"spec": table.spec.as_dict(), "rows": table.take(lead).__dict__}
-        tmp = os.path.join(path, f"server{self.sid}.pt.partial")
-        torch.save({"tables": out}, tmp)
-        os.replace(tmp, tmp.removesuffix(".partial"))
+        snapshot.write(path, self.sid, self.tables, self.ring)
         send(self.sched, {"op": "checkpointed", "sid": self.sid})
 
-
     def _restore(self, files: list[str], clock: int) -> None:
-        """Take, from every server's file, the rows this server holds under its ring (the
-        ring may differ from the saving job's), and the workers' clock."""
+        """The rows this server holds under its ring (which may differ from the saving
+        job's), and the workers' clock."""
         assert self.ring is not None
-        for path in files:
-            saved = torch.load(path, weights_only=False)
-            for name, entry in saved["tables"].items():
-                table = self._declare(TableSpec.from_dict(entry["spec"]))
-                rows = Rows(**entry["rows"])
-                if not len(rows.keys):
-                    continue
-                mine = (self.ring.holders(name, rows.keys) == self.sid).any(dim=1)
-                # seen: -1, as the new job's workers number their pushes from 1 again.
-                table.insert(Rows(rows.keys[mine], rows.values[mine],
-                                  {k: v[mine] for k, v in rows.state.items()},
-                                  rows.applied[mine], torch.full_like(rows.seen[mine], -1)))
+        for spec, rows in snapshot.held_rows(files, self.ring, self.sid):
+            self._declare(spec).insert(rows)
         for worker in self.vc.finished:
             self.vc.advance(worker, clock)
 
@@ -551,7 +520,6 @@ def main() -> None:
         Server(cfg, bind).run()
     except KeyboardInterrupt:
         sys.exit(130)
-    time.sleep(0)
 
 
 if __name__ == "__main__":

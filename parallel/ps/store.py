@@ -46,6 +46,11 @@ class Rows:
     applied: torch.Tensor  # int64 (n,)
     seen: torch.Tensor  # int64 (n, workers)
 
+    def subset(self, mask: torch.Tensor) -> Rows:
+        return Rows(self.keys[mask], self.values[mask],
+                    {n: t[mask] for n, t in self.state.items()}, self.applied[mask],
+                    self.seen[mask])
+
     def tensors(self, state_names: list[str]) -> list[torch.Tensor]:
         return [self.keys, self.values, self.applied, self.seen,
                 *(self.state[n] for n in state_names)]

@@ -41,8 +41,6 @@ class Request:
     seq: int
     codec: str = "none"
     parts: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)  # id -> (sid, mask)
-    sent_bytes: int = 0
-    received_bytes: int = 0
     error: str = ""
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -55,6 +56,17 @@ def launch_unless_worker(args: argparse.Namespace, module: str) -> int | None:
     return launch(["--servers", str(args.servers), "--workers", str(args.workers),
                    "--replicas", str(args.replicas), "--consistency", args.consistency,
                    "--tau", str(args.tau), "--", sys.executable, "-m", module, *sys.argv[1:]])
+
+
+def run_example(parser: argparse.ArgumentParser, module: str,
+                train: Callable[[argparse.Namespace], None], argv: list[str] | None) -> int:
+    """An example's ``main``: launch the job, or (as one of its workers) train."""
+    args = parser.parse_args(argv)
+    status = launch_unless_worker(args, module)
+    if status is not None:
+        return status
+    train(args)
+    return 0
 
 
 class Metrics:

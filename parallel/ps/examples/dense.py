@@ -18,7 +18,7 @@ import torch
 
 from parallel.models import GPTConfig, lm_loss
 from parallel.ps import KVWorker
-from parallel.ps.examples._job import Metrics, job_parser, launch_unless_worker
+from parallel.ps.examples._job import Metrics, job_parser, run_example
 from parallel.ps.examples.dense_model import (
     flat_named_grads,
     flat_named_parameters,
@@ -91,13 +91,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    status = launch_unless_worker(args, "parallel.ps.examples.dense")
-    if status is not None:
-        return status
-    train(args)
-    return 0
-
+    return run_example(parser(), "parallel.ps.examples.dense", train, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

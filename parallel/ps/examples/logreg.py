@@ -20,7 +20,7 @@ import time
 import torch
 
 from parallel.ps import KVWorker
-from parallel.ps.examples._job import Metrics, job_parser, launch_unless_worker
+from parallel.ps.examples._job import Metrics, job_parser, run_example
 from parallel.ps.examples.ctr_data import ClickData, SparseBatch
 from parallel.ps.examples.logreg_model import (
     loss_and_grad,
@@ -96,13 +96,7 @@ def report(kv: KVWorker, data: ClickData, args: argparse.Namespace, metrics: Met
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    status = launch_unless_worker(args, "parallel.ps.examples.logreg")
-    if status is not None:
-        return status
-    train(args)
-    return 0
-
+    return run_example(parser(), "parallel.ps.examples.logreg", train, argv)
 
 if __name__ == "__main__":
     sys.exit(main())
