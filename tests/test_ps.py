@@ -152,9 +152,11 @@ def test_a_checkpoint_restarts_the_job_on_another_number_of_servers(tmp_path):
 def test_a_dead_worker_can_be_replaced_under_bsp(tmp_path):
     """--on-worker-death wait: worker 1 dies mid-step (part of a push sent); its
     replacement redoes that step while worker 0 waits; the model equals a run where
-    no one died."""
+    no one died. Heartbeats time out only after 30 s here: the death must be known from
+    the process's exit, before its replacement registers (else the replacement is
+    refused as a taken rank, and replaced again)."""
     results, done = job(tmp_path, "replaced_worker", "", 2, 2, 0, "", "--on-worker-death",
-                        "wait")
+                        "wait", "--heartbeat-timeout", "30")
     assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
     events = [e["event"] for e in results[0]["events"]]
     assert events == ["worker_dead", "worker_replaced"], events

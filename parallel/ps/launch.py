@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 from parallel.ps.config import JobConfig
 
@@ -54,6 +54,10 @@ class Job:
         self.servers: list[subprocess.Popen[Any]] = []
         self.workers: list[subprocess.Popen[Any]] = []
         self.incarnations: dict[int, int] = {}
+        # Told when a worker process exits non-zero: its exit code is surer and sooner than
+        # the heartbeat timeout, and a replacement must not register before its rank is
+        # known dead (the scheduler would refuse it as "taken").
+        self.on_worker_exit: Callable[[int], None] = lambda rank: None
 
     def spawn_server(self) -> None:
         env = {**self.env, "PS_ROLE": "server"}
@@ -76,9 +80,10 @@ class Job:
         """Why the job cannot go on: a worker exited before the job started (the others
         would wait for it), or every worker has exited."""
         codes = [w.poll() for w in self.workers]
-        if started and self.cfg.on_worker_death == "wait":
-            for rank, code in enumerate(codes):
-                if code is not None and code != 0:  # killed: start its replacement
+        for rank, code in enumerate(codes):
+            if started and code is not None and code != 0:
+                self.on_worker_exit(rank)
+                if self.cfg.on_worker_death == "wait":  # start its replacement
                     self.spawn_worker(rank)
                     codes[rank] = None
         if not started and any(c is not None for c in codes):
@@ -122,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         job = Job(cfg, cmd, ipc_dir="" if args.scheduler else tmp)
         scheduler = Scheduler(cfg, restore=args.restore, spawn_server=job.spawn_server,
                               processes_gone=job.gone)
+        job.on_worker_exit = scheduler.worker_exited
         try:
             for _ in range(cfg.servers):
                 job.spawn_server()

@@ -206,6 +206,13 @@ class Scheduler:
                     and rank not in self.done):
                 self._worker_died(rank, node)
 
+    def worker_exited(self, rank: int) -> None:
+        """The launcher saw this worker's process exit with an error: dead now, without
+        waiting for its heartbeats to stop."""
+        node = self.workers.get(rank)
+        if node is not None and rank not in self.dead_workers and rank not in self.done:
+            self._worker_died(rank, node)
+
     def _worker_died(self, rank: int, node: Node) -> None:
         """Name it; then either go on without it (its steps no longer awaited), or wait
         for a replacement of the same rank (the servers forget its unfinished step)."""
