@@ -1,5 +1,5 @@
-"""Every relative link in README.md and docs/*.md names a file that exists (and a heading
-that exists, when it has a #fragment)."""
+"""Every relative link in README.md, bench/README.md and docs/*.md names a file that exists
+(and a heading that exists, when it has a #fragment)."""
 
 import re
 from pathlib import Path
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *DOCS]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -53,7 +54,7 @@ def test_relative_links_resolve(page):
 
 def test_the_docs_are_linked_from_the_readme():
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in relative_links(ROOT / "README.md")}
-    orphans = [p.name for p in PAGES[1:] if p.resolve() not in linked]
+    orphans = [p.name for p in DOCS if p.resolve() not in linked]
     assert orphans == []
 
 
