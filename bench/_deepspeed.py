@@ -106,6 +106,10 @@ def _init_shm(rank: int, world: int) -> int:
     dist.all_gather_object(hosts, socket.gethostname())
     if len(set(hosts)) != 1:
         raise RuntimeError(f"DeepSpeed's shm all-reduce needs one host; ranks are on {set(hosts)}")
+    if not os.environ.get("MASTER_PORT"):
+        # DeepSpeed names its segments after MASTER_ADDR/MASTER_PORT: without them, two
+        # jobs on this host would map each other's.
+        raise RuntimeError("DeepSpeed's shm all-reduce needs MASTER_ADDR/MASTER_PORT set")
     os.environ["DS_ACCELERATOR"] = "cpu"
     # Without LOCAL_SIZE == world, shm_initialize maps nothing and the op segfaults.
     os.environ["LOCAL_SIZE"] = str(world)
