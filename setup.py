@@ -5,10 +5,26 @@ build only when the installed torch has CUDA and nvcc is found; otherwise the bu
 CPU-only and says so.
 Build with `pip install --no-build-isolation .` so the torch you run is the torch we
 compile against (the C++ ABI of c10d must match exactly).
+
+Environment:
+  PYCOMM_NO_CUDA=1        build the CPU-only extension even where torch has CUDA and nvcc
+                          is found (e.g. a CUDA torch wheel next to an nvcc of another
+                          CUDA major version, which torch's extension builder refuses).
+  PYCOMM_CUDA_ARCH        pycomm's own list of GPU architectures ("80;90", "90+PTX"); it
+                          wins over
+  TORCH_CUDA_ARCH_LIST    torch's convention ("8.0;9.0+PTX", "8.0 9.0", "Hopper"), used
+                          when PYCOMM_CUDA_ARCH is unset. With neither: sm_80 and sm_90
+                          code plus compute_90 PTX, which newer GPUs JIT-compile. "+PTX"
+                          after an architecture embeds its PTX as well.
+  PYCOMM_PTXAS_VERBOSE=1  ptxas prints each kernel's registers and spills.
+
+The setup() call runs only as a script (pip and setuptools run this file as __main__),
+so tests import nvcc_flags() from it without building anything.
 """
 
 import glob
 import os
+import re
 import shutil
 
 from setuptools import setup
@@ -24,6 +40,19 @@ def sources(pattern: str) -> list[str]:
                   for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
 
 
+def cpu_sources() -> list[str]:
+    """What every build compiles. csrc/cuda/host is plain C++ (the CUDA ring's plan,
+    simulator and handle format), so CPU-only builds compile it too and CI tests it
+    without a GPU."""
+    return (sources("csrc/core/**/*.cc") + sources("csrc/recompute/*.cc")
+            + sources("csrc/cuda/host/*.cc") + sources("csrc/torch/*.cc"))
+
+
+def cuda_sources() -> list[str]:
+    """What a CUDA build compiles as well: the kernels and their torch glue."""
+    return sources("csrc/cuda/*.cu") + sources("csrc/torch/*.cu")
+
+
 def cuda_wanted() -> bool:
     if os.environ.get("PYCOMM_NO_CUDA") == "1":
         return False
@@ -34,13 +63,47 @@ def cuda_wanted() -> bool:
     return bool(cu) and torch.version.cuda is not None and has_nvcc
 
 
+# torch's names for architecture families (torch.utils.cpp_extension's table).
+NAMED_ARCHS = {
+    "Volta": "7.0+PTX", "Turing": "7.5+PTX", "Ampere+Tegra": "8.7", "Ampere": "8.0;8.6+PTX",
+    "Ada": "8.9+PTX", "Hopper": "9.0+PTX", "Blackwell+Tegra": "10.1",
+    "Blackwell": "10.0;12.0+PTX",
+}
+DEFAULT_ARCHS = "80;90+PTX"
+
+
+def gencode_flags(arch_list: str) -> list[str]:
+    """nvcc -gencode flags for an architecture list in torch's TORCH_CUDA_ARCH_LIST form
+    ("8.0;9.0+PTX", "8.0 9.0", "9.0a", "Hopper") or pycomm's ("80;90", "90+PTX"): sm_XX
+    code for each, and compute_XX PTX as well for those marked +PTX."""
+    for name, archs in NAMED_ARCHS.items():
+        arch_list = arch_list.replace(name, archs)
+    flags: list[str] = []
+    for item in re.split(r"[;,\s]+", arch_list.strip()):
+        if not item:
+            continue
+        m = re.fullmatch(r"(\d+)(?:\.(\d))?([af]?)(\+PTX)?", item)
+        if m is None:
+            raise ValueError(f"pycomm: cannot read CUDA architecture {item!r} in "
+                             f"{arch_list!r} (write e.g. '8.0;9.0+PTX' or '80;90')")
+        major, minor, suffix, ptx = m.groups()
+        num = f"{major}{minor}{suffix}" if minor is not None else f"{major}{suffix}"
+        flags += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
+        if ptx:
+            flags += ["-gencode", f"arch=compute_{num},code=compute_{num}"]
+    if not flags:
+        raise ValueError(f"pycomm: no CUDA architecture in {arch_list!r}")
+    return flags
+
+
 def nvcc_flags() -> list[str]:
-    """sm_80 and sm_90 code unless PYCOMM_CUDA_ARCH says otherwise ("90", "80;90");
-    PYCOMM_PTXAS_VERBOSE=1 prints each kernel's registers and spills."""
-    archs = os.environ.get("PYCOMM_CUDA_ARCH", "80;90").replace(",", ";").split(";")
+    """The GPU architectures from PYCOMM_CUDA_ARCH, else TORCH_CUDA_ARCH_LIST, else sm_80
+    and sm_90 code plus compute_90 PTX (see the module docstring). torch adds no arch
+    flags of its own once these -gencode flags are given."""
+    archs = (os.environ.get("PYCOMM_CUDA_ARCH") or os.environ.get("TORCH_CUDA_ARCH_LIST")
+             or DEFAULT_ARCHS)
     flags = ["-O3", "-DPYCOMM_CUDA"]  # (torch adds its -std, c++20 for its headers)
-    for arch in filter(None, (a.strip() for a in archs)):
-        flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    flags += gencode_flags(archs)
     if os.environ.get("PYCOMM_PTXAS_VERBOSE") == "1":
         flags += ["-Xptxas", "-v"]
     return flags
@@ -51,15 +114,12 @@ def extension():
     # it GCC will not turn the clamps of the fused kernels' erf and exp into vector code.
     cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter",
                  "-fno-trapping-math"]
-    # csrc/cuda/host is plain C++ (the CUDA ring's plan, simulator and handle format), so
-    # CPU-only builds compile it too and CI tests it without a GPU.
-    srcs = (sources("csrc/core/**/*.cc") + sources("csrc/recompute/*.cc")
-            + sources("csrc/cuda/host/*.cc") + sources("csrc/torch/*.cc"))
+    srcs = cpu_sources()
     if cuda_wanted():
         print("pycomm: building with CUDA")
         return cpp_extension.CUDAExtension(
             "pycomm._C",
-            srcs + sources("csrc/cuda/*.cu") + sources("csrc/torch/*.cu"),
+            srcs + cuda_sources(),
             extra_compile_args={"cxx": cxx_flags + ["-DPYCOMM_CUDA"], "nvcc": nvcc_flags()},
             include_dirs=[INCLUDE],
         )
@@ -68,7 +128,8 @@ def extension():
                                       extra_link_args=["-lrt"], include_dirs=[INCLUDE])
 
 
-setup(
-    ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-)
+if __name__ == "__main__":
+    setup(
+        ext_modules=[extension()],
+        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    )

@@ -62,7 +62,7 @@ def _backends(args: argparse.Namespace, notes: list[str]) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags as nccl-tests: -b -e -f -n -w -c -d, plus the backends and ops to compare."""
     p = argparse.ArgumentParser(
-        prog="pycomm-bench",
+        prog="python -m bench.collectives",
         description="Time collectives of several backends side by side, nccl-tests style.",
     )
     p.add_argument(

@@ -22,6 +22,9 @@ REDOPS = {
     "min": dist.ReduceOp.MIN,
 }
 ROOT = 0  # broadcast and reduce root
+# torch 2.9 and 2.10 know these two collectives only by their older names.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 Alloc = Callable[..., torch.Tensor]  # (count, dtype=...) -> tensor: torch.empty, pycomm.empty
 
 
@@ -103,8 +106,8 @@ class TorchComm:
         red, group = REDOPS[redop], self.group
         calls = {
             "all_reduce": lambda: dist.all_reduce(bufs.work, op=red, group=group),
-            "all_gather": lambda: dist.all_gather_single(bufs.out, bufs.work, group=group),
-            "reduce_scatter": lambda: dist.reduce_scatter_single(
+            "all_gather": lambda: _all_gather(bufs.out, bufs.work, group=group),
+            "reduce_scatter": lambda: _reduce_scatter(
                 bufs.out, bufs.work, op=red, group=group
             ),
             "broadcast": lambda: dist.broadcast(bufs.work, group_src=ROOT, group=group),

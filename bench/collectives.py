@@ -207,7 +207,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point (``pycomm-bench``): run in place under torchrun or mpirun, else start ranks."""
+    """Entry point (``python -m bench.collectives``): run in place under torchrun or mpirun,
+    else start ranks."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if "pycomm-registered" in (b.split("#")[0] for b in args.backends):

@@ -7,12 +7,17 @@
     dist.init_process_group("pycomm")    # instead of "gloo"
 """
 
+from importlib import metadata as _metadata
+
 from pycomm._backend import BACKEND_NAME, extension_error, register
 from pycomm.arena import arena_stats, empty, in_arena, zeros
 from pycomm.bucketer import Bucketer, plan_buckets
 from pycomm.flat_arena import Arena
 
-__version__ = "0.1.0"
+try:  # the one version source is pyproject.toml's, read back from the installed metadata
+    __version__: str = _metadata.version("pycomm")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 __all__ = [
     "BACKEND_NAME",
     "Arena",

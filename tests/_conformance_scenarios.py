@@ -46,6 +46,11 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning, message=".*not part of the group.*")
 warnings.filterwarnings("ignore", category=UserWarning, message=".*Running .* on global rank.*")
 
+# Older torch (2.9, 2.10) has no all_gather_single / reduce_scatter_single: there the
+# cases call the same collectives by their older names (as parallel/ does).
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 PG_TIMEOUT_S = 10.0  # every group's timeout (the candidate's default group gets it from the pool)
 CASE_TIMEOUT_S = 40.0  # a case's reference side may take this long before it counts as hung
 # The candidate side counts as hung (faulthandler prints every thread's stack, the rank
@@ -468,7 +473,7 @@ def _all_gather_into_tensor(side: Side) -> dict[str, Any]:
         dist.all_gather_into_tensor(stack.view(n * shape[0], *shape[1:])
                                     if side.backend == "gloo" else stack, mine, group=g)
         single = torch.full((n * shape[0], *shape[1:]), -99.0, dtype=torch.float64)
-        dist.all_gather_single(single, mine, group=g)
+        _all_gather_single(single, mine, group=g)
         out[str(shape)] = {"concatenated": cat, "stacked": stack, "all_gather_single": single,
                            "input unchanged": torch.equal(mine, ints(f"agit/{shape}", shape))}
     mine, dst = ints("agit/async", (6,)), torch.zeros(6 * n, dtype=torch.float64)
@@ -570,7 +575,7 @@ def _reduce_scatter_tensor(side: Side, ops: tuple[str, ...] = ("SUM", "MAX", "PR
                                        if side.backend == "gloo" else stacked,
                                        op=_op(op), group=g)
             t3 = torch.full(shape, -99.0, dtype=torch.float64)
-            dist.reduce_scatter_single(t3, src, op=_op(op), group=g)
+            _reduce_scatter_single(t3, src, op=_op(op), group=g)
             out[f"{op} {shape}"] = {"concatenated input": t, "stacked input": t2,
                                     "reduce_scatter_single": t3, "input": src}
     if ops == ("AVG",):

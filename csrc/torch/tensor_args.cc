@@ -1,12 +1,21 @@
 #include "tensor_args.h"
 
 #include <c10/util/Exception.h>
+#include <torch/version.h>
 
 #include "core/kernels/reduce.h"
 #include "core/runtime/errors.h"
 
 namespace pycomm_torch {
 namespace {
+
+// PREMUL_SUM's factor: c10d::PreMulSumSupplement from torch 2.13 on, before that under
+// its older name (which 2.13 keeps as an alias).
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+using PreMulSumFactor = c10d::NCCLPreMulSumSupplement;
+#else
+using PreMulSumFactor = c10d::PreMulSumSupplement;
+#endif
 
 std::string who(const char* op, int rank) {
   return std::string("pycomm: ") + op + " on rank " + std::to_string(rank);
@@ -94,7 +103,7 @@ ReduceSpec reduce_spec(const c10d::ReduceOp& op, pycomm::DType dtype, const char
     case c10d::ReduceOp::PREMUL_SUM: {
       TORCH_CHECK_VALUE(pycomm::is_floating(dtype), who(what, rank),
                         ": PREMUL_SUM needs a floating tensor, got ", pycomm::dtype_name(dtype));
-      auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+      auto* sup = dynamic_cast<PreMulSumFactor*>(op.supplement_.get());
       TORCH_CHECK_VALUE(sup != nullptr, who(what, rank), ": PREMUL_SUM without a factor");
       s.op = pycomm::RedOp::SUM;
       s.premul = true;
