@@ -13,6 +13,7 @@ from pycomm._backend import BACKEND_NAME, extension_error, register
 from pycomm.arena import arena_stats, empty, in_arena, zeros
 from pycomm.bucketer import Bucketer, plan_buckets
 from pycomm.flat_arena import Arena
+from pycomm.ops import all_reduce_
 
 try:  # the one version source is pyproject.toml's, read back from the installed metadata
     __version__: str = _metadata.version("pycomm")
@@ -23,6 +24,7 @@ __all__ = [
     "Arena",
     "Bucketer",
     "__version__",
+    "all_reduce_",
     "arena_stats",
     "empty",
     "extension_error",

@@ -83,10 +83,11 @@ def _create_backend(
     Ranks on one host (one island) get the shared-memory backend itself; a group
     spanning islands gets ProcessGroupIslands (see pycomm/islands.py).
     """
-    from pycomm import islands
+    from pycomm import islands, ops
 
     seconds = _timeout_seconds(timeout)
     ext = _extension()
+    ops.load()  # torch.ops.pycomm.* usable (and traceable) once a group exists
     store = incarnation_store(store, group_rank, group_size)
     ids = islands.island_ids(store, group_rank, group_size)
     islands.log_choice(group_rank, group_size, ids)

@@ -182,8 +182,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, 
   return work;
 }
 
-void ProcessGroupPycomm::all_reduce_now(at::Tensor& t, const std::string& op) {
-  c10d::AllreduceOptions opts;
+c10d::ReduceOp reduce_op_named(const std::string& op) {
   static const std::map<std::string, c10d::ReduceOp::RedOpType> ops = {
       {"sum", c10d::ReduceOp::SUM},
       {"avg", c10d::ReduceOp::AVG},
@@ -191,11 +190,44 @@ void ProcessGroupPycomm::all_reduce_now(at::Tensor& t, const std::string& op) {
       {"min", c10d::ReduceOp::MIN},
       {"max", c10d::ReduceOp::MAX}};
   auto it = ops.find(op);
-  TORCH_CHECK_VALUE(it != ops.end(), "pycomm: unknown reduction op '", op, "'");
-  opts.reduceOp = c10d::ReduceOp(it->second);
+  TORCH_CHECK_VALUE(it != ops.end(), "pycomm: unknown reduction op '", op,
+                    "' (one of sum, avg, prod, min, max)");
+  return c10d::ReduceOp(it->second);
+}
+
+// The same checks and body as allreduce(), run right here: no Work, no future, no
+// closure on the heap. Ops queued before it keep their order: then it takes the queue.
+void ProcessGroupPycomm::all_reduce_direct(at::Tensor& t, const c10d::ReduceOp& op) {
+  pycomm::DType dt = checked_dtype(t, "all_reduce", getRank());
+  ReduceSpec rs = reduce_spec(op, dt, "all_reduce", getRank());
+  comm();  // fail now if shut down
+  if (!worker_->on_worker_thread()) leftovers_.drop_all();
+  std::exception_ptr error;  // the worker's run_inline expects a task that never throws
+  auto body = [this, &t, dt, &rs, &error] {
+    try {
+      c10::impl::ExcludeDispatchKeyGuard no_autograd(
+          c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+      Staged buf(t);
+      rs.scale_owned(buf.get());
+      comm().all_reduce(buf.ptr(), buf.numel(), dt, rs.op);
+      buf.commit();
+    } catch (...) {
+      error = translate_current_exception();
+    }
+  };
+  if (worker_->run_inline(body)) {
+    if (error) std::rethrow_exception(error);
+    return;
+  }
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
   opts.asyncOp = false;
   std::vector<at::Tensor> tensors{t};
   allreduce(tensors, opts)->wait();
+}
+
+void ProcessGroupPycomm::all_reduce_now(at::Tensor& t, const std::string& op) {
+  all_reduce_direct(t, reduce_op_named(op));
 }
 
 void ProcessGroupPycomm::barrier_now() {

@@ -41,6 +41,9 @@ class Leftovers {
   std::vector<Entry> entries_;
 };
 
+// "sum", "avg", "prod", "min", "max" as c10d's ReduceOp; a clear error otherwise.
+c10d::ReduceOp reduce_op_named(const std::string& op);
+
 class ProcessGroupPycomm : public c10d::Backend {
  public:
   ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -103,6 +106,9 @@ class ProcessGroupPycomm : public c10d::Backend {
   // calling thread, without torch's dispatcher or a Work object (what mpi4py is to MPI).
   // Ordered with queued ops: it waits for them first.
   void all_reduce_now(at::Tensor& t, const std::string& op);
+  // allreduce's checks and body on the calling thread, with no Work (synchronous CPU
+  // calls: all_reduce_now and the torch.ops.pycomm.all_reduce_ custom op).
+  void all_reduce_direct(at::Tensor& t, const c10d::ReduceOp& op);
   void barrier_now();
 
   // Bytes of shared memory this group's segment takes (for logs and tests).

@@ -16,6 +16,7 @@ dimension the last.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,12 +59,32 @@ def _record(op: str) -> None:
 # -- the primitives, each one collective (or none) -----------------------------------------------
 
 
+_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
+             dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "prod"}
+
+
 def all_reduce(x: torch.Tensor, group: Group, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
-    """In place on a contiguous ``x`` (which is returned)."""
+    """In place on a contiguous ``x`` (which is returned).
+
+    CPU tensors take ``torch.ops.pycomm.all_reduce_``: one operator call instead of
+    torch.distributed's wrapper and Work (the layer's forward waits for it anyway), and
+    traceable by torch.compile. It serves any backend, pycomm's on its fast path.
+    """
     _record("all_reduce")
     x = x.contiguous()
-    dist.all_reduce(x, op=op, group=group)
+    if x.device.type == "cpu" and op in _OP_NAMES and _pycomm_ops():
+        name = (group if group is not None else dist.group.WORLD).group_name
+        torch.ops.pycomm.all_reduce_.default(x, _OP_NAMES[op], name)
+    else:
+        dist.all_reduce(x, op=op, group=group)
     return x
+
+
+def _pycomm_ops() -> bool:
+    """Whether torch.ops.pycomm.all_reduce_ exists: pycomm's extension, which defines it,
+    is loaded (a pycomm group was created here). Asked of sys.modules, which is cheap;
+    asking torch.ops for a missing operator costs microseconds every time."""
+    return "pycomm._C" in sys.modules
 
 
 def all_reduce_async(x: torch.Tensor, group: Group) -> Any:

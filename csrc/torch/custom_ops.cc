@@ -1,0 +1,48 @@
+// torch.ops.pycomm.*: collectives as torch.library operators, as DeepSpeed's and vLLM's
+// inference all-reduces are. A synchronous CPU all_reduce then costs one dispatcher call:
+// no Python wrapper of torch.distributed, no Work, no future. Being operators with a fake
+// (meta) kernel registered in pycomm/ops.py, they also live inside torch.compile graphs.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "backend.h"
+
+namespace pycomm_torch {
+namespace {
+
+// In place over the group named `group_name` (ProcessGroup.group_name in Python). A
+// group whose CPU backend is not pycomm's (gloo, islands) takes its own allreduce, so
+// the op is correct on any group and fast on pycomm's.
+void all_reduce_(at::Tensor tensor, c10::string_view op, c10::string_view group_name) {
+  c10d::ReduceOp reduce = reduce_op_named(std::string(op));
+  // An operator defined here is below autograd's in-place bookkeeping: bump the version
+  // as every in-place ATen op does, so a tensor saved for backward and then reduced in
+  // place makes backward raise instead of using the new values silently.
+  tensor.unsafeGetTensorImpl()->bump_version();
+  auto group = c10d::resolve_process_group(std::string(group_name));
+  auto backend = group->getBackend(tensor.device().type());
+  if (auto* ours = dynamic_cast<ProcessGroupPycomm*>(backend.get())) {
+    ours->all_reduce_direct(tensor, reduce);
+    return;
+  }
+  // Other backends may require contiguous memory (gloo reduces the underlying storage
+  // as if it were): stage a copy, as pycomm's own path does.
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = reduce;
+  std::vector<at::Tensor> tensors{tensor.contiguous()};
+  backend->allreduce(tensors, opts)->wait();
+  if (!tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pycomm, m) { m.def("all_reduce_(Tensor(a!) tensor, str op, str group_name) -> ()"); }
+
+// CompositeExplicitAutograd: one kernel for every device (the backend picks the path),
+// below autograd, as c10d's own functional collectives register theirs.
+TORCH_LIBRARY_IMPL(pycomm, CompositeExplicitAutograd, m) { m.impl("all_reduce_", all_reduce_); }
+
+}  // namespace pycomm_torch

@@ -1,0 +1,52 @@
+"""``torch.ops.pycomm.all_reduce_``: a synchronous all_reduce as one torch operator.
+
+``dist.all_reduce`` goes through torch.distributed's Python wrapper, a ProcessGroup
+operator and a ``Work``; for a small synchronous CPU tensor that machinery costs more
+than the communication. The operator (defined in csrc/torch/custom_ops.cc, as DeepSpeed
+and vLLM define their inference all-reduces) skips all of it, and having a fake kernel it
+can sit inside a ``torch.compile`` graph::
+
+    torch.ops.pycomm.all_reduce_(tensor, "sum", group.group_name)   # or:
+    pycomm.all_reduce_(tensor, group=group)
+
+On a group whose backend is not pycomm's it calls that backend's allreduce, so code
+written against it stays correct under gloo or an islands group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pycomm._backend import _extension
+
+_fakes_registered = False
+
+
+def load() -> None:
+    """Load the extension (which defines the operator) and register its fake kernel."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    _extension()
+    torch.library.register_fake("pycomm::all_reduce_")(_all_reduce_fake)
+    _fakes_registered = True
+
+
+def _all_reduce_fake(tensor: torch.Tensor, op: str, group_name: str) -> None:
+    """What torch.compile traces: the operator mutates ``tensor`` and returns nothing."""
+    return None
+
+
+def all_reduce_(
+    tensor: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Reduce ``tensor`` in place over ``group`` (default: the world) and return it.
+
+    ``op`` is "sum", "avg", "prod", "min" or "max". Synchronous: when it returns,
+    ``tensor`` holds the result on every rank.
+    """
+    load()
+    group = group if group is not None else dist.group.WORLD
+    torch.ops.pycomm.all_reduce_.default(tensor, op, group.group_name)
+    return tensor
