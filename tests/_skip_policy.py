@@ -27,6 +27,7 @@ ALLOWED: dict[str, str] = {
     "CUDA toolkit": r"^no CUDA toolkit\b",
     "g++": r"^no g\+\+",
     "CuPy": r"^no CuPy\b",
+    "DeepSpeed (a benchmark peer)": r"^no DeepSpeed\b",
     "Open MPI / mpi4py": r"^no (Open MPI|mpi4py|mpirun)\b",
     "network namespaces (ip netns)": r"^no network namespaces\b",
     "PID namespaces (unshare --pid)": r"^no PID namespaces\b",
