@@ -73,7 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "first/other for every other backend. pycomm-registered is pycomm timed on "
         "buffers from pycomm.empty (zero-copy tensors in its shared-memory arena); "
         "pycomm-native is pycomm's own blocking all_reduce_now, bypassing torch's "
-        "dispatcher (all_reduce only), as mpi4py bypasses nothing of MPI. "
+        "dispatcher (all_reduce only), as mpi4py bypasses nothing of MPI; pycomm-op is "
+        "torch.ops.pycomm.all_reduce_, the torch operator (all_reduce only). "
+        "deepspeed is DeepSpeed's CPU shared-memory all-reduce "
+        "(torch.ops.deepspeed.inference_all_reduce_; deepspeed-api: "
+        "deepspeed.comm.inference_all_reduce), SUM of float32/bfloat16/float16 only. "
         "mpi is Open MPI through mpi4py: unless already under mpirun, the benchmark "
         "re-executes itself under 'mpirun --allow-run-as-root --oversubscribe -np NPROC' "
         "so that every backend shares the same ranks. "
@@ -129,6 +133,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
+        "--timing",
+        choices=["barrier", "b2b"],
+        default="barrier",
+        help="barrier (default): a barrier before every timed call, the median of the "
+        "slowest rank; b2b: the calls back to back after one barrier, as nccl-tests times",
+    )
+    p.add_argument(
+        "--aa",
+        action="store_true",
+        help="add the first backend once more at the end (an A/A column: its ratio to the "
+        "first is the noise floor of this job)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="run K fresh jobs (new processes, new groups) and report each cell as the "
+        "median of the K with its range; every job's JSON is kept beside --out",
+    )
+    p.add_argument(
+        "--mpi-tuned",
+        action="store_true",
+        help="time Open MPI in both shared-memory configurations, each job once as "
+        "launched and once more with its single-copy mechanism off (CMA off: "
+        "--mca btl_vader_single_copy_mechanism none); the report shows the best per size "
+        "and which won",
+    )
+    p.add_argument(
         "--local-size",
         type=int,
         default=None,
@@ -137,14 +169,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "and gloo between islands",
     )
     args = p.parse_args(argv)
+    args.argv = list(argv) if argv is not None else []
     args.notes = []
+    if args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.local_size is not None:
         if args.local_size <= 0:
             p.error(f"--local-size must be positive, got {args.local_size}")
         os.environ["PYCOMM_LOCAL_SIZE"] = str(args.local_size)  # inherited by the ranks
         args.notes.append(f"pycomm on simulated islands of {args.local_size} ranks "
                           "(PYCOMM_LOCAL_SIZE): shared memory inside, gloo between")
-    args.backends = _labels(_backends(args, args.notes))
+    chosen = _backends(args, args.notes)
+    if args.aa and chosen:
+        chosen.append(chosen[0])
+    args.backends = _labels(chosen)
     args.ops = [o for o in args.ops.split(",") if o]
     bad = [o for o in args.ops if o not in OPS]
     if bad:

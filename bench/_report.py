@@ -48,6 +48,40 @@ def memcpy_limit(nbytes: int, per_rank: list[list[float]]) -> float:
     return nbytes / statistics.median(slowest) / GB
 
 
+def traffic_per_rank(op: str, nbytes: int, world: int) -> float:
+    """Bytes a rank must read plus write for one op of S = ``nbytes``, in the best
+    single-copy schedule over shared memory: every input byte read once from where it
+    lies, every output byte written once, the reduction work split evenly.
+
+    - all_reduce: read its 1/w of every rank's input (S) and write its reduced chunk
+      (S/w); then read the others' reduced chunks and write them into its output
+      (2 (w-1)/w S). Total S (3 - 1/w).
+    - reduce_scatter (S = input): read its chunk of every input (S), write S/w.
+    - reduce: as reduce_scatter, the chunks written into the root's output.
+    - all_gather (S = output), all_to_all: read and write S (the own part copied too).
+    - broadcast: a non-root reads and writes S.
+    """
+    s, w = float(nbytes), world
+    model = {
+        "all_reduce": s * (3 - 1 / w),
+        "reduce_scatter": s * (1 + 1 / w),
+        "reduce": s * (1 + 1 / w),
+        "all_gather": 2 * s,
+        "all_to_all": 2 * s,
+        "broadcast": 2 * s,
+    }
+    return model[op]
+
+
+def limit_busbw(op: str, nbytes: int, world: int, copy_gbs: float) -> float:
+    """The busbw an op of this size would reach if its traffic (traffic_per_rank) moved
+    at the copy speed measured at this size with every rank copying at once.
+
+    ``copy_gbs`` counts the bytes copied (a copy reads and writes each: 2 per byte)."""
+    seconds = traffic_per_rank(op, nbytes, world) / (2 * copy_gbs * GB)
+    return nbytes / seconds / GB * busbw_factor(op, world)
+
+
 def _cells(row: dict | None) -> str:
     """time(us) algbw busbw #wrong for one backend, or a dash row when it is missing."""
     if row is None:
@@ -65,12 +99,15 @@ def _ratio(a: dict | None, b: dict | None, width: int) -> str:
     return f"| {pair:>{width}} "
 
 
-def format_op(op: str, rows: list[dict], backends: list[str]) -> list[str]:
+def format_op(op: str, rows: list[dict], backends: list[str],
+              limits: dict[int, float] | None = None) -> list[str]:
     """The table for one op: a header, one line per size, an average line per backend.
 
     After the backends' columns comes one ratio pair (time, busbw) of the first
-    backend over each other one: pycomm/gloo, pycomm/mpi, ...
+    backend over each other one: pycomm/gloo, pycomm/mpi, ... and then, with
+    ``limits`` ({bytes: busbw}), the limit busbw at each size (see limit_busbw).
     """
+    limits = limits or {}
     by_key = {(r["bytes"], r["backend"]): r for r in rows}
     sizes = sorted({r["bytes"] for r in rows})
     ratios = [f"{backends[0]}/{b}" for b in backends[1:]]
@@ -82,7 +119,8 @@ def format_op(op: str, rows: list[dict], backends: list[str]) -> list[str]:
         f"# {'size':>10} {'count':>11} {'type':>8} {'redop':>6} "
         + "| {:>10} {:>7} {:>7} {:>6} ".format("time(us)", "algbw", "busbw", "#wrong")
         * len(backends)
-        + "".join(f"| {'time  busbw':>{w}} " for w in widths),
+        + "".join(f"| {'time  busbw':>{w}} " for w in widths)
+        + ("| limit" if limits else ""),
     ]
     for size in sizes:
         cols = [by_key.get((size, b)) for b in backends]
@@ -91,6 +129,7 @@ def format_op(op: str, rows: list[dict], backends: list[str]) -> list[str]:
             f"  {size:>10} {first['count']:>11} {first['type']:>8} {first['redop']:>6} "
             + "".join(f"| {_cells(c)} " for c in cols)
             + "".join(_ratio(cols[0], c, w) for c, w in zip(cols[1:], widths, strict=True))
+            + (f"| {limits[size]:5.2f}" if size in limits else "")
         )
         lines.append(line.rstrip())
     for b in backends:
@@ -121,10 +160,11 @@ LATENCY_MAX = 64 << 10  # the latency panel's largest size: where time, not band
 
 
 def write_plot(
-    path: Path, rows: list[dict], backends: list[str], limit_gbs: float | None, world: int
+    path: Path, rows: list[dict], backends: list[str], limits: dict[str, dict[int, float]],
+    world: int,
 ) -> bool:
-    """Per op, two panels: busbw against size (log-x, with the memcpy limit line) and
-    time against size up to 64 KB (log-log), one line per backend.
+    """Per op, two panels: busbw against size (log-x, with the op's limit at each size,
+    see limit_busbw) and time against size up to 64 KB (log-log), one line per backend.
 
     Returns False (and writes nothing) when matplotlib is not installed.
     """
@@ -150,8 +190,10 @@ def write_plot(
             small = [(n, r["time_us"]) for n, r in mine if n <= LATENCY_MAX]
             if small:
                 lat_ax.plot(*zip(*small, strict=True), **style)
-        if limit_gbs:
-            bw_ax.axhline(limit_gbs, color="grey", linestyle="--", label="memcpy (all ranks)")
+        if limits.get(op):
+            pts = sorted(limits[op].items())
+            bw_ax.plot([n for n, _ in pts], [v for _, v in pts], color="grey", linestyle="--",
+                       label="limit (least traffic at copy speed)")
         bw_ax.set(xscale="log", xlabel="size (bytes)", ylabel="busbw (GB/s)")
         bw_ax.set_title(f"{op}, {world} ranks: bus bandwidth")
         lat_ax.set(xscale="log", yscale="log", xlabel="size (bytes)", ylabel="time (µs)")

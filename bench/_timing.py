@@ -66,6 +66,13 @@ class Buffers:
     def result(self) -> torch.Tensor:
         return self.work if self.out is None else self.out
 
+    def poison(self) -> None:
+        """Fill an out-of-place output with a value no correct result holds (NaN, or
+        the dtype's minimum for integers), so that one left unwritten counts as wrong."""
+        if self.out is not None:
+            fill = float("nan") if self.out.is_floating_point() else torch.iinfo(self.out.dtype).min
+            self.out.fill_(fill)
+
 
 def make_buffers(
     op: str, count: int, dtype: torch.dtype, rank: int, world: int, alloc: Alloc = torch.empty
@@ -137,6 +144,16 @@ class NativeComm(TorchComm):
         return lambda: backend.all_reduce_now(tensor, redop)
 
 
+class OpComm(NativeComm):
+    """pycomm through ``torch.ops.pycomm.all_reduce_``: the torch operator (one
+    dispatcher call, no Work), the fast path a trainer or a compiled graph takes."""
+
+    def launcher(self, op: str, bufs: Buffers, redop: str) -> Callable[[], None]:
+        call, tensor = torch.ops.pycomm.all_reduce_.default, bufs.work
+        name = self.group.group_name
+        return lambda: call(tensor, redop, name)
+
+
 def expected(
     op: str, count: int, dtype: torch.dtype, rank: int, world: int, redop: str
 ) -> torch.Tensor:
@@ -165,39 +182,94 @@ def count_wrong(result: torch.Tensor, ref: torch.Tensor, redop: str) -> int:
     """Elements off the reference: exact, except avg's one rounding of the division."""
     tol = torch.finfo(result.dtype).eps if redop == "avg" and result.is_floating_point() else 0
     err = (result.double() - ref).abs()
-    return int((err > tol * ref.abs().clamp(min=1)).sum())
+    return int((~(err <= tol * ref.abs().clamp(min=1))).sum())  # NaN counts as wrong
 
 
 def time_case(op: str, count: int, dtype: torch.dtype, comm, args) -> dict:
     """Time ``args.iters`` runs after ``args.warmup_iters``; this rank's seconds and #wrong.
 
-    ``comm`` is a :class:`TorchComm` or a ``bench._mpi.MpiComm``. A barrier of the
-    backend under test precedes every iteration, so each one starts from aligned
-    ranks; rank 0 later takes the slowest rank per iteration. ``#wrong`` (with
-    ``args.check``) is counted on the last timed iteration's result.
+    ``comm`` is a :class:`TorchComm`, ``bench._mpi.MpiComm`` or a DeepSpeed comm.
+    ``args.timing`` picks how (both as nccl-tests reads them):
+
+    - "barrier": a barrier of the backend under test precedes every iteration, so each
+      starts from aligned ranks; rank 0 later takes the slowest rank per iteration.
+    - "b2b": one barrier, then the iterations back to back, timed as a block (the
+      nccl-tests way: a rank's next call may overlap its peers' last one); every
+      iteration's time is the block's mean.
+
+    ``#wrong`` (with ``args.check``): 1 counts it on one iteration's result (the last
+    timed one; in b2b mode an extra untimed one, as the timed ones reduce their own
+    outputs again), 2 on every iteration (barrier mode), with out-of-place outputs
+    poisoned before each so that a call that writes nothing cannot pass.
     """
     bufs = make_buffers(op, count, dtype, comm.rank, comm.world, comm.alloc)
     run = comm.launcher(op, bufs, args.redop)
-    times = []
-    for i in range(args.warmup_iters + args.iters):
+    checker = _Checker(op, count, dtype, comm, args)
+    if getattr(args, "timing", "barrier") == "b2b":
+        times = _back_to_back(bufs, run, comm, args)
+        checker.check(bufs, run, comm)
+    else:
+        times = []
+        for i in range(args.warmup_iters + args.iters):
+            bufs.reset()
+            if checker.every:
+                bufs.poison()
+            comm.barrier()
+            start = time.perf_counter()
+            run()
+            elapsed = time.perf_counter() - start
+            if i >= args.warmup_iters:
+                times.append(elapsed)
+                if checker.every or i == args.warmup_iters + args.iters - 1:
+                    checker.count(bufs)
+    return {"times": times, "wrong": checker.wrong}
+
+
+def _back_to_back(bufs: Buffers, run: Callable[[], None], comm, args) -> list[float]:
+    """Warm-up, one barrier, then ``args.iters`` calls timed as one block."""
+    for _ in range(args.warmup_iters):
         bufs.reset()
-        comm.barrier()
-        start = time.perf_counter()
         run()
-        if i >= args.warmup_iters:
-            times.append(time.perf_counter() - start)
-    wrong = -1
-    if args.check and op == "reduce" and comm.rank != ROOT:
-        wrong = 0  # only the root's buffer holds a result
-    elif args.check:
-        ref = expected(op, count, dtype, comm.rank, comm.world, args.redop)
-        wrong = count_wrong(bufs.result(), ref, args.redop)
-    return {"times": times, "wrong": wrong}
+    bufs.reset()
+    comm.barrier()
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        run()
+    per_call = (time.perf_counter() - start) / max(1, args.iters)
+    return [per_call] * args.iters
+
+
+class _Checker:
+    """Counts wrong elements against the float64 reference (see :func:`time_case`)."""
+
+    def __init__(self, op: str, count: int, dtype: torch.dtype, comm, args):
+        self.enabled = bool(args.check)
+        self.every = args.check >= 2
+        self.skip = op == "reduce" and comm.rank != ROOT  # only the root holds a result
+        self.ref = (expected(op, count, dtype, comm.rank, comm.world, args.redop)
+                    if self.enabled and not self.skip else None)
+        self.redop = args.redop
+        self.wrong = -1 if not self.enabled else 0
+
+    def count(self, bufs: Buffers) -> None:
+        if self.ref is not None:
+            self.wrong += count_wrong(bufs.result(), self.ref, self.redop)
+
+    def check(self, bufs: Buffers, run: Callable[[], None], comm) -> None:
+        """One untimed call on pristine inputs, counted (b2b mode)."""
+        if not self.enabled:
+            return
+        bufs.reset()
+        bufs.poison()
+        comm.barrier()
+        run()
+        self.count(bufs)
 
 
 def time_memcpy(nbytes: int, iters: int, group) -> list[float]:
-    """Seconds per copy of ``nbytes`` with every rank copying at once: the limit line."""
-    src = torch.ones(nbytes // 4)
+    """Seconds per copy of ``nbytes`` with every rank copying at once: the copy
+    bandwidth the per-op limits are made of (bench._report.limit_busbw)."""
+    src = torch.ones(max(1, nbytes // 4))
     dst = torch.empty_like(src)
     times = []
     for i in range(iters + 1):  # the first copy faults the pages in
@@ -207,6 +279,12 @@ def time_memcpy(nbytes: int, iters: int, group) -> list[float]:
         if i:
             times.append(time.perf_counter() - start)
     return times
+
+
+def time_copies(sizes: list[int], iters: int, group) -> dict[int, list[float]]:
+    """:func:`time_memcpy` at every size of the sweep: a copy's speed depends on the
+    cache level its bytes fit in, so each size gets its own limit."""
+    return {n: time_memcpy(n, iters, group) for n in sizes}
 
 
 def time_dispatch_floor(group_world, calls: int = 20000) -> float | None:

@@ -20,17 +20,20 @@ import sys
 import torch
 import torch.distributed as dist
 
-from bench import _mpi, _report
+from bench import _c2c, _deepspeed, _mpi, _provenance, _report
 from bench._cli import DTYPES, parse_args
 from bench._launch import bind_rank, launch
 from bench._timing import (
     NativeComm,
+    OpComm,
     TorchComm,
     time_case,
+    time_copies,
     time_dispatch_floor,
-    time_memcpy,
     total_count,
 )
+
+DEEPSPEED = ("deepspeed", "deepspeed-api")
 
 
 def _registered_alloc():
@@ -53,6 +56,8 @@ def _available(backend: str) -> str:
         if _mpi.world_from_env() is None:
             return "not started by mpirun (launch without torchrun to re-execute under it)"
         return _mpi.missing()
+    if backend in DEEPSPEED:
+        return _deepspeed.missing(dist.get_world_size())
     if backend.startswith("pycomm"):
         try:
             import pycomm  # noqa: F401  (registers the backend)
@@ -72,6 +77,12 @@ def _comm(backend: str):
         return TorchComm(dist.new_group(backend="pycomm"), alloc=_registered_alloc())
     if backend == "pycomm-native":
         return NativeComm(dist.new_group(backend="pycomm"))
+    if backend == "pycomm-op":
+        return OpComm(dist.new_group(backend="pycomm"))
+    if backend == "deepspeed":
+        return _deepspeed.DeepSpeedComm()
+    if backend == "deepspeed-api":
+        return _deepspeed.DeepSpeedCommApi()
     return TorchComm(dist.new_group(backend=backend))
 
 
@@ -87,8 +98,11 @@ def make_groups(backends: list[str]) -> tuple[dict, dict]:
         why = next((r[i] for r in reasons if r[i]), "")
         if why:
             skipped[b] = why
-        else:
+            continue
+        try:
             groups[b] = _comm(b.split("#")[0])
+        except RuntimeError as e:  # a peer that cannot start here (DeepSpeed's shm op)
+            skipped[b] = str(e)
     return groups, skipped
 
 
@@ -126,40 +140,49 @@ def measure(args: argparse.Namespace, groups: dict) -> tuple[list[tuple], dict]:
     return out, cannot
 
 
-def report(
-    args: argparse.Namespace, backends: list[str], gathered: list, skipped: dict, cannot: dict
-) -> None:
+def report(args: argparse.Namespace, backends: list[str], gathered: list, skipped: dict,
+           cannot: dict, info: dict) -> int:
     """Rank 0: summarise every rank's timings, print the tables, write JSON and the plot.
 
-    ``gathered[r]`` is rank r's (case results, memcpy times, dispatch floor in µs or
-    None) as sent by :func:`worker`.
+    ``gathered[r]`` is rank r's (case results, copy times per size, dispatch floor in µs
+    or None) as sent by :func:`worker`. Returns the number of wrong elements (all ranks,
+    all cases): the exit status follows it, as nccl-tests' does.
     """
     world = len(gathered)
     rows = [
         _report.summarize(*key, args.datatype, args.redop, [g[0][k][1] for g in gathered], world)
         for k, (key, _) in enumerate(gathered[0][0])
     ]
-    limit = _report.memcpy_limit(args.sizes[-1], [g[1] for g in gathered])
-    notes = [*args.notes, _mpi.oversubscribed(world) if "mpi" in backends else ""]
+    copy_gbs = {n: _report.memcpy_limit(n, [g[1][n] for g in gathered]) for n in args.sizes}
+    limits = {op: {r["bytes"]: _report.limit_busbw(op, r["bytes"], world, copy_gbs[size])
+                   for r, size in _rows_with_sweep_size(rows, op, args.sizes)}
+              for op in args.ops}
+    for line in _provenance.header_lines(info):
+        print(line)
+    print(f"# c2c before: {_c2c.describe(info['c2c_before'])}")
+    print(f"# c2c after:  {_c2c.describe(info['c2c_after'])}")
+    notes = [*args.notes, _mpi.oversubscribed(world) if "mpi" in backends else "",
+             _deepspeed.oversubscribed(world) if set(DEEPSPEED) & set(backends) else ""]
     for note in filter(None, notes):
         print(f"# note: {note}")
     for b, why in skipped.items():
         print(f"# skipped {b}: {why}")
     for (b, op), why in cannot.items():
         print(f"# skipped {b} for {op}: {why}")
+    timing = ("one barrier of the same backend, then -n calls back to back timed as a block "
+              "(time = the block's mean on the slowest rank)" if args.timing == "b2b" else
+              "time = median over iterations of the slowest rank (a barrier of the same "
+              "backend precedes each)")
     print(
-        f"# pycomm-bench: {world} ranks, {args.datatype}, -n {args.iters} -w {args.warmup_iters} "
+        f"# {world} ranks, {args.datatype}, -n {args.iters} -w {args.warmup_iters} "
         f"-c {args.check}; backends {','.join(backends)} interleaved per size in one job "
-        "(order alternating)\n"
-        "# time = median over iterations of the slowest rank (a barrier of the same backend "
-        "precedes each); algbw = S/t, busbw = algbw * factor, GB = 1e9"
+        f"(order alternating)\n# {timing}; algbw = S/t, busbw = algbw * factor, GB = 1e9; "
+        "limit = the busbw if the op's least traffic per rank moved at the copy speed "
+        "measured at that size with every rank copying"
     )
     for op in args.ops:
-        print("\n".join(_report.format_op(op, [r for r in rows if r["op"] == op], backends)))
-    print(
-        f"# memcpy limit: {limit:.3f} GB/s per rank ({world} ranks copying "
-        f"{args.sizes[-1]} B at once)"
-    )
+        mine = [r for r in rows if r["op"] == op]
+        print("\n".join(_report.format_op(op, mine, backends, limits.get(op, {}))))
     floors = [g[2] for g in gathered if g[2] is not None]
     floor_us = statistics.median(floors) if floors else None  # rank 0's alone
     if floor_us is not None:
@@ -168,6 +191,8 @@ def report(
             "nothing (torch's FakeProcessGroup, timed on rank 0): no backend reached "
             "through dist.all_reduce is faster"
         )
+    wrong = sum(r["wrong"] for r in rows if r["wrong"] > 0)
+    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     meta = {
         **vars(args),
         "requested": args.backends,
@@ -177,11 +202,40 @@ def report(
         "torch": torch.__version__,
         "schedule": "interleaved per size, one job",
         "dispatch_floor_us": floor_us,
+        "provenance": {**info, "finished": _provenance.now()},
+        "wrong": wrong,
     }
-    _report.write_json(args.out, meta, rows, {"bytes": args.sizes[-1], "gbs_per_rank": limit})
+    limit_rows = {op: {str(n): v for n, v in per.items()} for op, per in limits.items()}
+    _report.write_json(args.out, meta, rows, {"gbs_per_rank": {str(n): g for n, g in
+                                                               copy_gbs.items()},
+                                              "limit_busbw": limit_rows})
     plot = args.out.with_suffix(".png")
-    wrote = _report.write_plot(plot, rows, backends, limit, world)
+    wrote = _report.write_plot(plot, rows, backends, limits, world)
     print(f"# wrote {args.out}" + (f" and {plot}" if wrote else " (no matplotlib: no plot)"))
+    return wrong
+
+
+def _rows_with_sweep_size(rows: list[dict], op: str, sizes: list[int]):
+    """(row, sweep size) for an op's rows: a row's bytes may be rounded down from the
+    sweep size (shares must be whole), and the copy was timed at the sweep size."""
+    for r in rows:
+        if r["op"] == op:
+            yield r, min((n for n in sizes if n >= r["bytes"]), default=sizes[-1])
+
+
+def _c2c_reading(cpus: set[int]) -> dict | None:
+    """A core-to-core reading between two of ``cpus`` (the CPUs this rank could use
+    before --bind pinned it), or None where there is no second CPU. The rank's own
+    pinning is lifted for the reading and restored after it."""
+    pinned = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cpus)
+        return _c2c.reading()
+    except RuntimeError as e:
+        print(f"# c2c: no reading ({e})", file=sys.stderr)
+        return None
+    finally:
+        os.sched_setaffinity(0, pinned)
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -190,20 +244,37 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         # As torchrun does: one intra-op thread per rank. Idle OpenMP workers spin, and
         # with several ranks per core that spinning steals the cores the ranks need.
         torch.set_num_threads(1)
+    cpus = os.sched_getaffinity(0)
     if bind_rank(rank, world, args.bind) is not None:
         args.notes.append(f"each rank pinned to one CPU (--bind {args.bind})")
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    placements: list = [None] * world
+    dist.all_gather_object(placements, _provenance.placement(rank))
     groups, skipped = make_groups(args.backends)
+    info = _provenance.collect(placements, args.argv) if rank == 0 else {}
+    dist.barrier()  # the others wait (asleep in gloo) while rank 0 reads the cores
+    if rank == 0:
+        info["c2c_before"] = _c2c_reading(cpus)
+    dist.barrier()
     results, cannot = measure(args, groups)
-    memcpy = time_memcpy(args.sizes[-1], args.iters, dist.group.WORLD)
+    dist.barrier()
+    if rank == 0:
+        info["c2c_after"] = _c2c_reading(cpus)
+    dist.barrier()
+    copies = time_copies(args.sizes, args.iters, dist.group.WORLD)
     floor = time_dispatch_floor(dist.group.WORLD) if args.sizes[0] <= 4096 else None
     gathered = [None] * world if rank == 0 else None
-    dist.gather_object((results, memcpy, floor), gathered, dst=0)
+    dist.gather_object((results, copies, floor), gathered, dst=0)
+    wrong = 0
     if rank == 0 and groups:
-        report(args, list(groups), gathered, skipped, cannot)
+        wrong = report(args, list(groups), gathered, skipped, cannot, info)
     elif rank == 0:
         print(f"# no backend to run: {skipped}", file=sys.stderr)
+    status = [wrong]
+    dist.broadcast_object_list(status, src=0)
     dist.destroy_process_group()
+    if status[0]:  # every rank fails, so torchrun, mpirun and spawn all report it
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -213,6 +284,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if "pycomm-registered" in (b.split("#")[0] for b in args.backends):
         _registered_alloc()  # fail here, once, rather than on every rank
+    if args.jobs > 1 or args.mpi_tuned:
+        from bench._jobs import run_jobs
+
+        raise SystemExit(run_jobs(argv, args))
     launch(argv, args, worker)
 
 

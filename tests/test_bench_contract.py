@@ -1,0 +1,113 @@
+"""The benchmark's contract, as nccl-tests': a wrong result fails the run (non-zero exit,
+"Out of bounds values : N FAILED"), a header with versions and rank placement, JSON with
+provenance; its timing modes, its per-op limits, and the summary of fresh jobs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import _jobs, _report, _timing
+from bench.collectives import main
+from pycomm.testing import free_port
+
+TINY = ["-b", "1K", "-e", "4K", "-f", "4", "-n", "3", "-w", "1", "--quiet"]
+
+
+@pytest.fixture
+def one_rank_in_place(monkeypatch):
+    """RANK/WORLD_SIZE set: the benchmark runs this process as its only rank (as under
+    torchrun), so a test can patch what a backend does."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+
+
+def _corrupting(original):
+    def launcher(self, op, bufs, redop):
+        run = original(self, op, bufs, redop)
+
+        def wrong() -> None:
+            run()
+            bufs.result()[:2] += 1  # two elements off on every call
+        return wrong
+    return launcher
+
+
+@pytest.mark.parametrize("timing", ["barrier", "b2b"])
+def test_a_wrong_result_fails_the_run(one_rank_in_place, monkeypatch, capsys, tmp_path, timing):
+    monkeypatch.setattr(_timing.TorchComm, "launcher", _corrupting(_timing.TorchComm.launcher))
+    with pytest.raises(SystemExit) as exited:
+        main(["--backends", "gloo", "--timing", timing, *TINY, "--out", str(tmp_path / "c.json")])
+    assert exited.value.code == 1
+    out = capsys.readouterr().out
+    assert "# Out of bounds values : 4 FAILED" in out  # 2 sizes x 2 elements
+    assert json.loads((tmp_path / "c.json").read_text())["meta"]["wrong"] == 4
+
+
+def test_a_call_that_writes_nothing_is_wrong_when_every_iteration_is_checked(
+        one_rank_in_place, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(_timing.TorchComm, "launcher", lambda self, op, bufs, redop: lambda: None)
+    with pytest.raises(SystemExit):
+        main(["--backends", "gloo", "--ops", "all_gather", "-c", "2", *TINY,
+              "--out", str(tmp_path / "c.json")])
+    rows = json.loads((tmp_path / "c.json").read_text())["results"]
+    assert [r["wrong"] for r in rows] == [3 * 256, 3 * 1024]  # every element, every iteration
+
+
+def test_header_and_json_carry_provenance(one_rank_in_place, capsys, tmp_path):
+    main(["--backends", "gloo", *TINY, "--out", str(tmp_path / "c.json")])
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out and "# Out of bounds values : 0 OK" in out
+    assert "#   rank  0 on " in out and " cpus " in out
+    assert "# c2c before: c2c: " in out and "# c2c after:  c2c: " in out
+    prov = json.loads((tmp_path / "c.json").read_text())["meta"]["provenance"]
+    assert prov["versions"]["torch"] == torch.__version__
+    assert prov["placement"][0]["rank"] == 0 and prov["started"] <= prov["finished"]
+    assert {"host", "cpu", "commit", "argv", "env", "c2c_before", "c2c_after"} <= set(prov)
+
+
+def test_back_to_back_and_checked_modes_are_right_on_two_ranks(tmp_path):
+    for timing, check in (("b2b", 1), ("barrier", 2)):
+        out = tmp_path / f"{timing}.json"
+        main(["--backends", "gloo", "--ops", "all_reduce,all_gather,reduce_scatter",
+              "--timing", timing, "-c", str(check), *TINY, "--out", str(out)])
+        rows = json.loads(out.read_text())["results"]
+        assert len(rows) == 6 and all(r["wrong"] == 0 for r in rows), rows
+
+
+def test_limit_is_the_least_traffic_at_copy_speed():
+    # all_reduce at 2 ranks: 2.5 S per rank; at a copy speed of 10 GB/s (20 GB/s of
+    # reads plus writes) S = 1e6 B takes 125 us: busbw 8 GB/s (factor 1 at 2 ranks).
+    assert _report.traffic_per_rank("all_reduce", 1_000_000, 2) == 2_500_000
+    assert _report.limit_busbw("all_reduce", 1_000_000, 2, 10.0) == pytest.approx(8.0)
+    # all_gather moves S in and out whatever the world: busbw = 10 * (w-1)/w
+    assert _report.limit_busbw("all_gather", 1 << 20, 4, 10.0) == pytest.approx(7.5)
+
+
+def _doc(times: dict[str, float], backends: list[str], wrong: int = 0) -> dict:
+    rows = [{"op": "all_reduce", "backend": b, "bytes": 1024, "time_us": t}
+            for b, t in times.items()]
+    return {"meta": {"backends": backends, "nproc": 2, "datatype": "float32", "iters": 5,
+                     "wrong": wrong, "provenance": {"c2c_before": None, "c2c_after": None}},
+            "results": rows, "memcpy": {}}
+
+
+def test_jobs_summary_takes_medians_of_in_job_ratios_and_the_best_mpi():
+    jobs = []
+    for pycomm, mpi, nocma in ((2.0, 4.0, 3.0), (3.0, 4.0, 6.0), (4.0, 4.0, 2.0)):
+        main_run = _doc({"pycomm": pycomm, "mpi": mpi}, ["pycomm", "mpi"])
+        tuned = _jobs._load_doc(_doc({"pycomm": pycomm * 2, "mpi": nocma}, ["pycomm", "mpi"]),
+                                ".nocma")
+        jobs.append([main_run, tuned])
+    s = _jobs.summarize(jobs)
+    assert s["time_us"]["all_reduce|pycomm|1024"][:3] == [3.0, 2.0, 4.0]  # main runs only
+    assert s["ratio"]["all_reduce|mpi|1024"][:3] == [0.75, 0.5, 1.0]
+    # best per job: nocma 3.0 (ratio 4/3), mpi 4.0 (ratio 0.75), nocma 2.0 (ratio 4.0)
+    assert s["time_us"]["all_reduce|mpi-best|1024"][:3] == [3.0, 2.0, 4.0]
+    assert s["ratio"]["all_reduce|mpi-best|1024"][:3] == [pytest.approx(4 / 3), 0.75, 4.0]
+    lines = _jobs.format_summary(s)
+    assert lines[-1] == "# Out of bounds values : 0 OK"
+    assert s["backends"] == ["pycomm", "mpi", "mpi-nocma", "mpi-best"]
