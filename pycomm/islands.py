@@ -15,9 +15,9 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import sys
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 _KEY = "pycomm/islands/host/"
@@ -143,11 +143,15 @@ def create(store: dist.Store, rank: int, size: int, timeout_s: float, ids: list[
 
 
 def log_choice(rank: int, size: int, ids: list[int]) -> None:
-    """With PYCOMM_DEBUG=INFO or TRACE, say on stderr how the group was built."""
-    if os.environ.get("PYCOMM_DEBUG", "").upper() not in ("INFO", "TRACE"):
-        return
-    n = max(ids) + 1
-    what = "one island: shared memory only" if n == 1 else (
-        f"{n} islands {_members(ids)}: shared memory inside, gloo between")
-    print(f"pycomm INFO [rank {rank}/{size} pid {os.getpid()}] group of {size}: {what}",
-          file=sys.stderr, flush=True)
+    """With PYCOMM_DEBUG=INFO, log (once per group and rank) the version and the islands."""
+    import pycomm
+    from pycomm import _log
+
+    if _log.enabled("INFO", "INIT"):
+        _log.info("INIT", rank, f"init: pycomm {pycomm.__version__} on torch "
+                                f"{torch.__version__}, group rank {rank} of {size}")
+    if _log.enabled("INFO", "ISLANDS"):
+        n = max(ids) + 1
+        what = "one island: shared memory only" if n == 1 else (
+            f"{n} islands {_members(ids)}: shared memory inside, gloo between")
+        _log.info("ISLANDS", rank, f"islands: group of {size}: {what}")

@@ -151,7 +151,7 @@ def traffic(numel: int, reps: int = 3) -> dict[str, float]:
     return out
 
 
-# --- PYCOMM_DEBUG=INFO ----------------------------------------------------------------
+# --- PYCOMM_DEBUG=TRACE ---------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -168,8 +168,8 @@ def _stderr_to(path: str):
 
 
 def debug_log() -> str:
-    """What PYCOMM_DEBUG=INFO prints for a new islands group and a few ops on it."""
-    os.environ["PYCOMM_DEBUG"] = "INFO"
+    """What PYCOMM_DEBUG=TRACE prints for a new islands group and a few ops on it."""
+    os.environ["PYCOMM_DEBUG"] = "TRACE"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "stderr")
         with _stderr_to(path):

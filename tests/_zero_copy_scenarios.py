@@ -1,8 +1,8 @@
 """Cases run on the ranks by tests/test_zero_copy.py: collectives on arena tensors
 (``pycomm.empty``) against float64 references, with the path each call took read from
-pycomm's INFO log.
+pycomm's TRACE log.
 
-Every case runs on groups made here once per rank process, with ``PYCOMM_DEBUG=INFO``,
+Every case runs on groups made here once per rank process, with ``PYCOMM_DEBUG=TRACE``,
 in one fixed order (every rank calls new_group alike): the whole world and, at 4 ranks,
 the subgroups [0, 2] and [1, 2, 3]. The log lines of each call are read from fd 2 while
 the case runs, so the path is checked per call: zero-copy when every member's buffer is
@@ -51,10 +51,10 @@ def layouts(world: int) -> list[tuple[int, ...]]:
 
 
 def _groups() -> dict[tuple[int, ...], object]:
-    """This rank's INFO-logging groups, made on first use in one order on every rank."""
+    """This rank's TRACE-logging groups, made on first use in one order on every rank."""
     if not _GROUPS:
         saved = os.environ.get("PYCOMM_DEBUG")
-        os.environ["PYCOMM_DEBUG"] = "INFO"
+        os.environ["PYCOMM_DEBUG"] = "TRACE"
         timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)  # a hang fails, fast
         try:
             for ranks in layouts(dist.get_world_size()):
@@ -198,8 +198,9 @@ def place(t: torch.Tensor, arena: bool) -> torch.Tensor:
 
 
 def path_of(log: str) -> str:
-    """The path one call took, from its INFO line(s)."""
-    lines = [line for line in log.splitlines() if re.search(r"\bseq \d+ ", line)]
+    """The path one call took, from its TRACE line(s)."""
+    lines = [line for line in log.splitlines()
+             if re.search(r"\bseq \d+ ", line) and " done in " not in line]
     if not lines:
         return f"? (no log line: {log.strip()!r})"
     line = lines[-1]

@@ -131,9 +131,9 @@ def test_every_collective_on_arena_tensors(pool, count, dtype, who):
 
 
 def _zero_copy_chosen() -> str:
-    """The INFO log of large all_reduces and broadcasts, of arena tensors and of ordinary
+    """The TRACE log of large all_reduces and broadcasts, of arena tensors and of ordinary
     ones, in a new group."""
-    os.environ["PYCOMM_DEBUG"] = "INFO"
+    os.environ["PYCOMM_DEBUG"] = "TRACE"
     group = dist.new_group(backend="pycomm")
     del os.environ["PYCOMM_DEBUG"]
     with tempfile.TemporaryFile(mode="w+") as log:

@@ -113,12 +113,12 @@ def _log_of_ops() -> str:
         return log.read()
 
 
-def test_debug_info_logs_init_and_each_algorithm():
-    logs = run_ranks(_log_of_ops, 2, env={"PYCOMM_DEBUG": "INFO"}, pg_timeout_s=30)
+def test_debug_trace_logs_init_and_each_algorithm():
+    logs = run_ranks(_log_of_ops, 2, env={"PYCOMM_DEBUG": "TRACE"}, pg_timeout_s=30)
     for rank, text in enumerate(logs):
-        assert f"[rank {rank}/2" in text
-        assert "init: rank" in text and "segment" in text and "host" in text
-        assert "all_reduce float32[4] SUM: direct" in text, text
+        assert f" [{rank}] PYCOMM INFO init: rank {rank} of 2 on host " in text, text
+        assert "PYCOMM INFO shm: segment " in text, text
+        assert "PYCOMM TRACE seq 1 all_reduce float32[4] SUM: direct" in text, text
         assert "all_reduce float32[1048576] SUM: ring" in text, text
 
 

@@ -174,7 +174,7 @@ def test_ranks_in_separate_pid_namespaces(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(PIDNS_RANK)
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYCOMM_DEBUG="INFO",
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYCOMM_DEBUG="TRACE",
                PYCOMM_TIMEOUT_S=str(int(PG_TIMEOUT_S)))
     procs = [subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
                                str(script), str(rank), "2", str(port)],

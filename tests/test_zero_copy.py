@@ -7,7 +7,7 @@ size, on 2 and 4 ranks, on the whole world and on the subgroups [0, 2] and [1, 2
 with every rank's buffers in the arena, only the inputs, or only some ranks' (then all
 must fall back together). Values are checked against float64 references on each rank,
 results that must be equal everywhere by digest in the parent, and the path of every
-call (zero-copy / fallback / direct / local) from pycomm's INFO log. Ranks that
+call (zero-copy / fallback / direct / local) from pycomm's TRACE log. Ranks that
 disagree on count or dtype must all raise, naming both calls, within the timeout.
 
 One RankPool per world size runs every case (tests/_zero_copy_scenarios.py).

@@ -176,8 +176,8 @@ void IpcRing::exchange(Rendezvous& rdv) {
 IpcRing::~IpcRing() {
   cudaSetDevice(device_);
   if (!release_when_unused()) {
-    Logger(LogLevel::WARN, rank_, size_)
-        .log(LogLevel::WARN,
+    Logger(LogSettings{}, rank_)
+        .log(LogLevel::WARN, Subsys::COLL,
              "the CUDA ring's window and events stay allocated: " +
                  std::string(sync_ && sync_->hurry() ? "the job failed or a peer died"
                                                      : "the GPU or a peer was still using them") +
@@ -273,11 +273,12 @@ void IpcRing::run(RingKind kind, size_t count, DType t, RedOp op, int root, void
   std::vector<RingStep> plan = plan_ring(kind, count, rank_, size_, root, chunk_elems);
   OpCall call = begin_ring_call(*sync_, kind, t, count, op, root);
   current_op_ = where(call, rank_);
-  Logger log(opts_.log, rank_, size_);
-  if (log.enabled(LogLevel::INFO)) {
-    log.log(LogLevel::INFO, current_op_ + ": CUDA ring, " + std::to_string(plan.size()) +
-                                " steps of <= " + std::to_string(chunk_elems * esize) + " B, " +
-                                std::to_string(opts_.slots) + " slots");
+  Logger log(opts_.log, rank_);
+  if (log.enabled(LogLevel::TRACE, Subsys::COLL)) {
+    log.log(LogLevel::TRACE, Subsys::COLL,
+            current_op_ + ": CUDA ring, " + std::to_string(plan.size()) +
+                " steps of <= " + std::to_string(chunk_elems * esize) + " B, " +
+                std::to_string(opts_.slots) + " slots");
   }
   CudaStepIo io(*this, stream, t, op, scale_for(op, size_), out, in);
   try {

@@ -38,8 +38,8 @@ struct RingOptions {
   size_t slot_bytes = size_t{4} << 20;  // Config::cuda_chunk_bytes
   int slots = 4;                        // Config::cuda_slots
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
-  LogLevel log = LogLevel::WARN;  // PYCOMM_DEBUG=INFO: one line per op
-  WaitPolicy wait{20, 1000};      // PYCOMM_SPIN_US, PYCOMM_YIELD_US
+  LogSettings log;            // PYCOMM_DEBUG=TRACE: one line per op
+  WaitPolicy wait{20, 1000};  // PYCOMM_SPIN_US, PYCOMM_YIELD_US
   static RingOptions from_env(std::chrono::milliseconds timeout);
 };
 

@@ -78,7 +78,7 @@ ProcessGroupIslands::ProcessGroupIslands(const c10::intrusive_ptr<c10d::Store>& 
       layout_(IslandLayout::from(island_of)),
       store_(store),
       timeout_(timeout),
-      log_(translated([] { return pycomm::Config::from_env().log; }), rank, size),
+      log_(translated([] { return pycomm::LogSettings::from_env(); }), rank),
       local_(std::move(local)),
       engines_(std::move(engines)) {
   TORCH_CHECK_VALUE(static_cast<int>(island_of.size()) == size,
@@ -91,8 +91,8 @@ ProcessGroupIslands::ProcessGroupIslands(const c10::intrusive_ptr<c10d::Store>& 
   TORCH_CHECK_VALUE(!layout_.even() || engines_.shard, "pycomm: islands: no shard engine");
   TORCH_CHECK_VALUE(!is_leader() || engines_.leaders, "pycomm: islands: no leaders engine");
   worker_ = std::make_unique<pycomm::Worker>(timeout);
-  if (log_.enabled(pycomm::LogLevel::INFO)) {
-    log_.log(pycomm::LogLevel::INFO,
+  if (log_.enabled(pycomm::LogLevel::INFO, pycomm::Subsys::ISLANDS)) {
+    log_.log(pycomm::LogLevel::INFO, pycomm::Subsys::ISLANDS,
              "islands: " + layout_.describe() + "; this rank is island " +
                  std::to_string(island()) + ", local rank " + std::to_string(local_rank()) +
                  "; shared memory inside an island, " + engines_.world->getBackendName() +
@@ -174,8 +174,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::enqueue(c10d::OpType type, c
 }
 
 void ProcessGroupIslands::log_path(const Op& op, const std::string& path) const {
-  if (!log_.enabled(pycomm::LogLevel::INFO)) return;
-  log_.log(pycomm::LogLevel::INFO,
+  if (!log_.enabled(pycomm::LogLevel::TRACE, pycomm::Subsys::ISLANDS)) return;
+  log_.log(pycomm::LogLevel::TRACE, pycomm::Subsys::ISLANDS,
            std::string("islands ") + op.name + " seq " + std::to_string(op.seq) + ": " + path);
 }
 

@@ -112,6 +112,7 @@ c10::intrusive_ptr<pycomm_torch::ProcessGroupPycomm> create(
 }  // namespace
 
 void register_islands(py::module_& m);
+void register_env_info(py::module_& m);  // env_info.cc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pycomm's C++ core: the shared-memory torch.distributed backend";
@@ -129,6 +130,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("segment_bytes", &pycomm_torch::ProcessGroupPycomm::segment_bytes);
   register_islands(m);
+  register_env_info(m);
   m.def("arena_empty", &arena_empty, py::arg("sizes"), py::arg("dtype"),
         "An uninitialised CPU tensor in the shared-memory arena.");
   m.def("arena_stats", &arena_stats, "Bytes reserved, live and peak in this process's arena.");

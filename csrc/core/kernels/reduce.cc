@@ -231,4 +231,19 @@ void scale_copy(DType t, void* dst, const void* src, size_t n, double scale) {
   }
 }
 
+// Chosen the way the kernels' copies are (GCC function multiversioning over the same
+// targets as PYCOMM_CLONES), so this names the copy the loader picked for them.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+namespace {
+__attribute__((target("default"))) const char* isa_of_clone() { return "x86-64 (SSE2)"; }
+__attribute__((target("arch=x86-64-v3"))) const char* isa_of_clone() { return "x86-64-v3 (AVX2)"; }
+__attribute__((target("arch=x86-64-v4"))) const char* isa_of_clone() {
+  return "x86-64-v4 (AVX-512)";
+}
+}  // namespace
+const char* kernel_isa() { return isa_of_clone(); }
+#else
+const char* kernel_isa() { return "portable"; }
+#endif
+
 }  // namespace pycomm

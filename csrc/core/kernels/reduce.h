@@ -37,4 +37,8 @@ void reduce_copy(DType t, RedOp op, void* const* dsts, int nd, const void* const
 // dst[i] = scale * src[i] for floating types (used by AVG on one rank, PREMUL_SUM).
 void scale_copy(DType t, void* dst, const void* src, size_t n, double scale);
 
+// Which copy of the kernels this CPU runs (see kernel_attrs.h): "x86-64-v4 (AVX-512)",
+// "x86-64-v3 (AVX2)", "x86-64 (SSE2)", or "portable" where no copies are built.
+const char* kernel_isa();
+
 }  // namespace pycomm

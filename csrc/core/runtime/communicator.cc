@@ -45,11 +45,7 @@ uint32_t spin_us_for(const Config& cfg, int world) {
 
 Communicator::Communicator(Rendezvous& rdv, int rank, int world, const Config& cfg,
                            std::chrono::milliseconds timeout)
-    : rank_(rank),
-      world_(world),
-      cfg_(cfg),
-      log_(cfg.log, rank, world),
-      timeout_ms_(timeout.count()) {
+    : rank_(rank), world_(world), cfg_(cfg), log_(cfg.log, rank), timeout_ms_(timeout.count()) {
   if (world < 1 || rank < 0 || rank >= world) {
     throw InvalidArgument("pycomm: rank " + std::to_string(rank) + " is not in a group of " +
                           std::to_string(world));
@@ -62,13 +58,34 @@ Communicator::Communicator(Rendezvous& rdv, int rank, int world, const Config& c
                                      WaitPolicy(spin_us_for(cfg_, world_), cfg_.yield_us));
   transport_ = std::make_unique<Transport>(*shared_, COLL, *waiter_);
   peers_ = std::make_unique<PeerMemory>(*shared_);
-  log_.log(LogLevel::INFO,
-           "init: rank " + std::to_string(rank_) + " of " + std::to_string(world_) + " on host " +
-               hostname() + ", segment " + kib(g.layout.eager_bytes()) + " now, channels of " +
-               std::to_string(cfg_.slots) + " slots x " + kib(cfg_.chunk_bytes) +
-               " as used, direct up to " + kib(cfg_.direct_bytes) + ", algorithm " +
-               algo_name(cfg_.algo) + ", zero-copy " + (cfg_.zero_copy ? "on" : "off") +
-               ", timeout " + std::to_string(timeout.count() / 1000.0) + " s");
+  log_init(g.layout, timeout);
+}
+
+// The choices this rank runs with, once (INFO, subsystems INIT and SHM): after
+// establish_segment, cfg_ holds the group's settings (rank 0's).
+void Communicator::log_init(const Layout& layout, std::chrono::milliseconds timeout) const {
+  if (log_.enabled(LogLevel::INFO, Subsys::INIT)) {
+    char secs[32];
+    std::snprintf(secs, sizeof(secs), "%.1f", timeout.count() / 1000.0);
+    log_.log(LogLevel::INFO, Subsys::INIT,
+             "init: rank " + std::to_string(rank_) + " of " + std::to_string(world_) + " on host " +
+                 hostname() + ", timeout " + secs + " s, CPU kernels " + kernel_isa());
+    log_.log(LogLevel::INFO, Subsys::INIT,
+             std::string("init: algorithm ") + algo_name(cfg_.algo) + ": direct up to " +
+                 kib(cfg_.direct_bytes) + ", ring (chain for rooted ops) above; zero-copy " +
+                 (try_zero_copy() ? "on for arena tensors" : "off") + "; waits spin " +
+                 std::to_string(spin_us_for(cfg_, world_)) + " us, yield until " +
+                 std::to_string(cfg_.yield_us) + " us, then sleep on a futex");
+  }
+  if (log_.enabled(LogLevel::INFO, Subsys::SHM)) {
+    const size_t channel = layout.payload(COLL, 0, world_ > 1 ? 1 : 0).bytes;
+    log_.log(LogLevel::INFO, Subsys::SHM,
+             "shm: segment " + segment_.name() + " (" + (rank_ == 0 ? "created" : "joined") +
+                 "): " + kib(layout.eager_bytes()) + " at once, channels of " +
+                 std::to_string(cfg_.slots) + " slots x " + kib(cfg_.chunk_bytes) + " (" +
+                 kib(channel) + " each) as they are first used, " + kib(layout.total_bytes()) +
+                 " if every channel is");
+  }
 }
 
 Communicator::~Communicator() { depart(); }
@@ -102,8 +119,8 @@ void Communicator::finish(const OpCall& op) {
 std::vector<char*> Communicator::negotiate(const OpCall& op, const void* mine, size_t bytes,
                                            const char* fallback) {
   ZeroCopyPlan plan = negotiate_zero_copy(*transport_, *peers_, op, mine, bytes);
-  if (log_.enabled(LogLevel::INFO)) {
-    log_.log(LogLevel::INFO,
+  if (log_.enabled(LogLevel::TRACE, Subsys::COLL)) {
+    log_.log(LogLevel::TRACE, Subsys::COLL,
              "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) + ": " +
                  (plan.bufs.empty() ? std::string(fallback) + " (" + plan.why_not + ")"
                                     : "zero-copy (every rank's buffer is in the arena)"));
@@ -114,9 +131,10 @@ std::vector<char*> Communicator::negotiate(const OpCall& op, const void* mine, s
 // `algo` null: the body logs its own choice (it is made together with the other ranks).
 template <class Body>
 void Communicator::run(OpCall& op, const char* algo, const std::string& why, Body body) {
-  if (algo != nullptr && log_.enabled(LogLevel::INFO)) {
-    log_.log(LogLevel::INFO, "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) + ": " +
-                                 algo + (why.empty() ? "" : " (" + why + ")"));
+  if (algo != nullptr && log_.enabled(LogLevel::TRACE, Subsys::COLL)) {
+    log_.log(LogLevel::TRACE, Subsys::COLL,
+             "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) + ": " + algo +
+                 (why.empty() ? "" : " (" + why + ")"));
   }
   try {
     body();
@@ -129,10 +147,11 @@ void Communicator::run(OpCall& op, const char* algo, const std::string& why, Bod
     throw;
   }
   finish(op);
-  if (log_.enabled(LogLevel::TRACE)) {
+  if (log_.enabled(LogLevel::TRACE, Subsys::COLL)) {
     auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - op.start);
-    log_.log(LogLevel::TRACE, "seq " + std::to_string(op.desc.seq) + " done in " +
-                                  std::to_string(us.count()) + " us");
+    log_.log(
+        LogLevel::TRACE, Subsys::COLL,
+        "seq " + std::to_string(op.desc.seq) + " done in " + std::to_string(us.count()) + " us");
   }
 }
 
@@ -258,11 +277,11 @@ void Communicator::all_to_all(const AllToAllArgs& args) {
     return run(c, "pairwise", "", [&] { all_to_all_pairwise(*transport_, c, args); });
   run(c, nullptr, "", [&] {
     int pulled = all_to_all_pull(*transport_, *peers_, c, args);
-    if (log_.enabled(LogLevel::INFO)) {
-      log_.log(LogLevel::INFO, "seq " + std::to_string(c.desc.seq) + " " + describe(c.desc) +
-                                   ": pairwise, " + std::to_string(pulled) + " of " +
-                                   std::to_string(world_ - 1) +
-                                   " peers read in place (zero-copy from their arena inputs)");
+    if (log_.enabled(LogLevel::TRACE, Subsys::COLL)) {
+      log_.log(LogLevel::TRACE, Subsys::COLL,
+               "seq " + std::to_string(c.desc.seq) + " " + describe(c.desc) + ": pairwise, " +
+                   std::to_string(pulled) + " of " + std::to_string(world_ - 1) +
+                   " peers read in place (zero-copy from their arena inputs)");
     }
   });
 }

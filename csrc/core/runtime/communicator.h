@@ -67,6 +67,7 @@ class Communicator {
   void depart();
 
  private:
+  void log_init(const Layout& layout, std::chrono::milliseconds timeout) const;
   OpCall begin(OpKind kind, DType dtype, uint64_t count, RedOp op, int root);
   void finish(const OpCall& op);
   template <class Body>

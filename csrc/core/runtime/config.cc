@@ -52,15 +52,7 @@ Config Config::from_env() {
     c.algo = Algo::DIRECT;
   else
     throw InvalidArgument("pycomm: PYCOMM_ALGO=" + algo + " is not one of auto, ring, direct");
-  std::string log = env_str("PYCOMM_DEBUG", "WARN");
-  if (log == "WARN" || log == "0" || log == "OFF")
-    c.log = LogLevel::WARN;
-  else if (log == "INFO")
-    c.log = LogLevel::INFO;
-  else if (log == "TRACE")
-    c.log = LogLevel::TRACE;
-  else
-    throw InvalidArgument("pycomm: PYCOMM_DEBUG=" + log + " is not one of WARN, INFO, TRACE");
+  c.log = LogSettings::from_env();
   return c;
 }
 

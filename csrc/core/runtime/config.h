@@ -5,10 +5,11 @@
 #include <cstdint>
 #include <string>
 
+#include "core/runtime/log.h"
+
 namespace pycomm {
 
 enum class Algo { AUTO, RING, DIRECT };
-enum class LogLevel { WARN = 0, INFO = 1, TRACE = 2 };
 
 struct Config {
   size_t chunk_bytes = 256 << 10;  // PYCOMM_CHUNK_BYTES: payload of one slot
@@ -16,8 +17,8 @@ struct Config {
   // PYCOMM_DIRECT_BYTES: largest message the direct algorithm takes. Unset, rank 0
   // picks it from the ranks per core when the communicator is created.
   size_t direct_bytes = 64 << 10;
-  Algo algo = Algo::AUTO;         // PYCOMM_ALGO=auto|ring|direct
-  LogLevel log = LogLevel::WARN;  // PYCOMM_DEBUG=WARN|INFO|TRACE
+  Algo algo = Algo::AUTO;  // PYCOMM_ALGO=auto|ring|direct
+  LogSettings log;         // PYCOMM_DEBUG, PYCOMM_DEBUG_SUBSYS (see log.h)
   // A waiter polls with `pause` for spin_us, then polls with sched_yield() (handing the
   // core to a peer that may need it) until yield_us, then sleeps on a futex. Both are
   // time-based: how long one `pause` takes differs 40x between CPU generations.

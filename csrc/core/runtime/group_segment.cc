@@ -166,7 +166,8 @@ GroupSegment join(Rendezvous& rdv, int rank, int world, Config& cfg, const Logge
     const GroupSettings group = static_cast<const SegmentHeader*>(seg.data())->settings;
     std::string differ = setting_mismatches(mine, group);
     if (!differ.empty()) {
-      log.log(LogLevel::WARN, differ + ": rank 0's settings apply to the whole group");
+      log.log(LogLevel::WARN, Subsys::INIT,
+              differ + ": rank 0's settings apply to the whole group");
     }
     apply(group, cfg);
     rdv.set(opened_key(rank), "ok");

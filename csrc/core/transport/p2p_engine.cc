@@ -70,7 +70,8 @@ void P2PEngine::take_inbox() {
     a.call.deadline =
         WaitPolicy::deadline_after(a.call.start, std::chrono::milliseconds(timeout_ms_.load()));
     a.req = std::move(req);
-    log_.log(LogLevel::TRACE, what(a.req) + " posted");
+    if (log_.enabled(LogLevel::TRACE, Subsys::P2P))
+      log_.log(LogLevel::TRACE, Subsys::P2P, what(a.req) + " posted");
     if (a.req.is_send && a.req.peer == shared_.rank()) {
       send_to_self(std::move(a));
     } else if (a.req.is_send) {
@@ -91,7 +92,8 @@ std::exception_ptr P2PEngine::size_mismatch(const Active& a, int peer, size_t by
 }
 
 void P2PEngine::finish(Active& a, std::exception_ptr err, int peer) {
-  log_.log(LogLevel::TRACE, what(a.req) + (err ? " failed" : " done"));
+  if (log_.enabled(LogLevel::TRACE, Subsys::P2P))
+    log_.log(LogLevel::TRACE, Subsys::P2P, what(a.req) + (err ? " failed" : " done"));
   a.req.done(err, peer);
 }
 

@@ -1,0 +1,118 @@
+// What `python -m pycomm.env` reports about this build, and the logger for Python's lines.
+#include <torch/csrc/utils/pybind.h>
+
+#include <string>
+
+#include "core/kernels/reduce.h"
+#include "core/runtime/config.h"
+#include "core/runtime/group_segment.h"
+#include "core/runtime/log.h"
+#include "core/transport/layout.h"
+#include "tensor_args.h"
+
+#if __has_include(<torch/headeronly/version.h>)
+#include <torch/headeronly/version.h>
+#elif __has_include(<torch/version.h>)
+#include <torch/version.h>
+#endif
+#ifndef TORCH_VERSION
+#define TORCH_VERSION "unknown"
+#endif
+
+namespace py = pybind11;
+
+#ifdef PYCOMM_CUDA
+namespace pycomm::cuda {
+const char* arch_list();  // csrc/cuda/arch_list.cu
+}  // namespace pycomm::cuda
+#endif
+
+namespace {
+
+// The toolchain and torch this extension was compiled with (fixed at compile time).
+py::dict build_info() {
+  py::dict d;
+  d["torch_version"] = TORCH_VERSION;
+  d["compiler"] = std::string(
+#if defined(__clang__)
+      "clang "
+#elif defined(__GNUC__)
+      "gcc "
+#endif
+      __VERSION__);
+#ifdef _GLIBCXX_USE_CXX11_ABI
+  d["cxx11_abi"] = static_cast<bool>(_GLIBCXX_USE_CXX11_ABI);
+#else
+  d["cxx11_abi"] = py::none();
+#endif
+#ifdef PYCOMM_CUDA
+  d["cuda"] = true;
+#else
+  d["cuda"] = false;
+#endif
+  d["kernel_isa"] = pycomm::kernel_isa();
+  return d;
+}
+
+// The segment a group of `world` would get with this process's PYCOMM_* settings.
+py::dict segment_bytes(int world) {
+  TORCH_CHECK_VALUE(world >= 1, "segment_bytes: a group has at least one rank, not ", world);
+  pycomm::Config cfg = pycomm_torch::translated([] { return pycomm::Config::from_env(); });
+  pycomm::GroupSettings s = pycomm::group_settings(cfg, world);
+  pycomm::Layout layout(world, s.slots, s.slot_bytes, s.direct_bytes);
+  py::dict d;
+  d["eager"] = layout.eager_bytes();
+  d["channel"] = world > 1 ? layout.payload(pycomm::COLL, 0, 1).bytes : 0;
+  d["channels"] = 2 * static_cast<size_t>(world) * (world - 1);
+  d["total"] = layout.total_bytes();
+  return d;
+}
+
+pycomm::LogLevel level_of(const std::string& name) {
+  if (name == "WARN") return pycomm::LogLevel::WARN;
+  if (name == "INFO") return pycomm::LogLevel::INFO;
+  TORCH_CHECK_VALUE(name == "TRACE", "pycomm._log: level ", name, " is not WARN, INFO or TRACE");
+  return pycomm::LogLevel::TRACE;
+}
+
+pycomm::Subsys subsys_of(const std::string& name) {
+  uint32_t bits = pycomm_torch::translated([&] { return pycomm::parse_subsys(name); });
+  TORCH_CHECK_VALUE(bits != 0 && (bits & (bits - 1)) == 0, "pycomm._log: ", name,
+                    " is not one subsystem");
+  return static_cast<pycomm::Subsys>(bits);
+}
+
+pycomm::Logger logger(int rank) {
+  return pycomm::Logger(pycomm_torch::translated([] { return pycomm::LogSettings::from_env(); }),
+                        rank);
+}
+
+}  // namespace
+
+void register_env_info(py::module_& m) {
+  m.def("build_info", &build_info,
+        "The torch version, compiler, C++ ABI, CUDA and CPU kernels this extension was built "
+        "with.");
+  m.def("kernel_isa", &pycomm::kernel_isa, "The copy of the CPU kernels this CPU runs.");
+  m.def("_segment_bytes", &segment_bytes, py::arg("world"),
+        "Bytes of a group's segment with this process's settings: eager (at creation), "
+        "channel (one), channels (how many), total (every channel in use).");
+  m.def(
+      "_log_enabled",
+      [](const std::string& level, const std::string& subsys) {
+        return logger(-1).enabled(level_of(level), subsys_of(subsys));
+      },
+      py::arg("level"), py::arg("subsys"), "Whether PYCOMM_DEBUG(_SUBSYS) lets such a line out.");
+  m.def(
+      "_log",
+      [](const std::string& level, const std::string& subsys, int rank, const std::string& msg) {
+        logger(rank).log(level_of(level), subsys_of(subsys), msg);
+      },
+      py::arg("level"), py::arg("subsys"), py::arg("rank"), py::arg("msg"),
+      "Logs one line as the C++ core does (format, filter, PYCOMM_DEBUG_FILE).");
+#ifdef PYCOMM_CUDA
+  m.def(
+      "cuda_archs", [] { return std::string(pycomm::cuda::arch_list()); },
+      "The SM architectures the CUDA kernels were compiled for (nvcc's __CUDA_ARCH_LIST__).");
+#endif
+}
