@@ -47,6 +47,15 @@ def all_reduce_(
     ``tensor`` holds the result on every rank.
     """
     load()
-    group = group if group is not None else dist.group.WORLD
-    torch.ops.pycomm.all_reduce_.default(tensor, op, group.group_name)
+    torch.ops.pycomm.all_reduce_.default(tensor, op, group_name(group))
     return tensor
+
+
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The name torch.ops.pycomm.* resolve a group by (None: the default group)."""
+    if group is None:
+        group = dist.group.WORLD
+        if group is None:
+            raise RuntimeError("pycomm.all_reduce_: no default process group "
+                               "(call torch.distributed.init_process_group first)")
+    return group.group_name

@@ -16,7 +16,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from parallel.ps.config import JobConfig
 

@@ -73,8 +73,9 @@ def all_reduce(x: torch.Tensor, group: Group, op: Any = dist.ReduceOp.SUM) -> to
     _record("all_reduce")
     x = x.contiguous()
     if x.device.type == "cpu" and op in _OP_NAMES and _pycomm_ops():
-        name = (group if group is not None else dist.group.WORLD).group_name
-        torch.ops.pycomm.all_reduce_.default(x, _OP_NAMES[op], name)
+        pg = group if group is not None else dist.group.WORLD
+        assert pg is not None, "all_reduce needs a process group"
+        torch.ops.pycomm.all_reduce_.default(x, _OP_NAMES[op], pg.group_name)
     else:
         dist.all_reduce(x, op=op, group=group)
     return x
