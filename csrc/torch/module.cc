@@ -12,6 +12,7 @@
 #include "core/kernels/reduce.h"
 #include "core/memory/arena.h"
 #include "core/runtime/config.h"
+#include "core/runtime/core_probe.h"
 #include "core/runtime/faults.h"
 #include "core/transport/shm_segment.h"
 #include "cuda_host.h"
@@ -198,4 +199,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pycomm_torch::translated([&] { pycomm::ShmSegment::open(name, bytes); });
       },
       py::arg("name"), py::arg("bytes"), "Tests only: map `name` as a joining rank would.");
+  m.def(
+      "_probe_cores",
+      [](int cpu_a, int cpu_b, double budget_s) {
+        pycomm::CoreProbe p;
+        {
+          py::gil_scoped_release nogil;  // two threads spin for budget_s
+          p = pycomm::probe_cores(cpu_a, cpu_b, budget_s);
+        }
+        py::dict r;
+        r["round_trip_ns"] = p.round_trip_ns;
+        r["handoff_gbs"] = p.handoff_gbs;
+        r["cpu_a"] = p.cpu_a;
+        r["cpu_b"] = p.cpu_b;
+        return r;
+      },
+      py::arg("cpu_a") = -1, py::arg("cpu_b") = -1, py::arg("budget_s") = 0.1,
+      "Core-to-core round trip (ns) and 256 KiB-slot handoff (GB/s) between two CPUs; -1 "
+      "picks the first two of this thread's affinity set (bench/_c2c.py's reading).");
 }
