@@ -5,18 +5,40 @@
 
 namespace pycomm_torch {
 
+namespace {
+// One list type for every Work's future (creating it per Work costs an allocation).
+const c10::TypePtr& tensor_list_type() {
+  static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
+  return type;
+}
+}  // namespace
+
 PycommWork::PycommWork(int rank, c10d::OpType type, const char* profiling_title,
                        std::vector<at::Tensor> outputs, pycomm::Worker* runs_on)
     : c10d::Work(rank, type, profiling_title),
       outputs_(std::move(outputs)),
-      future_(
-          c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+      future_(c10::make_intrusive<c10::ivalue::Future>(tensor_list_type())),
       runs_on_(runs_on),
       title_(profiling_title) {}
 
 c10::intrusive_ptr<c10::ivalue::Future> PycommWork::getFuture() {
-  future_requested_.store(true);
+  bool settle;
+  {
+    std::lock_guard<std::mutex> lock(future_mu_);
+    future_requested_ = true;
+    settle = done_ && !future_settled_;
+    future_settled_ = future_settled_ || settle;
+  }
+  if (settle) settle_future();  // finished before anyone asked
   return future_;
+}
+
+void PycommWork::settle_future() {
+  if (error_) {
+    future_->setError(error_);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
 }
 
 bool PycommWork::wait(std::chrono::milliseconds timeout) {
@@ -29,11 +51,16 @@ bool PycommWork::wait(std::chrono::milliseconds timeout) {
 }
 
 void PycommWork::complete(std::exception_ptr error) {
-  if (error) {
-    future_->setError(error);
-  } else {
-    future_->markCompleted(c10::IValue(outputs_));
+  bool settle;
+  {
+    std::lock_guard<std::mutex> lock(future_mu_);
+    done_ = true;
+    error_ = error;
+    settle = future_requested_ && !future_settled_;
+    future_settled_ = future_settled_ || settle;
   }
+  // Asked for before the end: its callbacks run here, before wait() returns.
+  if (settle) settle_future();
   finish(error);
 }
 

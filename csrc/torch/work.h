@@ -6,6 +6,7 @@
 #include <atomic>
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
@@ -33,17 +34,28 @@ class PycommWork : public c10d::Work {
   void set_source_rank(int rank) { source_rank_.store(rank); }
   // Whether anyone has asked for the future (only then can callbacks be attached
   // before completion).
-  bool future_requested() const { return future_requested_.load(); }
+  bool future_requested() const {
+    std::lock_guard<std::mutex> lock(future_mu_);
+    return future_requested_;
+  }
   const std::string& title() const { return title_; }
   int rank() const { return rank_; }
 
  private:
+  void settle_future();  // completes or fails future_ with the op's outcome
+
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   pycomm::Worker* runs_on_;
   std::string title_;
   std::atomic<int> source_rank_{-1};
-  std::atomic<bool> future_requested_{false};
+  // The future is settled only once someone asks for it: settling walks the outputs
+  // for their storages, microseconds a synchronous op would pay for nothing.
+  mutable std::mutex future_mu_;
+  bool future_requested_ = false;
+  bool done_ = false;
+  bool future_settled_ = false;
+  std::exception_ptr error_;
 };
 
 // Runs `task` (which completes `work`) on `worker` in call order: at once when issued
