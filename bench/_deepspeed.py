@@ -55,14 +55,14 @@ def missing(world: int | None = None) -> str:
     return ""
 
 
-def oversubscribed(world: int) -> str:
+def oversubscribed(world: int, cpus: int | None = None) -> str:
     """A note for the table when this host's ranks outnumber the CPUs they may use, else ''.
 
     The shm op waits by spinning on its peers' state flags, never yielding; with more
     ranks than CPUs a wait lasts until the scheduler preempts the spinner (a time
     slice, milliseconds). It still finishes: 4 ranks on 2 CPUs, and on 1, were measured.
     """
-    cpus = len(os.sched_getaffinity(0))
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
     ranks = local_size(world)
     if ranks <= cpus:
         return ""
@@ -111,6 +111,12 @@ def _init_shm(rank: int, world: int) -> int:
         # jobs on this host would map each other's.
         raise RuntimeError("DeepSpeed's shm all-reduce needs MASTER_ADDR/MASTER_PORT set")
     os.environ["DS_ACCELERATOR"] = "cpu"
+    # The shm kernels reduce in OpenMP loops, on the OpenMP runtime the op links, which
+    # is not torch's (torch.set_num_threads does not reach it): left alone it starts a
+    # thread per CPU, and pinned ranks then share their one CPU with spinning threads.
+    # DeepSpeed's launcher sets OMP_NUM_THREADS to the cores per rank; one per rank here,
+    # as the benchmark gives every backend.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, torch.get_num_threads())))
     # Without LOCAL_SIZE == world, shm_initialize maps nothing and the op segfaults.
     os.environ["LOCAL_SIZE"] = str(world)
     mine = _segment(rank)

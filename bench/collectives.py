@@ -162,7 +162,8 @@ def report(args: argparse.Namespace, backends: list[str], gathered: list, skippe
     print(f"# c2c before: {_c2c.describe(info['c2c_before'])}")
     print(f"# c2c after:  {_c2c.describe(info['c2c_after'])}")
     notes = [*args.notes, _mpi.oversubscribed(world) if "mpi" in backends else "",
-             _deepspeed.oversubscribed(world) if set(DEEPSPEED) & set(backends) else ""]
+             _deepspeed.oversubscribed(world, len(info.get("cpus", [])) or None)
+             if set(DEEPSPEED) & set(backends) else ""]
     for note in filter(None, notes):
         print(f"# note: {note}")
     for b, why in skipped.items():
@@ -252,6 +253,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     dist.all_gather_object(placements, _provenance.placement(rank))
     groups, skipped = make_groups(args.backends)
     info = _provenance.collect(placements, args.argv) if rank == 0 else {}
+    info["cpus"] = sorted(cpus)  # before --bind: what the host gives this job
     dist.barrier()  # the others wait (asleep in gloo) while rank 0 reads the cores
     if rank == 0:
         info["c2c_before"] = _c2c_reading(cpus)
