@@ -123,8 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help=f"bench.collectives JSON files, one per job (default {DEFAULT_JSON})")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"PNG (default {DEFAULT_OUT})")
     ap.add_argument("--op", default="all_reduce", help="the collective to plot")
+    ap.add_argument("--backends", default="", help="comma list of the backends to draw "
+                    "(default: every one; e.g. leave out an A/A column such as pycomm#2)")
     args = ap.parse_args(argv)
     meta, runs = load(args.json)
+    if args.backends:
+        keep = set(args.backends.split(","))
+        runs = [[r for r in rows if r["backend"] in keep] for rows in runs]
     if not any(r["op"] == args.op for rows in runs for r in rows):
         ap.error(f"no {args.op} rows in {', '.join(map(str, args.json))}")
     if not plot(meta, runs, args.out, args.op):
