@@ -48,7 +48,7 @@ KNOWN_VARIABLES: dict[str, str] = {
     "PYCOMM_ARENA_SLAB_BYTES": "67108864 (arena slab)",
     "PYCOMM_CUDA_CHUNK_BYTES": "4194304 (CUDA ring slot)",
     "PYCOMM_CUDA_SLOTS": "4",
-    "PYCOMM_CUDA_ARCH": "80;90 (build time)",
+    "PYCOMM_CUDA_ARCH": "80;90+PTX (build time; else TORCH_CUDA_ARCH_LIST)",
     "PYCOMM_NO_CUDA": "unset (build time: 1 builds CPU-only)",
     "PYCOMM_PTXAS_VERBOSE": "unset (build time)",
 }

@@ -1,6 +1,6 @@
 """The core-to-core probe (csrc/core/runtime/core_probe.h, `_C._probe_cores`) and the
 reading benchmark tables state (bench/_c2c.py): finite numbers within a time bound, eager
-errors that name the CPU, and the fast/slow threshold on synthetic readings."""
+errors that name the CPU, and the fast/between/slow thresholds on synthetic readings."""
 
 from __future__ import annotations
 
@@ -80,13 +80,14 @@ def test_reading_and_its_line(C):
     assert set(r) == {"round_trip_ns", "handoff_gbs", "cpus", "state"}
     assert r["state"] == _c2c.state(r["round_trip_ns"])
     assert r["cpus"] == (ALLOWED[0], ALLOWED[1])
-    line = r"c2c: round trip \d+ ns, 256 KiB-slot handoff \d+\.\d GB/s \((fast|slow)\)"
+    line = r"c2c: round trip \d+ ns, 256 KiB-slot handoff \d+\.\d GB/s \((fast|between|slow)\)"
     assert re.fullmatch(line, _c2c.describe(r))
 
 
 @pytest.mark.parametrize(
     ("round_trip_ns", "state"),
-    [(55.0, "fast"), (149.9, "fast"), (150.0, "slow"), (250.0, "slow"), (370.0, "slow")],
+    [(55.0, "fast"), (99.9, "fast"), (100.0, "between"), (180.0, "between"),
+     (239.9, "between"), (240.0, "slow"), (370.0, "slow")],
 )
 def test_state_threshold(round_trip_ns, state):
     assert _c2c.state(round_trip_ns) == state
