@@ -5,6 +5,7 @@ provenance; its timing modes, its per-op limits, and the summary of fresh jobs."
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -13,16 +14,21 @@ from bench import _jobs, _report, _timing
 from bench.collectives import main
 from pycomm.testing import free_port
 
-TINY = ["-b", "1K", "-e", "4K", "-f", "4", "-n", "3", "-w", "1", "--quiet"]
+TINY = ["-b", "1K", "-e", "4K", "-f", "4", "-n", "3", "-w", "1", "--quiet", "--bind", "none"]
 
 
 @pytest.fixture
 def one_rank_in_place(monkeypatch):
     """RANK/WORLD_SIZE set: the benchmark runs this process as its only rank (as under
-    torchrun), so a test can patch what a backend does."""
+    torchrun), so a test can patch what a backend does. A rank may pin itself to a CPU
+    (--bind): the test process gets its CPUs back afterwards, or every later test (and
+    every rank it spawns) would run on one CPU."""
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(k, v)
+    cpus = os.sched_getaffinity(0)
+    yield
+    os.sched_setaffinity(0, cpus)
 
 
 def _corrupting(original):
@@ -58,7 +64,9 @@ def test_a_call_that_writes_nothing_is_wrong_when_every_iteration_is_checked(
 
 
 def test_header_and_json_carry_provenance(one_rank_in_place, capsys, tmp_path):
-    main(["--backends", "gloo", *TINY, "--out", str(tmp_path / "c.json")])
+    cpus = os.sched_getaffinity(0)
+    main(["--backends", "gloo", *TINY[:-2], "--out", str(tmp_path / "c.json")])  # --bind auto
+    assert os.sched_getaffinity(0) == {min(cpus)}  # the one rank pinned itself
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out and "# Out of bounds values : 0 OK" in out
     assert "#   rank  0 on " in out and " cpus " in out
@@ -67,6 +75,11 @@ def test_header_and_json_carry_provenance(one_rank_in_place, capsys, tmp_path):
     assert prov["versions"]["torch"] == torch.__version__
     assert prov["placement"][0]["rank"] == 0 and prov["started"] <= prov["finished"]
     assert {"host", "cpu", "commit", "argv", "env", "c2c_before", "c2c_after"} <= set(prov)
+
+
+def test_the_test_process_has_its_cpus_back():
+    """Runs after the in-process runs above (file order): their pinning did not leak."""
+    assert len(os.sched_getaffinity(0)) > 1 or os.cpu_count() == 1
 
 
 def test_back_to_back_and_checked_modes_are_right_on_two_ranks(tmp_path):
