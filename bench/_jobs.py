@@ -121,7 +121,7 @@ def summarize(jobs: list[list[dict]]) -> dict:
         for op, per in docs[0]["memcpy"].get("limit_busbw", {}).items():
             for n, v in per.items():
                 limits.setdefault((op, int(n)), []).append(v)
-    _add_best_mpi(jobs, first, times, ratios)
+    wins = _add_best_mpi(jobs, first, times, ratios)
     cells = {"|".join(map(str, k)): _spread(v) for k, v in times.items()}
     return {
         "first": first,
@@ -134,11 +134,15 @@ def summarize(jobs: list[list[dict]]) -> dict:
         "c2c": [[(d["meta"].get("provenance") or {}).get(f"c2c_{w}") for w in ("before", "after")]
                 for docs in jobs for d in docs],
         "wrong": sum(d["meta"].get("wrong", 0) for docs in jobs for d in docs),
+        "mpi_best_won_by": {"|".join(map(str, k)): v for k, v in wins.items()},
     }
 
 
-def _add_best_mpi(jobs: list[list[dict]], first: str, times: dict, ratios: dict) -> None:
-    """Per job and size, the faster of mpi and mpi-nocma, its ratio, and which won."""
+def _add_best_mpi(jobs: list[list[dict]], first: str, times: dict, ratios: dict
+                  ) -> dict[tuple[str, int], dict[str, int]]:
+    """Per job and size, the faster of mpi and mpi-nocma and its ratio (into ``times``
+    and ``ratios``); returns {(op, bytes): {winner: jobs won}}."""
+    wins: dict[tuple[str, int], dict[str, int]] = {}
     for docs in jobs:
         rows = {}
         for doc in docs:
@@ -155,7 +159,9 @@ def _add_best_mpi(jobs: list[list[dict]], first: str, times: dict, ratios: dict)
             best = min(r["time_us"], other["time_us"])
             times.setdefault((op, BEST_MPI, n), []).append(best)
             ratios.setdefault((op, BEST_MPI, n), []).append(run_ratios[(op, win, n)])
-            times.setdefault((op, f"{BEST_MPI}:won-by-{win}", n), []).append(1.0)
+            per = wins.setdefault((op, n), {})
+            per[win] = per.get(win, 0) + 1
+    return wins
 
 
 def _backend_order(jobs: list[list[dict]], times: dict) -> list[str]:
@@ -206,11 +212,10 @@ def format_summary(s: dict) -> list[str]:
 
 def _winner(s: dict, op: str, n: int) -> str:
     """'c' when CMA won this size in most jobs, 'n' when no-CMA did; '' without both."""
-    cma = s["time_us"].get(f"{op}|{BEST_MPI}:won-by-mpi|{n}", [0, 0, 0, 0])[3]
-    nocma = s["time_us"].get(f"{op}|{BEST_MPI}:won-by-{NOCMA}|{n}", [0, 0, 0, 0])[3]
-    if not cma and not nocma:
+    won = s["mpi_best_won_by"].get(f"{op}|{n}", {})
+    if not won:
         return ""
-    return "c" if cma >= nocma else "n"
+    return "c" if won.get("mpi", 0) >= won.get(NOCMA, 0) else "n"
 
 
 def _cell(v: list[float] | None, ratio: bool = False) -> str:

@@ -207,10 +207,7 @@ void ProcessGroupPycomm::all_reduce_direct(at::Tensor& t, const c10d::ReduceOp& 
     try {
       c10::impl::ExcludeDispatchKeyGuard no_autograd(
           c10::autograd_dispatch_keyset_with_ADInplaceOrView);
-      Staged buf(t);
-      rs.scale_owned(buf.get());
-      comm().all_reduce(buf.ptr(), buf.numel(), dt, rs.op);
-      buf.commit();
+      reduce_in_place(t, dt, rs);
     } catch (...) {
       error = translate_current_exception();
     }
@@ -224,6 +221,16 @@ void ProcessGroupPycomm::all_reduce_direct(at::Tensor& t, const c10d::ReduceOp& 
   opts.asyncOp = false;
   std::vector<at::Tensor> tensors{t};
   allreduce(tensors, opts)->wait();
+}
+
+// The body of every CPU all_reduce: a contiguous copy when needed, PREMUL scaling, the
+// core collective, the result written back.
+void ProcessGroupPycomm::reduce_in_place(const at::Tensor& t, pycomm::DType dt,
+                                         const ReduceSpec& rs) {
+  Staged buf(t);
+  rs.scale_owned(buf.get());
+  comm().all_reduce(buf.ptr(), buf.numel(), dt, rs.op);
+  buf.commit();
 }
 
 void ProcessGroupPycomm::all_reduce_now(at::Tensor& t, const std::string& op) {

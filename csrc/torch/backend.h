@@ -41,6 +41,8 @@ class Leftovers {
   std::vector<Entry> entries_;
 };
 
+struct ReduceSpec;  // tensor_args.h
+
 // "sum", "avg", "prod", "min", "max" as c10d's ReduceOp; a clear error otherwise.
 c10d::ReduceOp reduce_op_named(const std::string& op);
 
@@ -128,6 +130,7 @@ class ProcessGroupPycomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> point_to_point(bool is_send, at::Tensor t, int peer, int tag);
   c10::intrusive_ptr<c10d::Work> all_gather_uneven(std::vector<at::Tensor> outs, at::Tensor in,
                                                    pycomm::DType dt, bool async_op);
+  void reduce_in_place(const at::Tensor& t, pycomm::DType dt, const ReduceSpec& rs);
   void complete_p2p(const c10::intrusive_ptr<PycommWork>& work, std::exception_ptr error,
                     std::shared_ptr<void> staged);
   pycomm::Communicator& comm();

@@ -17,12 +17,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
   pycomm::DType dt = checked_dtype(t, "all_reduce", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "all_reduce", getRank());
   return enqueue(c10d::OpType::ALLREDUCE, "pycomm:all_reduce", {t}, opts.asyncOp,
-                 [this, t, dt, rs] {
-                   Staged buf(t);
-                   rs.scale_owned(buf.get());
-                   comm().all_reduce(buf.ptr(), buf.numel(), dt, rs.op);
-                   buf.commit();
-                 });
+                 [this, t, dt, rs] { reduce_in_place(t, dt, rs); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
