@@ -144,6 +144,22 @@ class NativeComm(TorchComm):
         return lambda: backend.all_reduce_now(tensor, redop)
 
 
+class ApiComm(NativeComm):
+    """pycomm through ``pycomm.all_reduce_``, the function a trainer calls: in eager mode
+    the backend's native entry (no dispatcher, no Work), the operator under
+    torch.compile. all_reduce only."""
+
+    def launcher(self, op: str, bufs: Buffers, redop: str) -> Callable[[], None]:
+        import pycomm
+
+        call, tensor, group = pycomm.all_reduce_, bufs.work, self.group
+
+        def run() -> None:
+            call(tensor, redop, group)
+
+        return run
+
+
 class OpComm(NativeComm):
     """pycomm through ``torch.ops.pycomm.all_reduce_``: the torch operator (one
     dispatcher call, no Work), the fast path a trainer or a compiled graph takes."""

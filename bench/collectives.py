@@ -24,6 +24,7 @@ from bench import _c2c, _deepspeed, _mpi, _provenance, _report
 from bench._cli import DTYPES, parse_args
 from bench._launch import bind_rank, launch
 from bench._timing import (
+    ApiComm,
     NativeComm,
     OpComm,
     TorchComm,
@@ -79,6 +80,8 @@ def _comm(backend: str):
         return NativeComm(dist.new_group(backend="pycomm"))
     if backend == "pycomm-op":
         return OpComm(dist.new_group(backend="pycomm"))
+    if backend == "pycomm-api":
+        return ApiComm(dist.new_group(backend="pycomm"))
     if backend == "deepspeed":
         return _deepspeed.DeepSpeedComm()
     if backend == "deepspeed-api":

@@ -44,6 +44,33 @@ def every_op_dtype_and_size(group_backend: str) -> list[str]:
     return bad
 
 
+def eager_path_matches_the_operator(group_backend: str) -> list[str]:
+    """``pycomm.all_reduce_`` in eager mode (the backend's native entry on a pycomm group,
+    the operator on any other) against float64, on a fresh group each time; then the
+    group destroyed and another made: the new group's backend is the one called."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bad = []
+    for round_ in range(2):
+        group = dist.new_group(backend=group_backend)
+        for op, ref_fn in OPS.items():
+            for dtype in (torch.float32, torch.bfloat16, torch.int32):
+                for count in (1, 1000, 70_000):
+                    inputs = _inputs(count, dtype, world)
+                    x = inputs[rank].clone()
+                    assert pycomm.all_reduce_(x, op, group=group) is x
+                    want = ref_fn(torch.stack([i.double() for i in inputs]), dim=0)
+                    if not torch.equal(x.double(), want.to(dtype).double()):
+                        bad.append(f"{group_backend} round {round_} {op} {dtype} {count}: "
+                                   f"rank {rank} differs")
+        dist.destroy_process_group(group)
+        try:
+            pycomm.all_reduce_(torch.ones(2), group=group)
+            bad.append(f"{group_backend}: a destroyed group still reduced")
+        except Exception:  # any clear refusal; its text is the backend's
+            pass
+    return bad
+
+
 def ordered_after_async_ops() -> list[float]:
     """Async all_reduces in flight, then the direct op on the same group: it must run
     after them (same order on every rank), so it sees their results."""
@@ -76,6 +103,19 @@ def version_counter_bumps() -> bool:
     y = w * 1.0
     z = (y * y).sum()  # saves y
     torch.ops.pycomm.all_reduce_(y.detach(), "sum", dist.group.WORLD.group_name)
+    return _backward_refused(z)
+
+
+def version_counter_bumps_on_the_eager_path() -> bool:
+    """The same through ``pycomm.all_reduce_``'s eager (native) path."""
+    w = torch.ones(3, requires_grad=True)
+    y = w * 1.0
+    z = (y * y).sum()
+    pycomm.all_reduce_(y.detach())
+    return _backward_refused(z)
+
+
+def _backward_refused(z: torch.Tensor) -> bool:
     try:
         z.backward()
     except RuntimeError as e:

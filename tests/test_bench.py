@@ -182,3 +182,20 @@ def test_open_mpi_moves_bfloat16_but_does_not_reduce_it(tmp_path, capfd):
     assert "skipped mpi for all_reduce: Open MPI has no torch.bfloat16 reduction" in (
         capfd.readouterr().out
     )
+
+
+@pytest.mark.usefixtures("require_pycomm")
+def test_pycomm_fast_path_columns_time_right_results(tmp_path):
+    """pycomm-native, pycomm-api and pycomm-op (all_reduce without torch.distributed's
+    wrapper) are checked on every iteration like any column; their other ops are named
+    unsupported, not timed as something else."""
+    out = tmp_path / "c.json"
+    fast = ["pycomm-native", "pycomm-api", "pycomm-op"]
+    main(["--backends", ",".join(["pycomm", *fast]), "--ops", "all_reduce,all_gather",
+          "-b", "16", "-e", "64K", "-f", "64", "-n", "3", "-w", "1", "-c", "2",
+          "--out", str(out), "--quiet"])
+    doc = json.loads(out.read_text())
+    timed = {(r["backend"], r["op"]) for r in doc["results"]}
+    assert {(b, "all_reduce") for b in fast} <= timed
+    assert not {(b, "all_gather") for b in fast} & timed
+    assert [r for r in doc["results"] if r["wrong"] != 0] == []

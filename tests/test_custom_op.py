@@ -26,6 +26,12 @@ def test_every_op_dtype_and_size_matches_float64(pool, backend):
     assert not problems, problems[:20]
 
 
+@pytest.mark.parametrize("backend", ["pycomm", "gloo"])
+def test_the_eager_path_matches_float64_and_follows_new_groups(pool, backend):
+    problems = [p for r in pool.run(sc.eager_path_matches_the_operator, backend) for p in r]
+    assert not problems, problems[:20]
+
+
 def test_runs_after_the_async_ops_queued_before_it(pool):
     n = pool.world_size
     assert pool.run(sc.ordered_after_async_ops) == [[float(n ** 3), float(n)]] * n
@@ -39,6 +45,7 @@ def test_works_inside_a_compiled_graph(pool):
 
 def test_autograd_sees_the_in_place_write(pool):
     assert all(pool.run(sc.version_counter_bumps))
+    assert all(pool.run(sc.version_counter_bumps_on_the_eager_path))
 
 
 def test_bad_input_gets_a_clear_error_and_the_group_goes_on(pool):

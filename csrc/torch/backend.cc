@@ -234,7 +234,11 @@ void ProcessGroupPycomm::reduce_in_place(const at::Tensor& t, pycomm::DType dt,
 }
 
 void ProcessGroupPycomm::all_reduce_now(at::Tensor& t, const std::string& op) {
-  all_reduce_direct(t, reduce_op_named(op));
+  c10d::ReduceOp reduce = reduce_op_named(op);
+  // Called from Python (pycomm.all_reduce_'s eager path), below autograd like the
+  // operator: bump the version as every in-place ATen op does.
+  t.unsafeGetTensorImpl()->bump_version();
+  all_reduce_direct(t, reduce);
 }
 
 void ProcessGroupPycomm::barrier_now() {

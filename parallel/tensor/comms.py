@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pycomm import ops as pycomm_ops
+
 Group = dist.ProcessGroup | None
 SEQ_DIM = 1
 _counters: list[Counter[str]] = []
@@ -66,16 +68,17 @@ _OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.M
 def all_reduce(x: torch.Tensor, group: Group, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
     """In place on a contiguous ``x`` (which is returned).
 
-    CPU tensors take ``torch.ops.pycomm.all_reduce_``: one operator call instead of
-    torch.distributed's wrapper and Work (the layer's forward waits for it anyway), and
-    traceable by torch.compile. It serves any backend, pycomm's on its fast path.
+    CPU tensors take ``pycomm.all_reduce_``: on a pycomm group one native call in eager
+    mode, the ``torch.ops.pycomm.all_reduce_`` operator while torch.compile traces;
+    never torch.distributed's wrapper and Work (the layer's forward waits for it anyway).
+    It serves any backend, pycomm's on its fast path.
     """
     _record("all_reduce")
     x = x.contiguous()
     if x.device.type == "cpu" and op in _OP_NAMES and _pycomm_ops():
         pg = group if group is not None else dist.group.WORLD
         assert pg is not None, "all_reduce needs a process group"
-        torch.ops.pycomm.all_reduce_.default(x, _OP_NAMES[op], pg.group_name)
+        pycomm_ops.all_reduce_(x, _OP_NAMES[op], pg)
     else:
         dist.all_reduce(x, op=op, group=group)
     return x
