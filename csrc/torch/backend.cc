@@ -197,7 +197,19 @@ c10d::ReduceOp reduce_op_named(const std::string& op) {
 
 // The same checks and body as allreduce(), run right here: no Work, no future, no
 // closure on the heap. Ops queued before it keep their order: then it takes the queue.
+// A CUDA tensor takes allreduce() (the CUDA path), never the shared-memory body.
 void ProcessGroupPycomm::all_reduce_direct(at::Tensor& t, const c10d::ReduceOp& op) {
+  if (t.device().is_cpu() && try_all_reduce_inline(t, op)) return;
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+  opts.asyncOp = false;
+  std::vector<at::Tensor> tensors{t};
+  allreduce(tensors, opts)->wait();
+}
+
+// all_reduce_direct's CPU body on the calling thread; false when the worker is busy with
+// queued ops (then the op must queue behind them).
+bool ProcessGroupPycomm::try_all_reduce_inline(at::Tensor& t, const c10d::ReduceOp& op) {
   pycomm::DType dt = checked_dtype(t, "all_reduce", getRank());
   ReduceSpec rs = reduce_spec(op, dt, "all_reduce", getRank());
   comm();  // fail now if shut down
@@ -212,15 +224,9 @@ void ProcessGroupPycomm::all_reduce_direct(at::Tensor& t, const c10d::ReduceOp& 
       error = translate_current_exception();
     }
   };
-  if (worker_->run_inline(body)) {
-    if (error) std::rethrow_exception(error);
-    return;
-  }
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = op;
-  opts.asyncOp = false;
-  std::vector<at::Tensor> tensors{t};
-  allreduce(tensors, opts)->wait();
+  if (!worker_->run_inline(body)) return false;
+  if (error) std::rethrow_exception(error);
+  return true;
 }
 
 // The body of every CPU all_reduce: a contiguous copy when needed, PREMUL scaling, the
@@ -235,8 +241,7 @@ void ProcessGroupPycomm::reduce_in_place(const at::Tensor& t, pycomm::DType dt,
 
 void ProcessGroupPycomm::all_reduce_now(at::Tensor& t, const std::string& op) {
   c10d::ReduceOp reduce = reduce_op_named(op);
-  // Called from Python (pycomm.all_reduce_'s eager path), below autograd like the
-  // operator: bump the version as every in-place ATen op does.
+  // Below autograd like the operator: bump the version as every in-place ATen op does.
   t.unsafeGetTensorImpl()->bump_version();
   all_reduce_direct(t, reduce);
 }

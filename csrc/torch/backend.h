@@ -42,9 +42,25 @@ class Leftovers {
 };
 
 struct ReduceSpec;  // tensor_args.h
+}  // namespace pycomm_torch
+
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
+
+namespace pycomm_torch {
 
 // "sum", "avg", "prod", "min", "max" as c10d's ReduceOp; a clear error otherwise.
 c10d::ReduceOp reduce_op_named(const std::string& op);
+
+// A synchronous all_reduce over any group, no Work (custom_ops.cc): the kernel of
+// torch.ops.pycomm.all_reduce_ and pycomm.all_reduce_'s eager entry.
+void all_reduce_on(at::Tensor& tensor, const std::string& op, c10d::ProcessGroup& group);
+
+// `group` if torch.distributed still has it registered under its name; a clear error for
+// a destroyed group (the torch.ops path resolves groups by name, so it refuses those too).
+c10::intrusive_ptr<c10d::ProcessGroup> live_group(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group);
 
 class ProcessGroupPycomm : public c10d::Backend {
  public:
@@ -122,6 +138,8 @@ class ProcessGroupPycomm : public c10d::Backend {
   }
 
  private:
+  // all_reduce_direct's CPU body on the calling thread; false when it must queue.
+  bool try_all_reduce_inline(at::Tensor& t, const c10d::ReduceOp& op);
   // Runs `body` in call order and completes the Work: on the collective worker, or
   // right here when the op is synchronous and nothing is queued before it.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,

@@ -7,6 +7,7 @@
 #include <map>
 #include <string>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "backend.h"
 #include "core/kernels/reduce.h"
@@ -130,6 +131,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("barrier_now", &pycomm_torch::ProcessGroupPycomm::barrier_now,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("segment_bytes", &pycomm_torch::ProcessGroupPycomm::segment_bytes);
+  m.def(
+      "all_reduce_eager",
+      [](at::Tensor& tensor, const std::string& op,
+         const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+        pycomm_torch::all_reduce_on(tensor, op, *pycomm_torch::live_group(group));
+      },
+      py::arg("tensor"), py::arg("op"), py::arg("group"), py::call_guard<py::gil_scoped_release>(),
+      "pycomm.all_reduce_'s eager entry: the operator's kernel reached by one pybind call "
+      "(no dispatcher), for any group and device.");
   register_islands(m);
   register_env_info(m);
   m.def("arena_empty", &arena_empty, py::arg("sizes"), py::arg("dtype"),
