@@ -72,6 +72,26 @@ def every_collective() -> list[str]:
     return [f for f in failures if f]
 
 
+def fast_paths_take_the_cuda_path() -> list[str]:
+    """pycomm.all_reduce_ and torch.ops.pycomm.all_reduce_ on CUDA tensors: the CUDA
+    allreduce, never the shared-memory body (which would read device memory as host)."""
+    import pycomm
+
+    dev, rank, n = _device(), dist.get_rank(), dist.get_world_size()
+    failures = []
+    for dtype in ("float32", "bfloat16"):
+        ins = [_input(r, 1000, dtype) for r in range(n)]
+        ref = torch.stack([x.double() for x in ins]).sum(0)
+        t = ins[rank].to(dev)
+        pycomm.all_reduce_(t)
+        failures.append(_close(t, ref, dtype, f"pycomm.all_reduce_ {dtype}"))
+        t = ins[rank].to(dev)
+        torch.ops.pycomm.all_reduce_(t, "sum", dist.group.WORLD.group_name)
+        failures.append(_close(t, ref, dtype, f"torch.ops.pycomm.all_reduce_ {dtype}"))
+    torch.cuda.synchronize()
+    return [f for f in failures if f]
+
+
 def async_and_streams() -> list[str]:
     """async_op works, and ops on a side stream are ordered by wait()."""
     dev, n = _device(), dist.get_world_size()

@@ -48,6 +48,11 @@ def test_every_collective_matches_the_cpu_reference(pool):
         assert failures == [], f"rank {rank}: {failures}"
 
 
+def test_the_fast_paths_take_the_cuda_path(pool):
+    for rank, failures in enumerate(pool.run(sc.fast_paths_take_the_cuda_path)):
+        assert failures == [], f"rank {rank}: {failures}"
+
+
 def test_async_op_on_a_side_stream(pool):
     for rank, failures in enumerate(pool.run(sc.async_and_streams)):
         assert failures == [], f"rank {rank}: {failures}"
