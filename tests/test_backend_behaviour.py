@@ -76,6 +76,23 @@ def test_future_then_sees_the_result(pool3):
         assert result == [12.0] * 10
 
 
+def _profiled_op_names() -> list[str]:
+    """The op events torch.profiler records for pycomm ops, synchronous (the inline path,
+    which skips the profiler's bookkeeping when nobody listens) and async."""
+    x = torch.ones(4)
+    with torch.profiler.profile() as prof:
+        dist.all_reduce(x)
+        dist.all_reduce(x, async_op=True).wait()
+        dist.broadcast(x, 0)
+    return [e.name for e in prof.events() if e.name.startswith("pycomm:")]
+
+
+def test_the_profiler_sees_every_op_sync_and_async(pool3):
+    for names in pool3.run(_profiled_op_names):
+        assert names.count("pycomm:all_reduce") == 2, names
+        assert names.count("pycomm:broadcast") == 1, names
+
+
 def _subgroup_ops() -> tuple[list[float], list[float]]:
     """A group of ranks 0 and 2 works while rank 1 takes no part; the world still works."""
     group = dist.new_group([0, 2], backend="pycomm")

@@ -124,6 +124,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, co
   return work;
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::finished_work(c10d::OpType type,
+                                                                 const char* title,
+                                                                 const at::Tensor& output) {
+  auto work = c10::make_intrusive<PycommWork>(getRank(), type, title,
+                                              std::vector<at::Tensor>{output}, worker_.get());
+  work->complete(nullptr);
+  return work;
+}
+
 // Any rank of the group, itself included (torch allows send to self), or any source.
 void ProcessGroupPycomm::check_peer(int peer, const char* op) const {
   if (peer == pycomm::kAnySource) return;

@@ -140,6 +140,9 @@ class ProcessGroupPycomm : public c10d::Backend {
  private:
   // all_reduce_direct's CPU body on the calling thread; false when it must queue.
   bool try_all_reduce_inline(at::Tensor& t, const c10d::ReduceOp& op);
+  // A Work already finished with `output` (an op that ran in the caller's thread).
+  c10::intrusive_ptr<c10d::Work> finished_work(c10d::OpType type, const char* title,
+                                               const at::Tensor& output);
   // Runs `body` in call order and completes the Work: on the collective worker, or
   // right here when the op is synchronous and nothing is queued before it.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title,

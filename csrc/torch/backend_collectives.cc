@@ -14,6 +14,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce(std::vector<at::Ten
 #ifdef PYCOMM_CUDA
   if (t.defined() && t.is_cuda()) return cuda().all_reduce(t, opts.reduceOp);
 #endif
+  // Synchronous with nothing queued (dist.all_reduce's common case): run it here and
+  // hand back a finished Work, no closure or hand-off to pay for.
+  if (!opts.asyncOp && t.defined() && try_all_reduce_inline(t, opts.reduceOp))
+    return finished_work(c10d::OpType::ALLREDUCE, "pycomm:all_reduce", t);
   pycomm::DType dt = checked_dtype(t, "all_reduce", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "all_reduce", getRank());
   return enqueue(c10d::OpType::ALLREDUCE, "pycomm:all_reduce", {t}, opts.asyncOp,

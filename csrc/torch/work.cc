@@ -1,5 +1,7 @@
 #include "work.h"
 
+#include <ATen/record_function.h>
+
 #include "core/runtime/errors.h"
 #include "tensor_args.h"
 
@@ -11,13 +13,16 @@ const c10::TypePtr& tensor_list_type() {
   static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
   return type;
 }
+
+// c10d::Work opens a RecordFunction (a heap allocation) whenever it is given a title;
+// only a listening profiler reads it, so a synchronous op does not pay for it otherwise.
+const char* title_if_profiled(const char* title) { return at::hasCallbacks() ? title : nullptr; }
 }  // namespace
 
 PycommWork::PycommWork(int rank, c10d::OpType type, const char* profiling_title,
                        std::vector<at::Tensor> outputs, pycomm::Worker* runs_on)
-    : c10d::Work(rank, type, profiling_title),
+    : c10d::Work(rank, type, title_if_profiled(profiling_title)),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(tensor_list_type())),
       runs_on_(runs_on),
       title_(profiling_title) {}
 
@@ -26,6 +31,8 @@ c10::intrusive_ptr<c10::ivalue::Future> PycommWork::getFuture() {
   {
     std::lock_guard<std::mutex> lock(future_mu_);
     future_requested_ = true;
+    // Made on first request: most synchronous ops are never asked for one.
+    if (!future_) future_ = c10::make_intrusive<c10::ivalue::Future>(tensor_list_type());
     settle = done_ && !future_settled_;
     future_settled_ = future_settled_ || settle;
   }

@@ -45,7 +45,7 @@ class PycommWork : public c10d::Work {
   void settle_future();  // completes or fails future_ with the op's outcome
 
   std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // guarded by future_mu_
   pycomm::Worker* runs_on_;
   std::string title_;
   std::atomic<int> source_rank_{-1};
