@@ -25,6 +25,7 @@ from bench._cli import DTYPES, parse_args
 from bench._launch import bind_rank, launch
 from bench._timing import (
     ApiComm,
+    FloorComm,
     NativeComm,
     OpComm,
     TorchComm,
@@ -59,6 +60,12 @@ def _available(backend: str) -> str:
         return _mpi.missing()
     if backend in DEEPSPEED:
         return _deepspeed.missing(dist.get_world_size())
+    if backend == "torch-floor":
+        try:
+            import torch.testing._internal.distributed.fake_pg  # noqa: F401
+        except ImportError:
+            return "this torch has no fake backend (torch.testing._internal.distributed.fake_pg)"
+        return ""
     if backend.startswith("pycomm"):
         try:
             import pycomm  # noqa: F401  (registers the backend)
@@ -68,6 +75,12 @@ def _available(backend: str) -> str:
     if backend not in dist.Backend.backend_list:
         return f"backend {backend!r} is not registered"
     return ""
+
+
+def _floor_aligner() -> str:
+    """The backend whose barrier precedes each torch-floor call: pycomm's when it is
+    there (the floor is read against pycomm's dist.all_reduce), else the world's."""
+    return "pycomm" if not _available("pycomm") else dist.get_backend()
 
 
 def _comm(backend: str):
@@ -82,6 +95,8 @@ def _comm(backend: str):
         return OpComm(dist.new_group(backend="pycomm"))
     if backend == "pycomm-api":
         return ApiComm(dist.new_group(backend="pycomm"))
+    if backend == "torch-floor":
+        return FloorComm(dist.new_group(backend=_floor_aligner()))
     if backend == "deepspeed":
         return _deepspeed.DeepSpeedComm()
     if backend == "deepspeed-api":

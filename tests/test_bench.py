@@ -199,3 +199,19 @@ def test_pycomm_fast_path_columns_time_right_results(tmp_path):
     assert {(b, "all_reduce") for b in fast} <= timed
     assert not {(b, "all_gather") for b in fast} & timed
     assert [r for r in doc["results"] if r["wrong"] != 0] == []
+
+
+@pytest.mark.usefixtures("require_pycomm")
+def test_torch_floor_column_times_dist_all_reduce_on_the_fake_backend(tmp_path):
+    """torch-floor is torch's dispatch alone, timed like a column: all_reduce only, never
+    counted as right or wrong (it computes nothing), and no faster than nothing."""
+    out = tmp_path / "c.json"
+    main(["--backends", "pycomm,torch-floor", "--ops", "all_reduce,all_gather",
+          "-b", "16", "-e", "1K", "-f", "64", "-n", "20", "-w", "2", "-c", "2",
+          "--out", str(out), "--quiet"])
+    doc = json.loads(out.read_text())
+    floor = [r for r in doc["results"] if r["backend"] == "torch-floor"]
+    assert {r["op"] for r in floor} == {"all_reduce"}
+    assert all(r["wrong"] == -1 and r["time_us"] > 0 for r in floor), floor
+    ours = [r for r in doc["results"] if r["backend"] == "pycomm" and r["op"] == "all_reduce"]
+    assert ours and all(r["wrong"] == 0 for r in ours)
