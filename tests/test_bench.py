@@ -215,3 +215,14 @@ def test_torch_floor_column_times_dist_all_reduce_on_the_fake_backend(tmp_path):
     assert all(r["wrong"] == -1 and r["time_us"] > 0 for r in floor), floor
     ours = [r for r in doc["results"] if r["backend"] == "pycomm" and r["op"] == "all_reduce"]
     assert ours and all(r["wrong"] == 0 for r in ours)
+
+
+@pytest.mark.usefixtures("require_pycomm")
+def test_barrier_skew_times_every_barrier_and_op_pair():
+    """bench.barrier_skew: the four (barrier, op) cases, each a positive time."""
+    from bench import barrier_skew
+
+    got = barrier_skew.main(["--nproc", "2", "--calls", "20", "--rounds", "2"])
+    barriers, ops = {"dist.barrier", "barrier_now"}, {"dist.all_reduce", "pycomm.all_reduce_"}
+    assert set(got) == {(b, o) for b in barriers for o in ops}
+    assert all(0 < us < 1e6 for us in got.values()), got
