@@ -173,7 +173,7 @@ class OpComm(NativeComm):
 class FloorComm(TorchComm):
     """``dist.all_reduce`` on torch's FakeProcessGroup, which does nothing: torch's Python
     wrapper, ProcessGroup and dispatcher alone, timed the same way as every other column
-    (a barrier of the world group before each call), so that a backend's cost over
+    (a barrier of ``aligner``, a real group, before each call), so that a backend's cost over
     torch's floor is read per size and per job. all_reduce only; never checked (it
     computes nothing)."""
 
