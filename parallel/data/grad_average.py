@@ -3,7 +3,7 @@
 :class:`DataParallel` reduces while backward runs, which needs to know which backward
 is the last one; a composed job (a pipeline runs many backwards per step, tensor
 parallelism sums partial gradients first) reduces once, when told, in the order the
-job's :func:`parallel.finalize.finalize_grads` fixes. The gradients go through one
+job's :func:`parallel.compose.finalize.finalize_grads` fixes. The gradients go through one
 preallocated flat buffer in constant-size buckets (C_B; shared memory on pycomm, so the
 all-reduces are zero-copy), each bucket's all-reduce started before the next is packed.
 """

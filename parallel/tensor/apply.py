@@ -131,7 +131,7 @@ def sum_partial_grads_on_arrival(model: nn.Module, group: Group) -> None:
     bucket, ZeRO packing it into a shard and dropping ``.grad``) sees the whole one, and
     several backwards accumulate whole gradients. (Summing ``.grad`` once at the end of
     backward is one collective instead of one per parameter, but ZeRO may have taken the
-    gradient away by then; ``parallel.parallelize`` sums them at its fixed phase.)"""
+    gradient away by then; ``parallel.compose.parallelize`` sums them at its fixed phase.)"""
     for p in _sequence_parallel_params(model):
         p.register_hook(lambda grad: comms.all_reduce(grad.clone(), group))
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parallel.mesh import MeshShape
+from parallel.compose.mesh import MeshShape
 
 
 def _opt(table: str, default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:

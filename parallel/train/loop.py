@@ -9,9 +9,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallel.mesh import ParallelMesh
+from parallel.compose.mesh import ParallelMesh
+from parallel.compose.parallelize import ParallelConfig, ParallelModel, parallelize
 from parallel.models import GPT, GPTConfig
-from parallel.parallelize import ParallelConfig, ParallelModel, parallelize
 from parallel.rng import seed_streams
 from parallel.train import ckpt
 from parallel.train.config import TrainConfig

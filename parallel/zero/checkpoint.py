@@ -12,7 +12,7 @@ A tensor-parallel model (its parameters marked by
 names on each tensor-parallel rank: each of those ranks writes into its own folder,
 ``tp{t}-of-{T}/``, with the parameters' splits in its ``meta.pt``, so
 :func:`consolidate` can rebuild every parameter whole. Other model-parallel layouts (a
-pipeline stage) pass their own ``shard_key``; parallel.checkpoint does this for a
+pipeline stage) pass their own ``shard_key``; parallel.compose.checkpoint does this for a
 composed job.
 
 Example::

@@ -11,7 +11,7 @@ As torchtitan's ``parallelize_*``: the model is built whole on every rank from o
 4. **data parallel or ZeRO** over the ``dp`` group.
 
 A step then runs the pipeline's schedule over micro-batches, completes the gradients in
-:func:`parallel.finalize.finalize_grads`'s fixed phases, clips by the norm over the
+:func:`parallel.compose.finalize.finalize_grads`'s fixed phases, clips by the norm over the
 whole mesh, and steps the optimizer. The global batch is the same on every rank; each
 data-parallel replica takes its own rows, so a layout trains the same model as one
 process on the whole batch.
@@ -33,11 +33,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel import checkpoint
-from parallel.dp_plan import build_data_parallel
-from parallel.finalize import GradPhases, clip_grad_norm_, finalize_grads
-from parallel.gpt_layers import EmbeddingLayer, HeadLayer, gpt_layers, model_name, stage_balance
-from parallel.mesh import ParallelMesh
+from parallel.compose import checkpoint
+from parallel.compose.dp_plan import build_data_parallel
+from parallel.compose.finalize import GradPhases, clip_grad_norm_, finalize_grads
+from parallel.compose.gpt_layers import (
+    EmbeddingLayer,
+    HeadLayer,
+    gpt_layers,
+    model_name,
+    stage_balance,
+)
+from parallel.compose.mesh import ParallelMesh
 from parallel.models import GPT, Block, lm_loss
 from parallel.pipeline.forward_only import forward_loss
 from parallel.pipeline.pipeline import Pipeline
@@ -239,7 +245,7 @@ class ParallelModel:
         sharding): what :attr:`names` and :attr:`shapes` know."""
         return self.params
 
-    # -- checkpoints (parallel.checkpoint: keyed by mesh position, any layout loads) ------
+    # -- checkpoints (parallel.compose.checkpoint: keyed by mesh position, any layout loads) ------
 
     def save(self, directory: str, extra: dict[str, Any]) -> None:
         """Write parameters, optimizer and scheduler state and ``extra``; collective."""

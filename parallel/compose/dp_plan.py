@@ -9,8 +9,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from parallel.compose.mesh import ParallelMesh
 from parallel.data.grad_average import GradAverager
-from parallel.mesh import ParallelMesh
 from parallel.tensor.sharding import spec_of
 
 
@@ -90,6 +90,6 @@ def build_data_parallel(stage: nn.Module, params: list[nn.Parameter], mesh: Para
     """The plan for ``config.zero`` (0: plain data parallelism)."""
     if config.zero == 0:
         return PlainDataParallel(params, mesh, config)
-    from parallel.zero_plan import ZeroPlan  # (it imports this module's helpers)
+    from parallel.compose.zero_plan import ZeroPlan  # (it imports this module's helpers)
 
     return ZeroPlan(stage, params, mesh, config)

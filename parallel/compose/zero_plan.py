@@ -1,6 +1,6 @@
 """ZeRO as the data-parallel side of a composed job (``parallelize(..., zero=1..3)``).
 
-Stages 1-2 reduce when :func:`parallel.finalize.finalize_grads` says so (after the
+Stages 1-2 reduce when :func:`parallel.compose.finalize.finalize_grads` says so (after the
 tensor-parallel partial sums), from the gradients the pipeline's backwards accumulated
 in ``.grad``. Stage 3 cannot wait (its units give their memory back in backward), so it
 reduces each unit as backward finishes it; the tensor-parallel partial gradients are
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.dp_plan import _cloned, _spec_tuple, param_groups, tp_copies
-from parallel.mesh import ParallelMesh
+from parallel.compose.dp_plan import _cloned, _spec_tuple, param_groups, tp_copies
+from parallel.compose.mesh import ParallelMesh
 from parallel.models import Block
 from parallel.zero import ZeroOptimizer, shard_model
 from parallel.zero.shard_layout import ShardLayout
