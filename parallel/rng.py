@@ -103,6 +103,7 @@ class RNGTracker:
 
     def __init__(self) -> None:
         self.streams: dict[str, _Stream] = {}
+        self._active: list[str] = []  # the streams forked into, innermost last
 
     def reset(self) -> None:
         self.streams = {}
@@ -116,9 +117,16 @@ class RNGTracker:
         """Run the region on stream ``name`` (CPU and current CUDA device); the stream
         continues there next time, and the default generators are as before the region.
 
+        A fork into the stream already running is the region itself (a block forked
+        whole that holds a layer which forks too): swapping again would replay the
+        stream from where the outer fork began.
+
         Raises:
             KeyError: if the stream was never seeded (call :func:`model_parallel_seed`).
         """
+        if self._active and self._active[-1] == name:
+            yield
+            return
         if name not in self.streams:
             raise KeyError(f"RNG stream {name!r} is not seeded: call "
                            "parallel.rng.model_parallel_seed(seed, tp_group, pp_rank) before "
@@ -129,9 +137,11 @@ class RNGTracker:
         if device is not None:
             outside_cuda = torch.cuda.get_rng_state(device)
             torch.cuda.set_rng_state(stream.cuda_state(device), device)
+        self._active.append(name)
         try:
             yield
         finally:
+            self._active.pop()
             # by name, as Megatron-LM: a restore inside the region may have replaced it
             stream = self.streams.get(name, stream)
             stream.cpu = torch.get_rng_state()

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from parallel.compose.dp_plan import param_groups
+from parallel.compose.optim_groups import param_groups
 from parallel.models import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, dropout=0.0)
@@ -78,7 +78,7 @@ def recompute_gradients(dp: int, tp: int, pp: int, sequence_parallel: bool) -> f
         engine = parallelize(model, mesh, ParallelConfig(
             microbatches=2, recompute=recompute, sequence_parallel=sequence_parallel, seed=7))
         engine.compute_gradients(*batch(0))
-        grads.append({engine.names[id(p)]: p.grad.clone() for p in engine.parameters()})
+        grads.append({engine.names.of(p): p.grad.clone() for p in engine.parameters()})
         mesh.destroy()
     return max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0])
 

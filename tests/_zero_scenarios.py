@@ -47,6 +47,39 @@ def reference(world: int, optim: str, clip: bool,
             "norms": norms}
 
 
+def reference_bf16(world: int, optim: str, reduce_dtype: torch.dtype | None) -> dict[str, Any]:
+    """One process running ZeRO's bf16 recipe: the model computes in bf16, each of
+    ``world`` replicas' rows is a backward of its own (bf16 gradients of its mean loss),
+    their average is taken in ``reduce_dtype`` (bf16 by default) and cast to fp32, and
+    the optimizer steps fp32 masters whose values the bf16 model then takes. What the
+    sharded run does, rounding included, so the two may differ only by the order of
+    additions in the reduction."""
+    masters = list(model().parameters())
+    net = model().to(torch.bfloat16)
+    cls, kwargs = OPTIMIZERS[optim]
+    opt = cls(masters, **kwargs)
+    losses = []
+    for step in range(STEPS):
+        grads: list[list[torch.Tensor]] = []
+        total = 0.0
+        for rank in range(world):
+            net.zero_grad()
+            x, y = batch(step, world, rank)
+            loss = lm_loss(net(x).float(), y)
+            loss.backward()
+            total += loss.item() / world
+            grads.append([p.grad.float() for p in net.parameters()])
+        for m, parts in zip(masters, zip(*grads, strict=True), strict=True):
+            # pycomm reduces bf16 in fp32 and rounds the average once
+            m.grad = (sum(parts) / world).to(reduce_dtype or torch.bfloat16).float()
+        losses.append(total)
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(net.parameters(), masters, strict=True):
+                p.copy_(m)
+    return {"losses": losses}
+
+
 def build(group: Any, stage: int, optim: str, seed: int = 0, persist_below: int = PERSIST_BELOW,
           net: nn.Module | None = None) -> tuple[nn.Module, ZeroOptimizer]:
     """The test model (or ``net``) and a ZeroOptimizer of ``stage`` over ``group``."""
@@ -162,7 +195,9 @@ def bad_input(group: Any) -> dict[str, str]:
                                                      stage=3, lr=0.1)),
         "stage1_sharded": _error(lambda: ZeroOptimizer(sharded.parameters(), torch.optim.SGD,
                                                        stage=1, lr=0.1)),
-        "tied": _error(lambda: shard_model(tied, group)),
+        # a tie is one unit's (both users inside it) or refused: here lm_head is a unit
+        "tied": _error(lambda: shard_model(tied, group, persistence_threshold=1,
+                                           unit_modules=[*tied.blocks, tied.lm_head])),
         "stray_unit": _error(lambda: shard_model(model(), group,
                                                  unit_modules=[GPT(model().cfg).lm_head])),
     }

@@ -3,7 +3,7 @@ padding), on pycomm and gloo, against one process on the concatenated batch."""
 
 import pytest
 import torch
-from _zero_scenarios import reference, run_all
+from _zero_scenarios import STEPS, reference, reference_bf16, run_all
 
 GROUPS = ["pycomm", "gloo"]
 STAGES = [1, 2, 3]
@@ -117,17 +117,28 @@ def test_stage3_gathers_each_unit_before_forward_and_backward_and_prefetches(wor
 @pytest.mark.parametrize("stage", STAGES)
 def test_bf16_mixed_precision_follows_the_fp32_trajectory(world, stage, reduce):
     """bf16 forward, backward and communication with fp32 masters and optimizer state
-    (AdamW with bf16 reduction, SGD with momentum with fp32 reduction): the losses stay
-    within bf16's resolution of one fp32 process on the same batches, and (SGD, read back
-    through a checkpoint) the fp32 masters end within a few percent of how far fp32
-    training moved the weights."""
+    (AdamW with bf16 reduction, SGD with momentum with fp32 reduction).
+
+    Against one process running the same bf16 recipe (:func:`reference_bf16`) on the same
+    CPU, the only difference left is the order of additions in the reduction, whatever
+    kernels the CPU's bf16 has: the losses agree within 2**-10. Against fp32 each step
+    differs by bf16's resolution (2**-8), and AdamW at lr 1e-2 amplifies such
+    differences chaotically after ~10 steps, so the first 10 steps are compared, within
+    2**-8. With SGD (read back through a checkpoint) the fp32 masters end within a few
+    percent of how far fp32 training moved the weights."""
     from _dp_scenarios import model
 
     size, ranks = world
     results = [r[("pycomm", stage, reduce)] for r in ranks]
-    single = reference(size, "sgd" if reduce == "mixed_fp32_reduce" else "adamw", clip=False)
+    optim = "sgd" if reduce == "mixed_fp32_reduce" else "adamw"
+    recipe = reference_bf16(size, optim, torch.float32 if reduce == "mixed_fp32_reduce" else None)
     losses = torch.tensor([r["losses"] for r in results]).mean(0)
-    torch.testing.assert_close(losses, torch.tensor(single["losses"]), rtol=1e-2, atol=0)
+    steps = STEPS if optim == "sgd" else 10
+    torch.testing.assert_close(losses[:steps], torch.tensor(recipe["losses"][:steps]),
+                               rtol=2**-10, atol=0)
+    single = reference(size, optim, clip=False)
+    torch.testing.assert_close(losses[:10], torch.tensor(single["losses"][:10]), rtol=2**-8,
+                               atol=0)
     if reduce == "mixed_fp32_reduce":
         start = torch.cat([p.detach().reshape(-1) for p in model().parameters()])
         ref = torch.cat([p.reshape(-1) for p in single["params"]])
@@ -172,7 +183,7 @@ def test_bad_input_gets_clear_errors(world):
     assert "is the same tensor as parameter 0" in errors["twice"]
     assert "stage 3 needs the parameters of a model sharded by" in errors["stage3_plain"]
     assert "a sharded model needs stage=3" in errors["stage1_sharded"]
-    assert "'lm_head.weight' is the same tensor as 'embed.wte.weight'" in errors["tied"]
+    assert "'embed.wte.weight' is the same tensor as ['lm_head.weight']" in errors["tied"]
     assert "are not part of the model" in errors["stray_unit"]
 
 

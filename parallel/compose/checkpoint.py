@@ -1,155 +1,135 @@
-"""Checkpoints of a composed job, keyed by mesh position, loadable in any other layout.
+"""Checkpoints of a composed job on ``torch.distributed.checkpoint``: each rank writes
+only what it holds, and any layout loads any other.
 
-A checkpoint is a directory: ``meta.json`` (the layout, the step's extra data, where
-each parameter lives) and one file per (pipeline stage, tensor-parallel rank),
-``pp{p}-tp{t}.pt``, holding that rank's tensor-parallel part of each of its stage's
-parameters and of their optimizer state (Adam's moments), whole over data parallelism
-(ZeRO shards are gathered first; data-parallel replicas are equal, so one of them
-writes), with each parameter's :class:`TPSpec`. Loading in another layout rebuilds each
-whole tensor from the saved parts and splits it as this layout needs: pipeline stages,
-TP size, DP size and ZeRO stage may all differ. :func:`consolidate` gives the plain
-model's ``state_dict`` without any process group.
+A parameter (and each of its optimizer state tensors, Adam's moments) is saved as the
+whole tensor of the unsplit model, under its model name: every rank contributes its
+pieces — its tensor-parallel part, or under ZeRO its flat range of that part — as
+chunks in the whole tensor's coordinates (:mod:`parallel.compose.dcp_chunks`);
+data-parallel replicas hold the same chunks, which DCP writes once. No rank gathers a
+parameter. Loading in another layout asks for the chunks this layout holds, and DCP
+reads what overlaps them: pipeline stages, TP size, DP size and ZeRO stage may all
+differ. :func:`consolidate` gives the plain model's ``state_dict`` without any process
+group. A directory that exists is complete (DCP writes into ``<dir>.partial``, renamed
+once every rank has written).
 
-Writes go to ``<dir>.partial`` and are renamed once every rank has written, so a
-directory that exists is complete.
+Beside the tensors: the step count of the learning-rate schedule (on load, the
+schedule of the *loading* run continues from that step: a changed number of steps or
+peak learning rate takes effect), fp16's loss scale, and the caller's ``extra``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
-from parallel.tensor.sharding import TPSpec, spec_of
+from parallel.compose import dcp_chunks
+from parallel.compose.dcp_chunks import ChunkedTensor, chunks_of
+from parallel.tensor.sharding import spec_of
 
-FORMAT = "pycomm-mesh-checkpoint/1"
+FORMAT = "pycomm-dcp/1"
 
 
-def _file(pp: int, tp: int) -> str:
-    return f"pp{pp}-tp{tp}.pt"
+def _whole_shape(local: torch.Size, p: nn.Parameter, tp: int) -> torch.Size:
+    spec = spec_of(p)
+    if spec.dim is None:
+        return local
+    shape = list(local)
+    shape[spec.dim] *= tp
+    return torch.Size(shape)
+
+
+def tensor_state(engine: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """This rank's chunks of every parameter and optimizer state tensor, and the keys of
+    each parameter's scalar state (Adam's step) by name."""
+    tp, tp_rank = engine.mesh.size("tp"), engine.mesh.rank("tp")
+    state: dict[str, Any] = {}
+    scalars: dict[str, list[str]] = {}
+    for p, local, start, values, tensors, scalar in engine.dp.pieces():
+        name = engine.names.of(p)
+        whole = _whole_shape(local, p, tp)
+        for key, flat in [("model", values), *((f"optim.{k}", t) for k, t in tensors.items())]:
+            target = state.setdefault(f"{key}/{name}", ChunkedTensor(whole, flat.dtype, []))
+            target.chunks += chunks_of(whole, spec_of(p), tp, tp_rank, flat, start)
+        for key, value in scalar.items():
+            state[f"optim_scalar.{key}/{name}"] = value
+        scalars[name] = sorted(scalar)
+    return state, scalars
+
+
+def _objects(engine: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    scaler = engine.scaler.state_dict() if engine.scaler is not None else None
+    return {"meta/format": FORMAT, "meta/extra": extra,
+            "meta/schedule_step": int(engine.scheduler.last_epoch),
+            "meta/loss_scale": scaler, "meta/aliases": engine.stage_plan.canonical,
+            "meta/layout": [engine.mesh.size(d) for d in ("pp", "dp", "tp")]}
+
+
+def _scalar_value(value: Any) -> Any:
+    return float(value) if torch.is_tensor(value) else value
 
 
 def save(engine: Any, directory: str | os.PathLike, extra: dict[str, Any]) -> None:
-    """Write ``engine``'s parameters and optimizer state, and ``extra`` (step, data
-    position...) to ``directory``. Collective over the world."""
-    final = Path(directory)
-    partial = final.with_name(final.name + ".partial")
-    local = engine.dp.local_state(engine.names)  # collective over dp (ZeRO gathers)
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier()
-    pp, dp, tp = engine.mesh.coordinates
-    if dp == 0:
-        torch.save(local, partial / _file(pp, tp))
-    names = _gather_names(engine, pp, tp)
-    if dist.get_rank() == 0:
-        meta = {"format": FORMAT, "mesh": asdict(engine.mesh.shape), "extra": extra,
-                "files": names, "scheduler": engine.scheduler.state_dict(),
-                "model": asdict(engine.cfg)}
-        (partial / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
-    dist.barrier()
-
-
-def _gather_names(engine: Any, pp: int, tp: int) -> dict[str, str]:
-    """parameter name -> the file holding it (one writer's view is enough per file)."""
-    mine = {name: _file(pp, tp) for name in engine.names.values()}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    out: dict[str, str] = {}
-    for names in everyone:
-        out.update(names)
-    return out
-
-
-class SavedModel:
-    """A checkpoint directory, read lazily: whole tensors by parameter name."""
-
-    def __init__(self, directory: str | os.PathLike):
-        self.dir = Path(directory)
-        meta_path = self.dir / "meta.json"
-        if not meta_path.exists():
-            raise FileNotFoundError(f"checkpoint {self.dir}: no meta.json (not a complete "
-                                    f"checkpoint; an interrupted save leaves only "
-                                    f"{self.dir.name}.partial)")
-        self.meta = json.loads(meta_path.read_text())
-        if self.meta.get("format") != FORMAT:
-            raise ValueError(f"checkpoint {self.dir}: format {self.meta.get('format')!r}, "
-                             f"expected {FORMAT!r}")
-        self.tp = int(self.meta["mesh"]["tp"])
-        self._files: dict[str, dict[str, Any]] = {}
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.meta["files"])
-
-    def _load(self, name: str) -> dict[str, Any]:
-        if name not in self._files:
-            self._files[name] = torch.load(self.dir / name, weights_only=False)
-        return self._files[name]
-
-    def _parts(self, name: str) -> list[dict[str, Any]]:
-        if name not in self.meta["files"]:
-            raise KeyError(f"checkpoint {self.dir}: no parameter {name!r}")
-        pp = self.meta["files"][name].split("-")[0]
-        return [self._load(f"{pp}-tp{t}.pt")[name] for t in range(self.tp)]
-
-    def whole(self, name: str) -> dict[str, Any]:
-        """``{"param": tensor, "state": {key: tensor}}`` of ``name``, unsplit."""
-        parts = self._parts(name)
-        spec = TPSpec(*parts[0]["spec"])
-        state = {}
-        for key, value in parts[0]["state"].items():
-            if torch.is_tensor(value) and value.shape == parts[0]["param"].shape:
-                state[key] = spec.unshard([p["state"][key] for p in parts])
-            else:  # a scalar (Adam's step count): the same on every part
-                state[key] = value
-        return {"param": spec.unshard([p["param"] for p in parts]), "state": state}
+    """Write ``engine``'s parameters, optimizer state, schedule position and ``extra``
+    (step, data position...) to ``directory``. Collective over the world."""
+    state, _ = tensor_state(engine)
+    state = {k: v if isinstance(v, ChunkedTensor) else _scalar_value(v) for k, v in state.items()}
+    state.update(_objects(engine, extra))
+    dcp_chunks.save(state, directory)
 
 
 def load(engine: Any, directory: str | os.PathLike) -> dict[str, Any]:
     """Load a checkpoint of any layout into ``engine``; returns the ``extra`` it was
-    saved with. Collective over the world."""
-    saved = SavedModel(directory)
-    world_tp, rank_tp = engine.mesh.size("tp"), engine.mesh.rank("tp")
-    wanted = {}
-    for p in engine.parameters():
-        name = engine.names[id(p)]
-        whole = saved.whole(name)
-        spec = spec_of(p)
-        param = spec.shard(whole["param"], world_tp, rank_tp)
-        state: dict[str, Any] = {}
-        for key, value in whole["state"].items():
-            is_full = torch.is_tensor(value) and value.shape == whole["param"].shape
-            state[key] = spec.shard(value, world_tp, rank_tp) if is_full else value
-        if param.shape != engine.shapes[id(p)]:
-            raise ValueError(f"checkpoint {saved.dir}: {name} has shape "
-                             f"{tuple(whole['param'].shape)}, which this layout splits into "
-                             f"{tuple(param.shape)}, not this model's "
-                             f"{tuple(engine.shapes[id(p)])}")
-        wanted[id(p)] = {"param": param, "state": state}
-    engine.dp.load_local_state(wanted)  # collective over dp (ZeRO shards)
-    engine.scheduler.load_state_dict(saved.meta["scheduler"])
-    # The scheduler's state holds the learning rate it last set; the groups get it back.
-    for group, lr in zip(engine.optimizer.param_groups, engine.scheduler.get_last_lr(),
-                         strict=True):
+    saved with. Collective over the world.
+
+    Raises:
+        ValueError: on every rank, naming what is missing or differs (another model, an
+            optimizer with other state), before anything is written.
+    """
+    state, scalars = tensor_state(engine)
+    wanted = {k: v if isinstance(v, ChunkedTensor) else None for k, v in state.items()}
+    wanted.update(dict.fromkeys(_objects(engine, {})))
+    got = dcp_chunks.load(wanted, directory)
+    if got["meta/format"] != FORMAT:
+        raise ValueError(f"checkpoint {directory}: format {got['meta/format']!r}, "
+                         f"expected {FORMAT!r}")
+    for p in engine.params:
+        name = engine.names.of(p)
+        values = {k: got[f"optim_scalar.{k}/{name}"] for k in scalars.get(name, [])}
+        engine.dp.set_scalars(p, {k: _as_state(v) for k, v in values.items()})
+    engine.dp.loaded()
+    _continue_schedule(engine, int(got["meta/schedule_step"]))
+    if engine.scaler is not None and got["meta/loss_scale"] is not None:
+        engine.scaler.load_state_dict(got["meta/loss_scale"])
+    return dict(got["meta/extra"])
+
+
+def _as_state(value: Any) -> Any:
+    """A scalar as torch's optimizers keep it (Adam's ``step`` is a 0-d tensor)."""
+    return torch.tensor(value) if isinstance(value, float) else value
+
+
+def _continue_schedule(engine: Any, step: int) -> None:
+    """The loading run's own schedule (its peak learning rate, its number of steps),
+    continued from ``step``: what the saved run's schedule said is not reused."""
+    scheduler = engine.scheduler
+    scheduler.last_epoch = step
+    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas,
+                                                  strict=True)]
+    for group, lr in zip(engine.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
-    dist.barrier()
-    return dict(saved.meta["extra"])
+    scheduler._last_lr = lrs
 
 
 def consolidate(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The plain model's ``state_dict`` (the reference GPT's names), from a checkpoint
-    of any layout, in one process."""
-    saved = SavedModel(directory)
-    return {name: saved.whole(name)["param"] for name in saved.names}
+    """The plain model's ``state_dict`` (its own names, every alias of a tied parameter
+    included) from a checkpoint of any layout, in one process."""
+    keys = dcp_chunks.saved_keys(directory)
+    model_keys = [k for k in keys if k.startswith("model/")]
+    whole = dcp_chunks.read_whole(directory, [*model_keys, "meta/aliases"])
+    out = {k.removeprefix("model/"): v for k, v in whole.items() if k.startswith("model/")}
+    for alias, canonical in whole["meta/aliases"].items():
+        out.setdefault(alias, out[canonical])
+    return out

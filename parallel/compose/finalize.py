@@ -10,7 +10,11 @@ order, as Megatron-LM's ``finalize_model_grads``:
 2. **data parallel** (or ZeRO): each replica's gradient is of its own rows; the average
    over the data-parallel group is the gradient (ZeRO keeps this rank's shard of it).
 3. **pipeline**: a weight shared by two stages (tied embeddings) sums both stages'
-   gradients. The reference GPT ties none, so this phase is empty for it.
+   gradients. Summing is linear, so where the gradients are still whole (plain data
+   parallelism, ZeRO 1-2, which reduce here) it runs before the data-parallel
+   reduction, on ``.grad``; ZeRO-3 has reduced each unit in backward already, so there
+   it sums the tied parameter's gradient shard after (its unit holds it alone, so the
+   shards line up across the stages).
 
 No strategy reduces on its own at the end of backward: callbacks queued by separate
 strategies would run in whatever order autograd reaches them, and one could take a
@@ -42,8 +46,9 @@ class GradPhases:
 
     tp_partial: list[nn.Parameter] = field(default_factory=list)
     tp_group: dist.ProcessGroup | None = None
+    pipeline_before: Callable[[], None] = lambda: None
     data_parallel: Callable[[], None] = lambda: None
-    pipeline: Callable[[], None] = lambda: None
+    pipeline_after: Callable[[], None] = lambda: None
     grad_parts: GradParts = lambda: []
 
 
@@ -59,7 +64,8 @@ def sum_partial_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup |
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    # fp32 whatever the gradients' dtype: a sum of bf16 parts would round once more
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
     dist.all_reduce(flat, group=group)
     for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(part.view_as(g))
@@ -69,8 +75,9 @@ def finalize_grads(phases: GradPhases) -> None:
     """Complete the step's gradients: tensor-parallel partial sums, then the data-parallel
     (or ZeRO) reduction, then the pipeline's shared weights."""
     sum_partial_grads(phases.tp_partial, phases.tp_group)
+    phases.pipeline_before()
     phases.data_parallel()
-    phases.pipeline()
+    phases.pipeline_after()
 
 
 @torch.no_grad()

@@ -3,8 +3,9 @@
 Token and position embeddings, ``n_layer`` pre-norm blocks of causal self-attention and
 a GELU MLP, a final LayerNorm and an LM head. Attention keeps Q, K and V in one
 ``c_attn`` linear and the MLP is ``c_fc`` then ``c_proj``, the names Megatron-style
-tensor parallelism splits by. Weights are not tied, so a pipeline can cut between the
-embedding and the head.
+tensor parallelism splits by. ``GPTConfig(tie_embeddings=True)`` ties the LM head to the
+token embedding, as nanoGPT and GPT-2 do. :meth:`GPT.parallel_plan` says how every
+strategy splits it (:mod:`parallel.models.gpt_plan`).
 
 Example::
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,7 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
     bias: bool = True
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -47,7 +50,6 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.attn_dropout = cfg.dropout
-        self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, _ = x.shape
@@ -58,7 +60,8 @@ class CausalSelfAttention(nn.Module):
         dropout = self.attn_dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         y = y.transpose(1, 2).reshape(batch, time, -1)
-        return self.resid_dropout(self.c_proj(y))
+        # (the residual dropout is the block's: this module draws only on its heads)
+        return self.c_proj(y)
 
 
 class MLP(nn.Module):
@@ -77,11 +80,12 @@ class Block(nn.Module):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+        x = x + self.resid_dropout(self.attn(self.ln_1(x)))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -95,12 +99,15 @@ class Embedding(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.wpe.num_embeddings:
+            raise ValueError(f"GPT: sequence length {tokens.shape[1]} exceeds block_size "
+                             f"{self.wpe.num_embeddings}")
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         return self.drop(self.wte(tokens) + self.wpe(positions))
 
 
 class GPT(nn.Module):
-    """Embedding, ``n_layer`` blocks, final LayerNorm and LM head (untied)."""
+    """Embedding, ``n_layer`` blocks, final LayerNorm and LM head."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -109,24 +116,31 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.apply(self._init_weights)
-        # GPT-2's scaled init of the residual projections, as nanoGPT does.
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.wte.weight
+        for name, module in self.named_modules():
+            self.init_module(name, module)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def init_module(self, path: str, module: nn.Module) -> None:
+        """Initialise one module's own parameters: normal(0, 0.02) for linears and
+        embeddings (GPT-2's scaled std for the residual projections ``c_proj``, as
+        nanoGPT does), zero biases, unit norms."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            scaled = path.endswith("c_proj")
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if scaled else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+
+    def parallel_plan(self) -> Any:
+        """How every strategy of ``parallel/`` splits this model."""
+        from parallel.models.gpt_plan import gpt_plan
+
+        return gpt_plan(self)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[1] > self.cfg.block_size:
-            raise ValueError(
-                f"GPT: sequence length {tokens.shape[1]} exceeds block_size {self.cfg.block_size}"
-            )
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)

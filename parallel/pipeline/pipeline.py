@@ -89,6 +89,9 @@ class Pipeline:
             process_group)
         _validate(module, balance, chunks, checkpoint, schedule, self.num_stages)
         self.chunks, self.checkpoint, self.schedule = chunks, checkpoint, schedule
+        # fp16's loss scaling: backward starts from loss * loss_scale (the loss reported
+        # stays unscaled); the gradients sent between stages are then scaled too
+        self.loss_scale = 1.0
         self.first_layer = sum(balance[: self.stage_id])
         layers = list(module)[self.first_layer : self.first_layer + balance[self.stage_id]]
         self.stage = nn.Sequential(*layers)
@@ -182,7 +185,8 @@ class Pipeline:
         micro = state.micro.pop(step.micro)
         if micro.loss is not None:
             start = time.perf_counter()
-            micro.loss.backward()
+            scaled = micro.loss * self.loss_scale if self.loss_scale != 1.0 else micro.loss
+            scaled.backward()
         else:
             grad = self._receive("B", state)
             start = time.perf_counter()

@@ -26,7 +26,9 @@ from parallel.tensor.layers import (
     ParallelSelfAttention,
     RowParallelLinear,
     VocabParallelEmbedding,
+    residual_stream,
 )
+from parallel.tensor.random import TrackedDropout
 from parallel.tensor.sharding import REPLICATED, mark_tensor_parallel_group, spec_of
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
@@ -84,6 +86,9 @@ def parallelize_block(block: nn.Module, group: Group, sequence_parallel: bool = 
     b: Any = block
     b.attn = ParallelSelfAttention.from_dense(b.attn, group, sequence_parallel,
                                               recompute_gather=recompute_gather)
+    # After the row-parallel projection: whole activations (the same mask on every
+    # rank), or with sequence parallelism this rank's tokens (its own mask).
+    b.resid_dropout = TrackedDropout(float(b.resid_dropout.p), residual_stream(sequence_parallel))
     b.mlp = ParallelMLP.from_dense(b.mlp, group, sequence_parallel,
                                    recompute_gather=recompute_gather)
 

@@ -30,7 +30,7 @@ __all__ = ["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowP
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 
 
-def _resid_stream(sequence_parallel: bool) -> str:
+def residual_stream(sequence_parallel: bool) -> str:
     """Dropout after a row-parallel layer: on whole (replicated) activations it must
     match across ranks; on a rank's part of the sequence it must not."""
     return TENSOR_PARALLEL if sequence_parallel else REPLICATED
@@ -54,8 +54,7 @@ class ParallelSelfAttention(nn.Module):
         sp: dict[str, Any] = {"group": group, "sequence_parallel": sequence_parallel}
         self.c_attn = ColumnParallelLinear(n_embd, 3 * n_embd, bias, interleave=3, **sp)
         self.c_proj = RowParallelLinear(n_embd, n_embd, bias, **sp)
-        self.attn_dropout = dropout
-        self.resid_dropout = TrackedDropout(dropout, _resid_stream(sequence_parallel))
+        self.attn_dropout = dropout  # (the residual dropout after it is the block's)
 
     @classmethod
     def from_dense(cls, attn: Any, group: Group, sequence_parallel: bool = False,
@@ -63,7 +62,7 @@ class ParallelSelfAttention(nn.Module):
         """From the reference model's ``CausalSelfAttention`` (``c_attn``, ``c_proj``,
         ``n_head``): this rank's heads of the same weights."""
         c_attn, c_proj = attn.c_attn, attn.c_proj
-        dropout = float(getattr(attn.resid_dropout, "p", 0.0))
+        dropout = float(attn.attn_dropout)
         layer = cls(c_attn.in_features, int(attn.n_head), group=group,
                     bias=c_attn.bias is not None, dropout=dropout,
                     sequence_parallel=sequence_parallel)
@@ -84,7 +83,7 @@ class ParallelSelfAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(batch, time, -1)
-        return self.resid_dropout(self.c_proj(y))
+        return self.c_proj(y)
 
 
 class ParallelMLP(nn.Module):
@@ -96,7 +95,7 @@ class ParallelMLP(nn.Module):
         sp: dict[str, Any] = {"group": group, "sequence_parallel": sequence_parallel}
         self.c_fc = ColumnParallelLinear(n_embd, hidden, bias, **sp)
         self.c_proj = RowParallelLinear(hidden, n_embd, bias, **sp)
-        self.dropout = TrackedDropout(dropout, _resid_stream(sequence_parallel))
+        self.dropout = TrackedDropout(dropout, residual_stream(sequence_parallel))
 
     @classmethod
     def from_dense(cls, mlp: Any, group: Group, sequence_parallel: bool = False,

@@ -110,6 +110,9 @@ class ColumnParallelLinear(nn.Module):
         interleave: the output is ``interleave`` equal blocks, each split across ranks
             (3 for an attention's fused Q, K, V, so each rank gets whole heads of each).
         recompute_gather: see ``sequence_parallel``.
+        input_gathered: the input was gathered along the sequence before this layer (by
+            the module holding it): its backward (a reduce-scatter) sums the input
+            gradient, so this layer does not all-reduce it.
 
     Raises:
         ValueError: if ``out_features`` is not divisible by ``TP * interleave``, or
@@ -118,7 +121,9 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, *, group: Group, sequence_parallel: bool = False,
-                 interleave: int = 1, recompute_gather: bool = True):
+                 interleave: int = 1, recompute_gather: bool = True, transposed: bool = False,
+                 input_gathered: bool = False, dtype: torch.dtype | None = None,
+                 device: Any = None):
         super().__init__()
         world, _ = _tp(group)
         _check_divisible("ColumnParallelLinear out_features", out_features, interleave, world)
@@ -127,15 +132,22 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.group = gather_output, group
         self.sequence_parallel, self.interleave = sequence_parallel, interleave
-        self.recompute_gather = recompute_gather
-        self.weight = nn.Parameter(torch.empty(out_features // world, in_features))
-        self.bias = nn.Parameter(torch.zeros(out_features // world)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's, per shard
-        mark(self.weight, TPSpec(0, interleave))
+        self.recompute_gather, self.transposed = recompute_gather, transposed
+        self.input_gathered = input_gathered
+        rows = out_features // world
+        shape = (in_features, rows) if transposed else (rows, in_features)
+        factory = {"dtype": dtype, "device": device}
+        self.weight = nn.Parameter(torch.empty(shape, **factory))
+        self.bias = nn.Parameter(torch.zeros(rows, **factory)) if bias else None
+        if self.weight.device.type != "meta":
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's, per shard
+        # The split is along the output features: rows of a Linear's weight, columns of
+        # a transposed one (HuggingFace's Conv1D keeps (in, out)).
+        mark(self.weight, TPSpec(1 if transposed else 0, interleave))
         mark(self.bias, TPSpec(0, interleave))
 
     def _shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a dense weight or bias."""
+        """This rank's rows of a dense weight (out, in) or bias."""
         world, rank = _tp(self.group)
         blocks = full.reshape(self.interleave, world, -1, *full.shape[1:])
         return blocks[:, rank].reshape(-1, *full.shape[1:])
@@ -146,30 +158,47 @@ class ColumnParallelLinear(nn.Module):
         blocks = parts.reshape(world, self.interleave, -1, *shard.shape[1:]).transpose(0, 1)
         return blocks.reshape(-1, *shard.shape[1:])
 
+    @property
+    def weight_out_in(self) -> torch.Tensor:
+        """The weight as ``F.linear`` takes it: (out / TP, in)."""
+        return self.weight.t() if self.transposed else self.weight
+
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group: Group, **kwargs: Any) -> ColumnParallelLinear:
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    group=group, **kwargs)
-        with torch.no_grad():
-            layer.weight.copy_(layer._shard(linear.weight))
-            if layer.bias is not None and linear.bias is not None:
-                layer.bias.copy_(layer._shard(linear.bias))
+    def from_dense(cls, linear: nn.Module, group: Group, transposed: bool = False,
+                   **kwargs: Any) -> ColumnParallelLinear:
+        """From an ``nn.Linear`` (weight ``(out, in)``) or, ``transposed``, a layer whose
+        weight is ``(in, out)`` (HuggingFace's ``Conv1D``): this rank's output features
+        of the same weights, in the same dtype and on the same device."""
+        weight, bias = linear.weight, getattr(linear, "bias", None)
+        dense = weight.t() if transposed else weight
+        layer = cls(dense.shape[1], dense.shape[0], bias is not None, group=group,
+                    transposed=transposed, dtype=weight.dtype, device=weight.device, **kwargs)
+        if weight.device.type != "meta":
+            with torch.no_grad():
+                layer.weight_out_in.copy_(layer._shard(dense))
+                if layer.bias is not None and bias is not None:
+                    layer.bias.copy_(layer._shard(bias))
         return layer
 
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """The dense layer's ``weight`` (and ``bias``), or their gradients; collective."""
-        out = {"weight": self._unshard(_value(self.weight, grads))}
+        weight = _value(self.weight, grads)
+        whole = self._unshard(weight.t() if self.transposed else weight)
+        out = {"weight": whole.t().contiguous() if self.transposed else whole}
         if self.bias is not None:
             out["bias"] = self._unshard(_value(self.bias, grads))
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and self.recompute_gather:
-            y = _LinearGatherSequence.apply(x, self.weight, self.bias, self.group)
+        weight = self.weight_out_in
+        if self.input_gathered:
+            y = F.linear(x, weight, self.bias)
+        elif self.sequence_parallel and self.recompute_gather:
+            y = _LinearGatherSequence.apply(x, weight, self.bias, self.group)
         elif self.sequence_parallel:
-            y = F.linear(comms.gather_from_sequence_region(x, self.group), self.weight, self.bias)
+            y = F.linear(comms.gather_from_sequence_region(x, self.group), weight, self.bias)
         else:  # copy_to_tp_region's all-reduce, fused into the layer to overlap it
-            y = _LinearAllReduceGradInput.apply(x, self.weight, self.bias, self.group)
+            y = _LinearAllReduceGradInput.apply(x, weight, self.bias, self.group)
         return comms.gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -189,32 +218,50 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = True, *, group: Group,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, transposed: bool = False,
+                 dtype: torch.dtype | None = None, device: Any = None):
         super().__init__()
         world, _ = _tp(group)
         _check_divisible("RowParallelLinear in_features", in_features, 1, world)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.group = input_is_parallel, group
-        self.sequence_parallel = sequence_parallel
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // world))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        mark(self.weight, TPSpec(-1))
+        self.sequence_parallel, self.transposed = sequence_parallel, transposed
+        cols = in_features // world
+        factory = {"dtype": dtype, "device": device}
+        shape = (cols, out_features) if transposed else (out_features, cols)
+        self.weight = nn.Parameter(torch.empty(shape, **factory))
+        self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
+        if self.weight.device.type != "meta":
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        mark(self.weight, TPSpec(0 if transposed else -1))
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True  # type: ignore[attr-defined]  # grads partial
 
+    @property
+    def weight_out_in(self) -> torch.Tensor:
+        """The weight as ``F.linear`` takes it: (out, in / TP)."""
+        return self.weight.t() if self.transposed else self.weight
+
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group: Group, **kwargs: Any) -> RowParallelLinear:
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    group=group, **kwargs)
-        with torch.no_grad():
-            layer.weight.copy_(comms.split_last(linear.weight, group))
-            if layer.bias is not None and linear.bias is not None:
-                layer.bias.copy_(linear.bias)
+    def from_dense(cls, linear: nn.Module, group: Group, transposed: bool = False,
+                   **kwargs: Any) -> RowParallelLinear:
+        """From an ``nn.Linear`` or (``transposed``) a ``Conv1D``: this rank's input
+        features of the same weights, in the same dtype and on the same device."""
+        weight, bias = linear.weight, getattr(linear, "bias", None)
+        dense = weight.t() if transposed else weight
+        layer = cls(dense.shape[1], dense.shape[0], bias is not None, group=group,
+                    transposed=transposed, dtype=weight.dtype, device=weight.device, **kwargs)
+        if weight.device.type != "meta":
+            with torch.no_grad():
+                layer.weight_out_in.copy_(comms.split_last(dense, group))
+                if layer.bias is not None and bias is not None:
+                    layer.bias.copy_(bias)
         return layer
 
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        out = {"weight": comms.gather_last(_value(self.weight, grads), self.group)}
+        weight = _value(self.weight, grads)
+        whole = comms.gather_last(weight.t() if self.transposed else weight, self.group)
+        out = {"weight": whole.t().contiguous() if self.transposed else whole}
         if self.bias is not None:
             out["bias"] = _value(self.bias, grads).clone()
         return out
@@ -222,7 +269,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comms.scatter_to_tp_region(x, self.group)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight_out_in)
         if self.sequence_parallel:
             y = comms.reduce_scatter_to_sequence_region(y, self.group)
         else:
@@ -243,21 +290,37 @@ class VocabParallelEmbedding(nn.Module):
         ValueError: if ``num_embeddings`` is not divisible by TP.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Group):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Group,
+                 padding_idx: int | None = None, dtype: torch.dtype | None = None,
+                 device: Any = None):
         super().__init__()
         world, rank = _tp(group)
         _check_divisible("VocabParallelEmbedding num_embeddings", num_embeddings, 1, world)
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
         self.per_rank = num_embeddings // world
         self.start = rank * self.per_rank
-        self.weight = nn.Parameter(torch.randn(self.per_rank, embedding_dim))
+        self.padding_idx = padding_idx
+        # The padding row's gradient stays zero (as nn.Embedding's) on the rank holding it.
+        inside = padding_idx is not None and 0 <= padding_idx - self.start < self.per_rank
+        self._local_padding = padding_idx - self.start if inside else None  # type: ignore[operator]
+        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, dtype=dtype,
+                                               device=device))
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight)
         mark(self.weight, TPSpec(0))
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, group: Group) -> VocabParallelEmbedding:
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group)
-        with torch.no_grad():
-            layer.weight.copy_(embedding.weight[layer.start : layer.start + layer.per_rank])
+        for option in ("max_norm", "sparse", "scale_grad_by_freq"):
+            if getattr(embedding, option, None):
+                raise ValueError(f"VocabParallelEmbedding: the embedding sets {option}, "
+                                 "which a vocabulary split does not reproduce")
+        weight = embedding.weight
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group,
+                    padding_idx=embedding.padding_idx, dtype=weight.dtype, device=weight.device)
+        if weight.device.type != "meta":
+            with torch.no_grad():
+                layer.weight.copy_(weight[layer.start : layer.start + layer.per_rank])
         return layer
 
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -266,7 +329,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         outside = (tokens < self.start) | (tokens >= self.start + self.per_rank)
         local = (tokens - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = F.embedding(local, self.weight, padding_idx=self._local_padding)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return comms.reduce_from_tp_region(out, self.group)
 
 

@@ -41,7 +41,7 @@ from parallel.zero.zero_optimizer import ZeroOptimizer
 FORMAT = "pycomm.zero/1"
 
 
-def _owned_pieces(opt: ZeroOptimizer) -> list[tuple[int, int, int, int, int]]:
+def owned_pieces(opt: ZeroOptimizer) -> list[tuple[int, int, int, int, int]]:
     """(param index, bucket, lo, hi, offset in the bucket shard) for this rank's elements."""
     numels = [shape.numel() for shape in opt.param_shapes()]
     pieces = []
@@ -55,7 +55,7 @@ def _owned_pieces(opt: ZeroOptimizer) -> list[tuple[int, int, int, int, int]]:
     return pieces
 
 
-def _state_slices(opt: ZeroOptimizer, k: int, at: int, n: int) -> dict[str, torch.Tensor]:
+def state_slices(opt: ZeroOptimizer, k: int, at: int, n: int) -> dict[str, torch.Tensor]:
     """The optimizer state of elements ``[at, at + n)`` of this rank's shard of bucket
     ``k`` (views: they lie in one piece, as a parameter's elements share one group)."""
     j = next(j for j, p in enumerate(opt.pieces) if p.bucket == k and p.start <= at < p.stop)
@@ -97,9 +97,9 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
     path.mkdir(parents=True, exist_ok=True)
     names = opt.param_names(model)
     pieces = {}
-    for i, k, lo, hi, at in _owned_pieces(opt):
+    for i, k, lo, hi, at in owned_pieces(opt):
         shard = opt.shard_params[k].detach()
-        state = {key: t.clone() for key, t in _state_slices(opt, k, at, hi - lo).items()}
+        state = {key: t.clone() for key, t in state_slices(opt, k, at, hi - lo).items()}
         pieces[names[i]] = {"lo": lo, "hi": hi, "value": shard[at : at + hi - lo].clone(),
                             "state": state}
     torch.save({"format": FORMAT, "pieces": pieces}, path / f"rank{opt.rank}.pt")
@@ -175,7 +175,7 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
 def _restore_values(opt: ZeroOptimizer, names: list[str], files: list[dict]) -> None:
     """This rank's shards, element range by element range; then every rank's shards
     into the parameters (stages 1-2: whole on every rank; stage 3: gathered when used)."""
-    for i, k, lo, hi, at in _owned_pieces(opt):
+    for i, k, lo, hi, at in owned_pieces(opt):
         shard = opt.shard_params[k].detach()
         for piece, a, b in _overlapping(files, names[i], lo, hi):
             value = piece["value"][a - piece["lo"] : b - piece["lo"]]
@@ -202,8 +202,8 @@ def _restore_state(opt: ZeroOptimizer, names: list[str], files: list[dict],
             state[key] = torch.zeros_like(param)
         for key, value in meta["scalar_state"].items():
             state[key] = value.clone() if torch.is_tensor(value) else value
-    for i, k, lo, hi, at in _owned_pieces(opt):
-        state = _state_slices(opt, k, at, hi - lo)
+    for i, k, lo, hi, at in owned_pieces(opt):
+        state = state_slices(opt, k, at, hi - lo)
         for piece, a, b in _overlapping(files, names[i], lo, hi):
             for key, saved in piece["state"].items():
                 src = saved[a - piece["lo"] : b - piece["lo"]]

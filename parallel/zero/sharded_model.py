@@ -19,7 +19,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -52,10 +52,14 @@ class ShardedModel:
     """The stage-3 machinery attached to a model (``model.zero3``); see :func:`shard_model`."""
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None,
-                 unit_modules: Iterable[nn.Module] | None, persistence_threshold: int):
+                 unit_modules: Iterable[nn.Module] | None, persistence_threshold: int,
+                 never_persistent: Iterable[str] = (),
+                 materialize: Callable[[list[str]], None] | None = None):
         self.model, self.group = model, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        plans = plan_units(model, unit_modules, persistence_threshold)
+        self._materialize = materialize
+        plans = plan_units(model, unit_modules, persistence_threshold, never_persistent)
+        self.aliases = {n: a for plan in plans for n, a in plan.aliases.items()}
         named = dict(model.named_parameters())
         self.names = [n for plan in plans for n in plan.names]
         self.params = [named[n] for n in self.names]
@@ -91,10 +95,21 @@ class ShardedModel:
 
     # -- construction ------------------------------------------------------------------------
 
+    def _materialized(self, u: Unit) -> None:
+        """A model built on the meta device gets ``u``'s weights now, just before they
+        are sharded (so no rank holds more than one unit whole)."""
+        if self._materialize is None or not any(p.is_meta for p in u.params):
+            return
+        self._materialize(u.names)
+        u.params = [self.model.get_parameter(n) for n in u.names]
+        for i, p in zip(u.ids, u.params, strict=True):
+            self.params[i] = p
+
     def _make_shards(self) -> None:
         """Rank 0's values, unit by unit: broadcast whole, keep this rank's shard."""
         with torch.no_grad():
             for u in self.units:
+                self._materialized(u)
                 full = self.pool.take(u.full_numel, self.dtype)
                 full.zero_()
                 for j, p in enumerate(u.params):
@@ -112,10 +127,11 @@ class ShardedModel:
         tagged so an optimizer can place them); each unit's module registers its shard."""
         for u in self.units:
             for name, p, i in zip(u.names, u.params, u.ids, strict=True):
-                owner, _, attr = name.rpartition(".")
-                module = self.model.get_submodule(owner)
-                del module._parameters[attr]
-                module.__dict__[attr] = p
+                for alias in [name, *self.aliases.get(name, [])]:
+                    owner, _, attr = alias.rpartition(".")
+                    module = self.model.get_submodule(owner)
+                    del module._parameters[attr]
+                    module.__dict__[attr] = p
                 p.data = self._empty
                 p.zero3_param = (self, i)  # type: ignore[attr-defined]
             u.module.register_parameter(self._shard_name(u), u.shard)
@@ -320,7 +336,9 @@ class ShardedModel:
 
 def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None,
                 unit_modules: Iterable[nn.Module] | None = None,
-                persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD) -> nn.Module:
+                persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+                never_persistent: Iterable[str] = (),
+                materialize: Callable[[list[str]], None] | None = None) -> nn.Module:
     """Shard ``model``'s parameters for ZeRO stage 3 (in place; collective).
 
     Args:
@@ -329,17 +347,20 @@ def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None
         unit_modules: modules each gathered as one unit; default: the children of every
             ``nn.ModuleList`` (transformer blocks), the rest forming the model's unit.
         persistence_threshold: parameters with fewer elements stay gathered all step.
+        never_persistent: parameter names kept in their module's unit whatever their size.
+        materialize: for a model on the meta device: ``materialize(names)`` gives those
+            parameters their weights; called unit by unit just before each is sharded.
 
     Returns:
         ``model``, whose ``parameters()`` are now the shards; its machinery is
         ``model.zero3`` (a :class:`ShardedModel`).
 
     Raises:
-        ValueError: shared (tied) parameters, mixed dtypes, or unit modules that are not
-            part of ``model``.
+        ValueError: a tied parameter whose users lie in different units, mixed dtypes, or
+            unit modules that are not part of ``model``.
     """
     if "zero3" in model.__dict__:
         raise ValueError("shard_model: this model is already sharded")
     model.__dict__["zero3"] = ShardedModel(model, process_group, unit_modules,
-                                           persistence_threshold)
+                                           persistence_threshold, never_persistent, materialize)
     return model

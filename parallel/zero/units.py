@@ -9,6 +9,9 @@ wrapped. Parameters smaller than the persistence threshold (biases, norms) go to
 persistent unit instead: gathered once per step and kept, because an all-gather per
 tiny tensor would cost more in latency than the memory it saves (DeepSpeed's
 ``stage3_param_persistence_threshold``).
+
+A tied parameter (one tensor reached by two names, an LM head sharing the embedding)
+belongs to the unit that holds both of its users, and is gathered once for both.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class UnitPlan:
     module: nn.Module
     names: list[str] = field(default_factory=list)
     persistent: bool = False
+    aliases: dict[str, list[str]] = field(default_factory=dict)  # name -> its other names
 
 
 def default_unit_modules(model: nn.Module) -> list[nn.Module]:
@@ -47,26 +51,24 @@ def default_unit_modules(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def _check_not_shared(model: nn.Module) -> None:
-    seen: dict[int, str] = {}
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """The first name of every parameter reached by several names -> the others."""
+    names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            raise ValueError(
-                f"shard_model: parameter {name!r} is the same tensor as {seen[id(p)]!r}; "
-                "a parameter used by two modules (tied weights) cannot be freed after one "
-                "of them: untie it, or raise persistence_threshold above its size")
-        seen[id(p)] = name
+        names.setdefault(id(p), []).append(name)
+    return {group[0]: group[1:] for group in names.values() if len(group) > 1}
 
 
 def plan_units(model: nn.Module, unit_modules: Iterable[nn.Module] | None,
-               persistence_threshold: int) -> list[UnitPlan]:
+               persistence_threshold: int, never_persistent: Iterable[str] = ()
+               ) -> list[UnitPlan]:
     """The units in module order: the model's own unit first, the persistent unit last.
+    ``never_persistent``: names that stay in their module's unit whatever their size.
 
     Raises:
-        ValueError: if a parameter is shared between modules, or a unit module is not
-            part of ``model``.
+        ValueError: if a parameter is shared between modules of different units, or a
+            unit module is not part of ``model``.
     """
-    _check_not_shared(model)
     modules = default_unit_modules(model) if unit_modules is None else list(unit_modules)
     prefix_of = {id(m): name for name, m in model.named_modules()}
     if stray := [type(m).__name__ for m in modules if id(m) not in prefix_of]:
@@ -74,15 +76,35 @@ def plan_units(model: nn.Module, unit_modules: Iterable[nn.Module] | None,
     plans = {id(model): UnitPlan(model)}
     plans.update({id(m): UnitPlan(m) for m in modules if m is not model})
     persistent = UnitPlan(model, persistent=True)
+    aliases, keep, seen = _aliases(model), set(never_persistent), set()
     for module_name, module in model.named_modules():
         owner = _innermost_unit(model, module_name, plans, prefix_of)
         for param_name, p in module.named_parameters(recurse=False):
-            if not p.requires_grad:
+            if not p.requires_grad or id(p) in seen:  # a tie's other names: its aliases
                 continue
+            seen.add(id(p))
             name = f"{module_name}.{param_name}" if module_name else param_name
-            (persistent if p.numel() < persistence_threshold else owner).names.append(name)
+            small = p.numel() < persistence_threshold and name not in keep
+            unit = persistent if small else _shared_owner(model, name, aliases, owner, plans,
+                                                          prefix_of)
+            unit.names.append(name)
+            if name in aliases:
+                unit.aliases[name] = aliases[name]
     units = [p for p in plans.values() if p.names]
     return units + ([persistent] if persistent.names else [])
+
+
+def _shared_owner(model: nn.Module, name: str, aliases: dict[str, list[str]], owner: UnitPlan,
+                  plans: dict[int, UnitPlan], prefix_of: dict[int, str]) -> UnitPlan:
+    """The unit of a parameter: every one of its names must be in the same unit."""
+    others = {id(_innermost_unit(model, a.rpartition(".")[0], plans, prefix_of)): a
+              for a in aliases.get(name, [])}
+    if any(k != id(owner) for k in others):
+        raise ValueError(f"shard_model: parameter {name!r} is the same tensor as "
+                         f"{sorted(others.values())}, used by modules of another unit; a tied "
+                         "parameter must lie in one unit (make a module holding both users "
+                         "the unit, or raise persistence_threshold above its size)")
+    return owner
 
 
 def _innermost_unit(model: nn.Module, module_name: str, plans: dict[int, UnitPlan],

@@ -1,0 +1,109 @@
+"""What to parallelize and how: :class:`ParallelConfig` (the mesh's sizes come from the
+mesh, the model's parts from its plan), and the result of one step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parallel.compose.mesh import ParallelMesh
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NAME = {v: k for k, v in _COMPUTE.items()}
+
+
+@dataclass
+class ParallelConfig:
+    """How to parallelize.
+
+    Args:
+        sequence_parallel: split activations along the sequence inside the blocks.
+        zero: 0 for data parallelism, 1-3 for that ZeRO stage over ``dp``.
+        recompute: checkpoint each recompute unit of the plan (default: every block).
+        partition_activations: ``P_a``: each TP rank keeps 1/TP of a checkpointed block's
+            input (needs ``recompute``; not with sequence parallelism).
+        microbatches: micro-batches per step (the pipeline's M; 1 without a pipeline).
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        max_grad_norm: clip the global gradient norm to this (None: no clipping).
+        optimizer: the ``torch.optim`` class, and ``optimizer_kwargs`` its arguments.
+        weight_decay: applied to matrices only (biases, norms: none), as GPT recipes do.
+        lr_lambda: multiplies the learning rate at each step (a warmup/decay schedule).
+        bucket_mb: gradient bucket size (C_B).
+        seed: seeds the random streams (dropout), and the weights of a model built on
+            the meta device.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the dtype forward and backward
+            compute in; the optimizer steps fp32 master weights (in ZeRO's shards) with
+            fp32 state. None: the model's own dtype.
+        reduce_dtype: the dtype gradients are reduced in (default fp32).
+        loss_fn: ``fn(logits, targets) -> mean loss``; default: the mean cross-entropy
+            (vocab-parallel where the head is split over the vocabulary).
+        loss_scale: fp16's dynamic loss scaling: the initial scale, halved on an
+            overflow (the step is skipped) and doubled after ``loss_scale_window``
+            steps without one.
+    """
+
+    sequence_parallel: bool = False
+    zero: int = 0
+    recompute: bool = False
+    partition_activations: bool = False
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    max_grad_norm: float | None = 1.0
+    optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW
+    optimizer_kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-3})
+    weight_decay: float = 0.0
+    lr_lambda: Callable[[int], float] | None = None
+    bucket_mb: float = 25
+    seed: int = 0
+    precision: str | None = None
+    reduce_dtype: torch.dtype = torch.float32
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000
+
+    def check(self, mesh: ParallelMesh) -> None:
+        """Raises ValueError for combinations that cannot work, naming them."""
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"parallelize: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.partition_activations and not self.recompute:
+            raise ValueError("parallelize: partition_activations (P_a) partitions the inputs "
+                             "kept by activation checkpointing; set recompute=True")
+        if self.partition_activations and self.sequence_parallel:
+            raise ValueError("parallelize: partition_activations (P_a) with sequence "
+                             "parallelism: a block's input is already split along the "
+                             "sequence (different on each TP rank), so it cannot be "
+                             "partitioned again; use one of them (Megatron-LM refuses this too)")
+        if self.sequence_parallel and mesh.size("tp") == 1:
+            raise ValueError("parallelize: sequence_parallel needs tp > 1")
+        if self.microbatches < 1:
+            raise ValueError(f"parallelize: microbatches must be >= 1, got {self.microbatches}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"parallelize: precision must be one of {PRECISIONS} or None, got "
+                             f"{self.precision!r}")
+        if not self.reduce_dtype.is_floating_point:
+            raise ValueError(f"parallelize: reduce_dtype must be a floating dtype, got "
+                             f"{self.reduce_dtype}")
+
+    def compute_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype forward and backward run in (the model's own when unset)."""
+        return _COMPUTE[self.precision] if self.precision else model_dtype
+
+    def precision_name(self, model_dtype: torch.dtype) -> str:
+        dtype = self.compute_dtype(model_dtype)
+        if dtype not in _NAME:
+            raise ValueError(f"parallelize: a {dtype} model needs precision= one of "
+                             f"{PRECISIONS}")
+        return _NAME[dtype]
+
+
+@dataclass
+class StepResult:
+    loss: float  # the mean loss over the global batch
+    grad_norm: float  # before clipping (inf or nan on an fp16 overflow)
+    lr: float
+    skipped: bool = False  # fp16: the gradients overflowed, the update was not applied
+    loss_scale: float = 1.0

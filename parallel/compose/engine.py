@@ -1,0 +1,214 @@
+"""The composed engine: this rank's part of the model, its optimizer, and the steps that
+train it (built by :func:`parallel.compose.parallelize`, which documents the order)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.compose import checkpoint, stage as build
+from parallel.compose.apply_tp import partial_grad_params
+from parallel.compose.config import ParallelConfig, StepResult
+from parallel.compose.finalize import GradPhases, clip_grad_norm_, finalize_grads
+from parallel.compose.loss_scale import LossScaler
+from parallel.compose.mesh import ParallelMesh
+from parallel.compose.naming import ParamNames
+from parallel.compose.plain_dp import PlainDataParallel
+from parallel.compose.plan import Plan
+from parallel.compose.recompute_units import checkpoint_units, zero3_units
+from parallel.compose.tied import CrossStageTies
+from parallel.compose.zero_side import ZeroPlan
+from parallel.pipeline.forward_only import forward_loss
+from parallel.pipeline.pipeline import Pipeline
+from parallel.rng import seed_streams
+from parallel.tensor import comms
+from parallel.tensor.layers import vocab_parallel_cross_entropy
+from parallel.tensor.sharding import mark_tensor_parallel_group, spec_of
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return max(set(floats), key=floats.count) if floats else torch.float32
+
+
+class ParallelModel:
+    """This rank's part of the model, its optimizer, and the steps that train it."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, config: ParallelConfig,
+                 plan: Plan):
+        self.mesh, self.config, self.plan, self.model = mesh, config, plan, model
+        self.tp_group = mesh.group("tp")
+        self.compute = config.compute_dtype(_model_dtype(model))
+        self.master = torch.float64 if self.compute == torch.float64 else torch.float32
+        self.stage_plan = self._build_stage(model)
+        self._build_pipeline(model)
+        # After the weights exist: torch's generator then differs per pipeline stage.
+        seed_streams(config.seed, mesh.rank("tp"), mesh.rank("pp"))
+        self.ties = CrossStageTies(self.stage_plan.ties, self.stage_plan.stage_of, mesh)
+        self._build_data_side(model)
+        self.optimizer = self.dp.optimizer
+        lam = config.lr_lambda or (lambda _step: 1.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lam)
+        self.scaler = (LossScaler(config.loss_scale, config.loss_scale_window)
+                       if self.compute == torch.float16 else None)
+
+    # -- building ------------------------------------------------------------------------------
+
+    def _build_stage(self, model: nn.Module) -> build.Stage:
+        stage = build.plan_stage(model, self.plan, self.mesh, self.config.seed)
+        build.drop_other_stages(model, stage)
+        if self.mesh.size("tp") > 1:
+            build.tensor_parallel(model, self.plan, stage, self.mesh,
+                                  self.config.sequence_parallel, self.config.loss_fn is None)
+        build.materialize_rest(model, stage, but_zero3=self.config.zero == 3)
+        build.tie_here(model, stage)
+        build.drop_other_stages(model, stage)  # a tie's owner materialized for this stage
+        build.cast(model, stage, self.master)
+        return stage
+
+    def _build_pipeline(self, model: nn.Module) -> None:
+        stage = self.stage_plan
+        splits = build.sequence_splits(stage, self.mesh, self.config.sequence_parallel)
+        layers = build.stage_modules(model, self.plan, stage, splits)
+        self.pipeline = Pipeline(layers, stage.balance, self.config.microbatches,
+                                 checkpoint="never", schedule=self.config.schedule,
+                                 process_group=self.mesh.group("pp"))
+        self.stage = self.pipeline.stage
+        if self.mesh.size("tp") > 1:
+            mark_tensor_parallel_group(self.stage, self.tp_group)
+        if self.config.recompute:
+            group = self.tp_group if self.config.partition_activations else None
+            checkpoint_units(self.plan, stage, group)
+
+    def _copies(self, p: nn.Parameter) -> int:
+        """Ranks of one data-parallel replica that hold this same gradient."""
+        tp = self.mesh.size("tp") if spec_of(p).dim is None else 1
+        return tp * self.ties.copies(self.names.of(p))
+
+    def _build_data_side(self, model: nn.Module) -> None:
+        config, stage = self.config, self.stage_plan
+        self.names = ParamNames(model, stage, self.stage, stage.canonical)
+        partial = partial_grad_params(list(self.stage.parameters()))
+        if partial and config.zero == 3:
+            # Stage 3 reduces each unit in backward: partial gradients must be whole by
+            # then, so they are summed as they arrive rather than at phase 1.
+            for p in partial:
+                p.register_hook(lambda grad: comms.all_reduce(grad.clone(), self.tp_group))
+            partial = []
+        if config.zero == 0:
+            params = [p for p in self.stage.parameters() if p.requires_grad]
+            self.dp: Any = PlainDataParallel(params, self.mesh, config, self.compute, self._copies)
+        else:
+            units, keep = zero3_units(self.plan, stage, self.ties, self.names)
+            self.dp = ZeroPlan(self.stage, self.mesh, config, self.compute, self._copies,
+                               units, keep, self.names.materialize_by_stage_name)
+        self.names.refresh(self.stage)
+        self.params: list[nn.Parameter] = list(self.dp.params)
+        tied = self.ties.mine(self.names.by_id(), self.params)
+        self.phases = GradPhases(
+            tp_partial=partial, tp_group=self.tp_group, data_parallel=self.dp.reduce,
+            grad_parts=self.dp.grad_parts,
+            pipeline_before=(lambda: self._sum_ties(tied, before=True)),
+            pipeline_after=(lambda: self._sum_ties(tied, before=False)))
+
+    def _sum_ties(self, tied: list[tuple[nn.Parameter, Any]], before: bool) -> None:
+        """Phase 3 (see :mod:`parallel.compose.finalize`): before the data-parallel
+        reduction on whole gradients, or after it on ZeRO-3's shards."""
+        if not tied or before == (self.config.zero == 3):
+            return
+        if before:
+            for p, _ in tied:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.ties.sum_grads([(p.grad, g) for p, g in tied])
+        else:
+            shards = self.dp.shard_grads_of([p for p, _ in tied])
+            self.ties.sum_grads([(s, g) for s, (_, g) in zip(shards, tied, strict=True)])
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This data-parallel replica's rows of the global batch."""
+        dp, rank = self.mesh.size("dp"), self.mesh.rank("dp")
+        if batch.shape[0] % dp:
+            raise ValueError(f"parallelize: a batch of {batch.shape[0]} rows cannot be split "
+                             f"over dp={dp} replicas")
+        per = batch.shape[0] // dp
+        rows = batch[rank * per : (rank + 1) * per]
+        return rows.to(self.compute) if rows.is_floating_point() else rows
+
+    def loss_fn(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a micro-batch: ``config.loss_fn``, or the cross-entropy of
+        the logits (vocab-parallel when they are split over the vocabulary), in fp32."""
+        logits = self.plan.output(output) if self.plan.output is not None else output
+        if logits.is_floating_point():
+            logits = logits.float()
+        if self.config.loss_fn is not None:
+            return self.config.loss_fn(logits, targets)
+        if self.stage_plan.split_logits:
+            return vocab_parallel_cross_entropy(logits, targets, self.tp_group).mean()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
+        """One optimizer step on the global batch (the same ``tokens``/``targets`` on every
+        rank); returns its mean loss and the gradient norm, on every rank. Under fp16 a
+        step whose gradients overflowed is skipped (``skipped``), on every rank."""
+        scale = self.scaler.scale if self.scaler else 1.0
+        loss = self.compute_gradients(tokens, targets, scale)
+        parts = self.phases.grad_parts()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if self.scaler is not None:
+            if self.scaler.overflowed(parts):
+                self.scaler.update(True)
+                self.dp.zero_grad()
+                return StepResult(loss, float("inf"), lr, True, scale)
+            self.scaler.unscale(parts)
+        norm = clip_grad_norm_(parts, self.config.max_grad_norm)
+        self.optimizer.step()
+        self.dp.after_step()
+        self.scheduler.step()
+        if self.scaler is not None:
+            self.scaler.update(False)
+        return StepResult(loss, norm, lr, False, scale)
+
+    def compute_gradients(self, tokens: torch.Tensor, targets: torch.Tensor,
+                          loss_scale: float = 1.0) -> float:
+        """Forward and backward of every micro-batch, then :func:`finalize_grads`: the
+        step's complete gradients, not yet clipped or applied. Returns the mean loss."""
+        self.stage.train()
+        self.dp.zero_grad()
+        self.pipeline.loss_scale = loss_scale
+        loss = self.pipeline.step(self._rows(tokens), self._rows(targets), self.loss_fn)
+        finalize_grads(self.phases)
+        return self._dp_mean(loss)
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The mean loss of the global batch, without gradients."""
+        self.stage.eval()
+        loss = forward_loss(self.pipeline, self._rows(tokens), self._rows(targets), self.loss_fn)
+        return self._dp_mean(loss)
+
+    def _dp_mean(self, loss: torch.Tensor) -> float:
+        value = loss.detach().double().reshape(1).clone()
+        dist.all_reduce(value, group=self.mesh.group("dp"))
+        return float(value) / self.mesh.size("dp")
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (tensor-parallel parts; under ZeRO-3 the originals,
+        empty between uses)."""
+        return self.params
+
+    # -- checkpoints (torch.distributed.checkpoint: each rank its pieces, any layout) -----
+
+    def save(self, directory: str, extra: dict[str, Any]) -> None:
+        """Write parameters, optimizer and scheduler state and ``extra``; collective."""
+        checkpoint.save(self, directory, extra)
+
+    def load(self, directory: str) -> dict[str, Any]:
+        """Load a checkpoint written in any layout; returns its ``extra``; collective."""
+        return checkpoint.load(self, directory)

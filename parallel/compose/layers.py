@@ -1,0 +1,141 @@
+"""A plan's layers as modules a pipeline can cut: :class:`PlannedLayer`, and which
+layers each stage keeps.
+
+A :class:`PlannedLayer` runs one layer of the plan (its modules, by its ``call``) on the
+previous layer's output. Blocks also get the plan's context (a rotary table, masks),
+computed on each stage from the batch's shape, and, with sequence parallelism, run on
+this rank's part of the sequence: the first block splits its input along the sequence,
+the last gathers its output, and everything between (norms, residuals, dropout) works on
+``1/TP`` of the tokens, its random draws on the per-rank stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel.compose.plan import ContextRequest, Plan, ResolvedLayer
+from parallel.rng import TENSOR_PARALLEL, TRACKER
+from parallel.tensor import comms
+
+
+class ContextCache:
+    """The plan's context for the last batch shape seen (the values are constants of the
+    shape: recomputing them for every block and every step would only cost time)."""
+
+    def __init__(self, plan: Plan):
+        self.fn = plan.context
+        self._key: tuple[Any, ...] | None = None
+        self._value: dict[str, Any] = {}
+
+    def get(self, request: ContextRequest) -> dict[str, Any]:
+        if self.fn is None:
+            return {}
+        key = (request.batch, request.seq, request.dtype, request.device)
+        if key != self._key:
+            with torch.no_grad():
+                self._value = self.fn(request)
+            self._key = key
+        return self._value
+
+
+class SequenceSplit:
+    """Sequence parallelism's place in a layer: whether it splits its input along the
+    sequence first, gathers its output after, and whether it works on a split at all."""
+
+    def __init__(self, group: Any, world: int, inside: bool, scatter: bool, gather: bool):
+        self.group, self.world = group, world
+        self.inside, self.scatter, self.gather = inside, scatter, gather
+
+
+def _chain(modules: Sequence[nn.Module], x: Any, _context: dict[str, Any]) -> Any:
+    for module in modules:
+        x = module(x)
+    return x
+
+
+class PlannedLayer(nn.Module):
+    """One layer of a plan (see the module docstring)."""
+
+    def __init__(self, layer: ResolvedLayer, modules: list[nn.Module],
+                 context: ContextCache | None, split: SequenceSplit | None):
+        super().__init__()
+        self.layer = layer
+        self.mods = nn.ModuleList(modules)
+        self.call = layer.call or _chain
+        self.context = context if layer.is_block else None
+        self.split = split
+
+    def _request(self, x: torch.Tensor, split_input: bool) -> ContextRequest:
+        seq = x.shape[1] * (self.split.world if split_input and self.split else 1)
+        return ContextRequest(x.shape[0], seq, x.dtype, x.device)
+
+    def forward(self, x: Any) -> Any:
+        split = self.split
+        inside = split is not None and split.inside
+        context = {}
+        if self.context is not None and torch.is_tensor(x) and x.dim() >= 2:
+            context = self.context.get(self._request(x, inside and not split.scatter))  # type: ignore[union-attr]
+        if split is not None and split.scatter:
+            x = comms.scatter_to_sequence_region(x, split.group)
+        # On a rank's part of the sequence every random draw is its own (Megatron-LM).
+        with TRACKER.fork(TENSOR_PARALLEL) if inside else nullcontext():
+            x = self.call(list(self.mods), x, context)
+        if split is not None and split.gather:
+            # what follows runs whole on every rank: its gradient is whole, not partial
+            x = comms.gather_from_sequence_region(x, split.group, grad_is_partial=False)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"layer {self.layer.index}: {self.layer.name}"
+
+
+def stage_balance(layers: list[ResolvedLayer], stages: int, plan_name: str) -> list[int]:
+    """Layers per pipeline stage: the blocks as evenly as possible (earlier stages take
+    the extra ones); the layers before the first block on the first stage, those after a
+    block with it. Without blocks, every layer counts as one.
+
+    Raises:
+        ValueError: fewer blocks (or layers) than stages.
+    """
+    weights = [1 if (layer.is_block or not any(x.is_block for x in layers)) else 0
+               for layer in layers]
+    units = sum(weights)
+    if units < stages:
+        kind = "blocks" if any(x.is_block for x in layers) else "layers"
+        raise ValueError(f"pipeline: the plan of {plan_name} has {units} {kind}, which cannot "
+                         f"be split over pp = {stages} stages (each needs at least one)")
+    base, extra = divmod(units, stages)
+    quota = [base + (1 if s < extra else 0) for s in range(stages)]
+    balance, stage, taken = [0] * stages, 0, 0
+    for weight in weights:
+        if weight and taken == quota[stage]:
+            stage, taken = stage + 1, 0
+        balance[stage] += 1
+        taken += weight
+    return balance
+
+
+def planned_layers(model: nn.Module, plan: Plan, layers: list[ResolvedLayer],
+                   split_for: Any = None) -> list[PlannedLayer]:
+    """A :class:`PlannedLayer` for each of ``layers`` (``split_for(layer)``: its
+    :class:`SequenceSplit`, or None), sharing one context cache."""
+    cache = ContextCache(plan)
+    return [PlannedLayer(layer, [model.get_submodule(p) for p in layer.paths], cache,
+                         split_for(layer) if split_for else None) for layer in layers]
+
+
+def sequential_forward(model: nn.Module, plan: Plan, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's logits computed layer by layer as the plan says, in one process: what
+    every pipeline split of it computes (a plan whose layers do not reproduce the
+    model's own forward is wrong; compare with ``plan.output(model(tokens))``)."""
+    from parallel.compose.plan import resolve_layers
+
+    x: Any = tokens
+    for layer in planned_layers(model, plan, resolve_layers(plan, model)):
+        x = layer(x)
+    return plan.output(x) if plan.output is not None else x

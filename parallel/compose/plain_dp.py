@@ -1,0 +1,103 @@
+"""Plain data parallelism as the data side of a composed job: whole gradients averaged
+over ``dp``, every replica steps the same optimizer.
+
+With mixed precision (the model computing in bf16 or fp16) the optimizer steps fp32
+master copies of the parameters, its state in fp32: after backward each gradient is
+cast to fp32 into its master's ``.grad`` and averaged there (``reduce_dtype`` fp32, the
+default; bf16 averages the low-precision gradients, then casts), and after the step the
+masters are copied back into the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel.compose.mesh import ParallelMesh
+from parallel.compose.optim_groups import ensure_state, param_groups
+from parallel.data.grad_average import GradAverager
+
+# (parameter, its shape, flat start, master values, optimizer state tensors, scalar state)
+Piece = tuple[nn.Parameter, torch.Size, int, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]
+
+
+class PlainDataParallel:
+    """Whole gradients averaged over ``dp``; see the module docstring.
+
+    Args:
+        params: this rank's parameters, in the master dtype (fp32).
+        mesh, config: the job's.
+        compute: the dtype forward and backward run in.
+        copies: ``copies(p)``: how many ranks of one replica hold the same gradient
+            (tensor-parallel replicas, pipeline copies of a tie), for the global norm.
+    """
+
+    def __init__(self, params: list[nn.Parameter], mesh: ParallelMesh, config: Any,
+                 compute: torch.dtype, copies: Callable[[nn.Parameter], int]):
+        self.params, self.mesh, self.copies = params, mesh, copies
+        self.mixed = any(p.dtype != compute for p in params)
+        with torch.no_grad():
+            self.masters = ([nn.Parameter(p.detach().float().clone()) for p in params]
+                            if self.mixed else params)
+            for p in params if self.mixed else []:
+                p.data = p.data.to(compute)
+        low_reduce = self.mixed and config.reduce_dtype != torch.float32
+        self.averager = GradAverager(params if low_reduce else self.masters, mesh.group("dp"),
+                                     config.bucket_mb)
+        self.low_reduce = low_reduce
+        self.optimizer = config.optimizer(param_groups(self.masters, config.weight_decay),
+                                          **config.optimizer_kwargs)
+
+    def reduce(self) -> None:
+        if not self.mixed:
+            self.averager()
+            return
+        if self.low_reduce:
+            self.averager()
+        for p, m in zip(self.params, self.masters, strict=True):
+            m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+            p.grad = None
+        if not self.low_reduce:
+            self.averager()
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """The masters' new values into the model's low-precision parameters."""
+        if self.mixed:
+            for p, m in zip(self.params, self.masters, strict=True):
+                p.copy_(m)
+
+    def zero_grad(self) -> None:
+        for p in [*self.params, *self.masters]:
+            p.grad = None
+
+    def grad_parts(self) -> list[tuple[torch.Tensor, float]]:
+        dp = self.mesh.size("dp")
+        return [(m.grad, 1.0 / (dp * self.copies(p)))
+                for p, m in zip(self.params, self.masters, strict=True) if m.grad is not None]
+
+    def pieces(self) -> list[Piece]:
+        """For checkpoints: each parameter (this rank's tensor-parallel part) whole, as
+        (parameter, flat start 0, its master values, its optimizer state tensors, its
+        scalar state), all flat views of the live tensors."""
+        ensure_state(self.optimizer)
+        out = []
+        for p, m in zip(self.params, self.masters, strict=True):
+            state = self.optimizer.state[m]
+            tensors = {k: v.view(-1) for k, v in state.items()
+                       if torch.is_tensor(v) and v.shape == m.shape}
+            scalars = {k: v for k, v in state.items() if k not in tensors}
+            out.append((p, p.shape, 0, m.detach().view(-1), tensors, scalars))
+        return out
+
+    def set_scalars(self, p: nn.Parameter, scalars: dict[str, Any]) -> None:
+        index = next(i for i, q in enumerate(self.params) if q is p)
+        self.optimizer.state[self.masters[index]].update(
+            {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
+
+    def loaded(self) -> None:
+        """After a checkpoint was read into the masters: the model gets their values."""
+        self.after_step()

@@ -1,0 +1,81 @@
+"""Which modules of this stage a plan makes activation-checkpointing units and ZeRO-3
+gather units: the layers its patterns name (the blocks, by default), or modules inside
+them. A recompute asked for where the plan names no unit is refused, not skipped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from parallel.compose.plan import Plan, matches
+from parallel.recompute.apply import checkpoint_module
+
+
+def _under(path: str, prefixes: list[str]) -> bool:
+    return any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
+
+
+def _units(patterns: list[str], stage: Any, model: nn.Module) -> list[nn.Module]:
+    """The stage's modules ``patterns`` name: a whole planned layer where a pattern
+    names the layer's module, else the submodule itself."""
+    out: list[nn.Module] = []
+    for planned in stage.modules:
+        paths = planned.layer.paths
+        if len(paths) == 1 and any(matches(pat, paths[0]) for pat in patterns):
+            out.append(planned)
+            continue
+        for path, module in model.named_modules(remove_duplicate=False):
+            if _under(path, list(paths)) and any(matches(pat, path) for pat in patterns):
+                out.append(module)
+    return out
+
+
+def checkpoint_units(plan: Plan, stage: Any, partition_group: Any) -> None:
+    """Checkpoint every recompute unit of the stage (``partition_group``: P_a).
+
+    Raises:
+        ValueError: the plan names no recompute unit in the model.
+    """
+    patterns = plan.recompute_patterns()
+    model = stage.materializer.root
+    if not any(matches(pat, path) for pat in patterns
+               for path, _ in model.named_modules(remove_duplicate=False)):
+        raise ValueError(f"recompute: the plan for {plan.name} names no recompute units "
+                         f"(Plan.recompute, or Plan.blocks: {plan.blocks!r}); nothing would be "
+                         "checkpointed")
+    for module in _units(patterns, stage, model):
+        checkpoint_module(module, partition_group=partition_group)
+
+
+def zero3_units(plan: Plan, stage: Any, ties: Any, names: Any
+                ) -> tuple[list[nn.Module], tuple[str, ...]]:
+    """ZeRO-3's unit modules, and the parameters kept out of the persistent unit: a tie
+    across pipeline stages is a unit of its own on every stage holding it (so its shards
+    line up there).
+
+    Raises:
+        ValueError: a tie across stages whose module holds other parameters too.
+    """
+    model = stage.materializer.root
+    units = _units(plan.zero3_patterns(), stage, model)
+    keep = []
+    for path, module, p in _tied_owners(stage, ties, names):
+        others = [n for n, q in module.named_parameters() if q is not p]
+        if others:
+            raise ValueError(f"ZeRO-3: {names.of(p)} is tied across pipeline stages, and its "
+                             f"module holds {others} too; it must be alone in its module")
+        units.append(module)
+        keep.append(path)
+    return units, tuple(keep)
+
+
+def _tied_owners(stage: Any, ties: Any, names: Any) -> list[tuple[str, nn.Module, Any]]:
+    """(stage path, owning module, parameter) of this rank's copies of cross-stage ties."""
+    out = []
+    seq = nn.Sequential(*stage.modules)
+    tied = {n for n, _, g in ties.ties if g is not None}
+    for path, p in seq.named_parameters():
+        if names.model_name(path) in tied:
+            out.append((path, seq.get_submodule(path.rpartition(".")[0]), p))
+    return out

@@ -1,0 +1,237 @@
+"""Tensor-parallel styles: what one module of a plan becomes on the ``tp`` group.
+
+A style is a small value; :meth:`Style.apply` turns the module (the same weights on every
+rank) into this rank's part and returns it. HuggingFace's style names
+(``config.base_model_tp_plan``) are accepted as strings (:func:`style_of`); a name this
+project cannot honour is refused with the list of those it can.
+
+Where a style changes the module (the linear and embedding styles) it accepts only the
+exact classes whose forward it reproduces (``nn.Linear``, ``nn.Embedding``, and
+HuggingFace's ``Conv1D`` with ``transposed=True``): a subclass with its own ``forward``
+(a scaled embedding, a LoRA linear) would be replaced by a layer that does not compute
+what it did, so it is refused, by path and class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from parallel.tensor.parallel_linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """Where a style is applied: the group, the module's path, whether its input is this
+    rank's part of the sequence (sequence parallelism inside the blocks), and whether
+    the loss reads vocab-split logits."""
+
+    group: Any
+    world: int
+    path: str
+    sequence_parallel: bool
+    parallel_loss: bool
+    input_gathered: bool = False  # a split region's module gathered the sequence already
+
+
+class Style:
+    """Base of the styles; ``changes_module``: the module is replaced or resized."""
+
+    changes_module = True
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        raise NotImplementedError
+
+
+def _linear_like(module: nn.Module, ctx: TPContext, transposed: bool, style: str) -> None:
+    """Refuses a module whose forward is not ``x @ W.T + b`` (``x @ W + b`` transposed)."""
+    if transposed:
+        ok = type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+        want = "HuggingFace's Conv1D (weight (in, out))"
+    else:
+        ok = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+        want = "nn.Linear"
+    if not ok:
+        raise TypeError(f"tensor parallel: {ctx.path} is a {type(module).__name__}; the "
+                        f"style {style} replaces {want} (a subclass with its own forward "
+                        "would not compute what it did): give it another style")
+
+
+@dataclass(frozen=True)
+class Colwise(Style):
+    """Column parallel: this rank's output features (``interleave`` blocks of them, each
+    split: 3 for a fused Q, K, V, 2 for a packed gate and up projection). The output is
+    split along its last dimension, for a rowwise layer after it; ``gather_output``
+    gathers it whole."""
+
+    interleave: int = 1
+    transposed: bool = False
+    gather_output: bool = False
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        _linear_like(module, ctx, self.transposed, "colwise")
+        return ColumnParallelLinear.from_dense(
+            module, ctx.group, transposed=self.transposed, interleave=self.interleave,
+            gather_output=self.gather_output, sequence_parallel=ctx.sequence_parallel,
+            input_gathered=ctx.input_gathered)
+
+
+@dataclass(frozen=True)
+class Rowwise(Style):
+    """Row parallel: this rank's input features; the partial outputs are summed
+    (reduce-scattered along the sequence inside a sequence-parallel region)."""
+
+    transposed: bool = False
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        _linear_like(module, ctx, self.transposed, "rowwise")
+        return RowParallelLinear.from_dense(module, ctx.group, transposed=self.transposed,
+                                            sequence_parallel=ctx.sequence_parallel)
+
+
+@dataclass(frozen=True)
+class VocabEmbedding(Style):
+    """An ``nn.Embedding`` split by vocabulary rows (Megatron's VocabParallelEmbedding)."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        if type(module) is not nn.Embedding:
+            raise TypeError(f"tensor parallel: {ctx.path} is a {type(module).__name__}; the "
+                            "style vocab_embedding replaces nn.Embedding only (a subclass "
+                            "may scale or pad what it returns): give it another style")
+        return VocabParallelEmbedding.from_dense(module, ctx.group)
+
+
+@dataclass(frozen=True)
+class VocabHead(Style):
+    """The LM head split by vocabulary: logits stay split for the vocab-parallel
+    cross-entropy, or are gathered when the loss is the user's own."""
+
+    transposed: bool = False
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        _linear_like(module, ctx, self.transposed, "vocab_head")
+        return ColumnParallelLinear.from_dense(module, ctx.group, transposed=self.transposed,
+                                               gather_output=not ctx.parallel_loss)
+
+
+@dataclass(frozen=True)
+class PartialGrad(Style):
+    """Whole on every rank but applied to split activations (a norm of each rank's heads):
+    each rank's gradient is partial and the gradient is their sum over ``tp``
+    (HuggingFace's ``replicated_with_grad_allreduce``)."""
+
+    changes_module = False
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        for p in module.parameters():
+            p.tp_partial_grad = True  # type: ignore[attr-defined]
+        return module
+
+
+@dataclass(frozen=True)
+class Replicated(Style):
+    """Whole on every rank, applied to whole activations: nothing to do (said, so that
+    the plan covers it)."""
+
+    changes_module = False
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        return module
+
+
+@dataclass(frozen=True)
+class LocalSizes(Style):
+    """Integer attributes that count a split dimension (a head count, a split size),
+    divided by the tensor-parallel size: the module's own code then reshapes this rank's
+    part. The module itself stays."""
+
+    attributes: tuple[str, ...]
+
+    changes_module = False
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        for name in self.attributes:
+            value = getattr(module, name, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"tensor parallel: {ctx.path}.{name} is {value!r}, not an int "
+                                "that the style local_sizes can divide")
+            if value % ctx.world:
+                raise ValueError(f"tensor parallel: {ctx.path}.{name} = {value} is not "
+                                 f"divisible by tp = {ctx.world}")
+            setattr(module, name, value // ctx.world)
+        return module
+
+
+@dataclass(frozen=True)
+class PerRankRandom(Style):
+    """The module's random draws (attention dropout on this rank's heads) come from the
+    per-rank tensor-parallel stream, as Megatron-LM's: every draw in it must be on split
+    activations. The module itself stays."""
+
+    changes_module = False
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        from parallel.rng import TENSOR_PARALLEL, TRACKER
+
+        forward = module.forward
+
+        def forked(*args: Any, **kwargs: Any) -> Any:
+            with TRACKER.fork(TENSOR_PARALLEL):
+                return forward(*args, **kwargs)
+
+        module.forward = forked  # type: ignore[method-assign]
+        return module
+
+
+@dataclass(frozen=True)
+class TorchMultiheadAttention(Style):
+    """``nn.MultiheadAttention`` (self-attention) with this rank's heads."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        from parallel.tensor.multihead import ParallelMultiheadAttention
+
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"tensor parallel: {ctx.path} is a {type(module).__name__}, not "
+                            "nn.MultiheadAttention (style mha)")
+        return ParallelMultiheadAttention.from_torch(module, ctx.group, ctx.path,
+                                                     ctx.sequence_parallel)
+
+
+# HuggingFace's names (transformers' tensor_parallel.py) and this project's.
+_NAMED: dict[str, Style] = {
+    "colwise": Colwise(),
+    "rowwise": Rowwise(),
+    "colwise_rep": Colwise(gather_output=True),
+    "colwise_gather_output": Colwise(gather_output=True),
+    "rowwise_rep": Rowwise(),
+    "packed_colwise": Colwise(interleave=2),
+    "vocab_embedding": VocabEmbedding(),
+    "embedding": VocabEmbedding(),
+    "vocab_head": VocabHead(),
+    "replicated_with_grad_allreduce": PartialGrad(),
+    "partial_grad": PartialGrad(),
+    "replicated": Replicated(),
+    "sequence_parallel": Replicated(),  # a norm: its region decides (see apply_tp)
+    "per_rank_random": PerRankRandom(),
+    "mha": TorchMultiheadAttention(),
+}
+
+
+def style_of(style: Style | str, where: str) -> Style:
+    """The style a plan entry names.
+
+    Raises:
+        ValueError: an unknown name, with the names this project supports.
+    """
+    if isinstance(style, Style):
+        return style
+    if style in _NAMED:
+        return _NAMED[style]
+    raise ValueError(f"plan entry {where!r}: tensor-parallel style {style!r} is not one this "
+                     f"project implements; supported: {sorted(_NAMED)} (or a Style object)")

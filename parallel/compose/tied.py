@@ -1,0 +1,125 @@
+"""Tied parameters: one ``nn.Parameter`` reached by several names (an LM head sharing the
+token embedding's matrix), kept one parameter in every layout.
+
+Inside one pipeline stage a tie stays a single parameter: its gradients from both uses
+accumulate in one ``.grad``, as in one process; tensor parallelism splits both ends
+alike (vocab-parallel embedding and head) and ties the parts again (:func:`retie`).
+Across stages (the embedding on the first, the head on the last) each stage holds a
+copy, as Megatron-LM's embedding group: the copies start equal (broadcast from the
+first stage that holds one), their gradients are summed over the stages that hold them
+(:class:`CrossStageTies`), so each stage takes the same step and they stay equal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.compose.mesh import ParallelMesh
+from parallel.tensor.sharding import spec_of
+
+
+def tie_groups(model: nn.Module) -> list[list[str]]:
+    """The names of every parameter reached by more than one name, grouped, in module
+    order (the first name of a group is its canonical name)."""
+    by_param: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(name)
+    return [names for names in by_param.values() if len(names) > 1]
+
+
+def canonical_names(groups: list[list[str]]) -> dict[str, str]:
+    """Every alias -> the canonical (first) name of its group."""
+    return {alias: names[0] for names in groups for alias in names}
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return root.get_submodule(path), attr
+
+
+def retie(root: nn.Module, groups: list[list[str]], held: set[str]) -> None:
+    """After tensor parallelism replaced the modules of a tie, make the names this stage
+    holds one parameter again (the first's).
+
+    Raises:
+        ValueError: naming both, if they were split differently.
+    """
+    for names in groups:
+        here = [n for n in names if n in held]
+        if len(here) < 2:
+            continue
+        first = root.get_parameter(here[0])
+        for name in here[1:]:
+            other = root.get_parameter(name)
+            if other is first:
+                continue
+            if other.shape != first.shape or spec_of(other) != spec_of(first):
+                raise ValueError(
+                    f"tied parameters {here[0]} and {name}: tensor parallelism splits them "
+                    f"differently ({tuple(first.shape)} {spec_of(first)} against "
+                    f"{tuple(other.shape)} {spec_of(other)}); give both ends vocabulary "
+                    "styles (vocab_embedding and vocab_head) or leave both replicated")
+            module, attr = _owner(root, name)
+            module._parameters[attr] = first
+
+
+class CrossStageTies:
+    """The ties whose names live on several pipeline stages, and each one's group of
+    this rank's copies (the same ``dp`` and ``tp`` coordinates on every such stage)."""
+
+    def __init__(self, groups: list[list[str]], stage_of: dict[str, int], mesh: ParallelMesh):
+        self.mesh = mesh
+        self.ties: list[tuple[str, list[int], Any]] = []  # (canonical name, stages, group)
+        pp, dp, tp = mesh.coordinates
+        for names in groups:
+            stages = sorted({stage_of[n] for n in names if n in stage_of})
+            if len(stages) < 2:
+                continue
+            mine = None
+            # every rank creates every group, in one order
+            for d in range(mesh.size("dp")):
+                for t in range(mesh.size("tp")):
+                    ranks = [mesh.global_rank(s, d, t) for s in stages]
+                    group = dist.new_group(ranks)
+                    if (d, t) == (dp, tp) and pp in stages:
+                        mine = group
+            self.ties.append((names[0], stages, mine))
+
+    def copies(self, canonical: str) -> int:
+        """How many stages hold a copy of ``canonical`` (1 if it is not tied across)."""
+        return next((len(s) for n, s, _ in self.ties if n == canonical), 1)
+
+    def mine(self, names: dict[int, str], params: list[nn.Parameter]
+             ) -> list[tuple[nn.Parameter, Any]]:
+        """This rank's copies of cross-stage ties, each with its group."""
+        by_name = {names[id(p)]: p for p in params}
+        return [(by_name[n], g) for n, _, g in self.ties if g is not None and n in by_name]
+
+    @torch.no_grad()
+    def check_and_sync(self, names: dict[int, str], params: list[nn.Parameter]) -> None:
+        """Every copy has one shape and split, and starts from the first stage's values.
+
+        Raises:
+            ValueError: naming the parameter, if two stages hold it in different shapes.
+        """
+        for p, group in self.mine(names, params):
+            mine = (tuple(p.shape), str(p.dtype), tuple(vars(spec_of(p)).values()))
+            everyone: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, mine, group=group)
+            if any(e != mine for e in everyone):
+                raise ValueError(f"tied parameter {names[id(p)]}: the pipeline stages hold it "
+                                 f"as {everyone} (shape, dtype, split); they must agree")
+            dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
+
+    @torch.no_grad()
+    def sum_grads(self, tensors: list[tuple[torch.Tensor, Any]]) -> None:
+        """Sum each copy's gradient (or its ZeRO shard) over the stages holding it, in
+        fp32 (the sum of low-precision gradients would round twice)."""
+        for grad, group in tensors:
+            total = grad.float()
+            dist.all_reduce(total, group=group)
+            grad.copy_(total)

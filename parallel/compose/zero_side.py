@@ -1,0 +1,123 @@
+"""ZeRO as the data side of a composed job (``parallelize(..., zero=1..3)``).
+
+Stages 1-2 reduce when :func:`parallel.compose.finalize.finalize_grads` says so (after
+the tensor-parallel partial sums), from the gradients the pipeline's backwards
+accumulated in ``.grad``. Stage 3 cannot wait (its units give their memory back in
+backward), so it reduces each unit as backward finishes it; tensor-parallel partial
+gradients are then summed as they arrive, before the unit is reduced. Its units are the
+plan's (by default the blocks), the stage's other parameters forming the stage's own.
+
+With mixed precision the model computes in the low dtype while the optimizer steps the
+fp32 master shards (:class:`parallel.zero.ZeroOptimizer`'s ``mixed_precision``).
+
+For the global norm, a rank's gradient is its shard of each bucket, cut per parameter
+so a parameter held by several model-parallel ranks (replicated over TP, a tie on two
+stages) is counted once. For checkpoints, each rank's pieces of each parameter (a flat
+range of its tensor-parallel part) and of its optimizer state are views of the shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel.compose.mesh import ParallelMesh
+from parallel.compose.optim_groups import ensure_state
+from parallel.zero import ZeroOptimizer, shard_model
+from parallel.zero.checkpoint import owned_pieces, state_slices
+
+# (parameter, its shape, flat start, master values, optimizer state tensors, scalar state)
+Piece = tuple[nn.Parameter, torch.Size, int, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]
+
+
+def _groups_by_name(stage: nn.Module, weight_decay: float) -> list[tuple[list[str], float]]:
+    """Matrices decay, vectors do not (by name: stage 3 empties the parameters)."""
+    named = list(stage.named_parameters())
+    decay = [n for n, p in named if p.dim() >= 2 and p.requires_grad]
+    rest = [n for n, p in named if p.dim() < 2 and p.requires_grad]
+    return [(decay, weight_decay), (rest, 0.0)]
+
+
+class ZeroPlan:
+    """ZeRO stage 1, 2 or 3 over the mesh's ``dp`` group (see the module docstring).
+
+    Args:
+        stage_module: this rank's pipeline stage (stage 3 shards it in place).
+        mesh, config: the job's.
+        compute: the dtype forward and backward run in.
+        copies: ``copies(p)``: ranks of one replica holding the same gradient.
+        unit_modules: stage 3's gather units; ``never_persistent`` names kept in them.
+        materialize: for a meta-device model, gives named parameters their weights.
+    """
+
+    def __init__(self, stage_module: nn.Module, mesh: ParallelMesh, config: Any,
+                 compute: torch.dtype, copies: Callable[[nn.Parameter], int],
+                 unit_modules: list[nn.Module] | None = None,
+                 never_persistent: tuple[str, ...] = (),
+                 materialize: Callable[[list[str]], None] | None = None):
+        self.mesh, self.zero, self.copies = mesh, config.zero, copies
+        group = mesh.group("dp")
+        by_name = _groups_by_name(stage_module, config.weight_decay)
+        if config.zero == 3:
+            shard_model(stage_module, group, unit_modules=unit_modules,
+                        never_persistent=never_persistent, materialize=materialize)
+        named = {n: p for n, p in stage_module.named_parameters()}
+        named.update(zip(getattr(stage_module, "zero3", None).names, stage_module.zero3.params,
+                         strict=True) if config.zero == 3 else {})
+        groups = [{"params": [named[n] for n in names], "weight_decay": decay}
+                  for names, decay in by_name]
+        master = next(p.dtype for names, _ in by_name for p in (named[n] for n in names))
+        mixed = compute if compute != master else None
+        self.optimizer = ZeroOptimizer(
+            groups, config.optimizer, stage=config.zero, process_group=group,
+            bucket_cap_mb=config.bucket_mb, reduce_in_backward=False, mixed_precision=mixed,
+            reduce_dtype=config.reduce_dtype if mixed else None, **config.optimizer_kwargs)
+        self.params: list[nn.Parameter] = self.optimizer.params  # layout order
+
+    def reduce(self) -> None:
+        self.optimizer.reduce_gradients()
+
+    def after_step(self) -> None:
+        """(The optimizer publishes the shards itself.)"""
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def grad_parts(self) -> list[tuple[torch.Tensor, float]]:
+        return [(part, 1.0 / self.copies(self.params[i]))
+                for i, part in self.optimizer.grad_parts()]
+
+    def shard_grads_of(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """Stage 3: the reduced gradient shard of each of ``params``' units, each unit
+        holding that parameter alone (a tie across pipeline stages)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        bucket = self.optimizer.layout.bucket_of_param()
+        return [self.optimizer.shard_grads[bucket[index[id(p)]]] for p in params]
+
+    def pieces(self) -> list[Piece]:
+        """For checkpoints: this rank's flat range of each parameter it owns elements
+        of, with the master values and optimizer state there (views of the shards)."""
+        opt = self.optimizer
+        ensure_state(opt.optimizer)
+        shapes, out = opt.param_shapes(), []
+        for i, k, lo, hi, at in owned_pieces(opt):
+            state = state_slices(opt, k, at, hi - lo)
+            piece = next(q for p, q in zip(opt.pieces, opt.piece_params, strict=True)
+                         if p.bucket == k and p.start <= at < p.stop)
+            scalars = {key: v for key, v in opt.optimizer.state[piece].items()
+                       if not (torch.is_tensor(v) and v.dim() > 0)}
+            values = opt.shard_params[k].detach()[at : at + hi - lo]
+            out.append((self.params[i], shapes[i], lo, values, state, scalars))
+        return out
+
+    def set_scalars(self, p: nn.Parameter, scalars: dict[str, Any]) -> None:
+        # each piece its own copy: optimizers count steps in place (Adam's ``step``)
+        for state in self.optimizer.optimizer.state.values():
+            state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
+
+    def loaded(self) -> None:
+        """After a checkpoint was read into the master shards: every rank's parameters."""
+        self.optimizer.publish_shards()

@@ -1,0 +1,412 @@
+"""Plans for HuggingFace causal LMs, read from the model's own tensor- and pipeline-parallel
+plans, and the check that a plan computes what the model computes.
+
+A HuggingFace config that declares ``base_model_pp_plan`` names the base model's forward
+as modules in order (``embed_tokens``, the decoder ``layers``, ``norm``) and
+``base_model_tp_plan`` its tensor-parallel styles; the ``*ForCausalLM`` class adds its
+``lm_head`` (``_pp_plan``, ``_tp_plan``). :func:`hf_causal_lm_plan` turns them into a
+:class:`~parallel.compose.plan.Plan`: the embedding, one block per decoder layer, the final
+norm and the head, with a context that computes, for the whole sequence, what the base
+model's forward computes between them (position ids, the rotary table, the attention masks
+by transformers' own ``masking_utils``). Whatever that forward does beyond this (an
+embedding multiplier, a logit scale, a second rotary table, a module the pp plan does not
+place) the plan would not do, so a family it cannot reproduce is refused by name, with
+what is missing, as is a tp style this project does not implement (fused experts, MLA's
+``mla_kv_a_proj``, ``rowwise_split_input``); ``plan=`` then takes a plan written for the
+model (:mod:`parallel.models.gpt2_plan` is one, worked through).
+
+The attention gets ``per_rank_random`` (its dropout drawn per rank, on the rank's own
+heads) only where the tp plan splits it by heads and every draw inside it falls on those
+heads: an attention that drops out its own output (Starcoder2's ``residual_dropout``)
+draws on activations every rank holds whole, which must stay alike.
+
+Sequence parallelism: a Llama-style attention reshapes its projections by its *input's*
+sequence length (``hidden_states.shape[:-1]``), so it must be given the whole sequence;
+split along it, the heads come out scrambled. GPT-2's attention reads the projections'
+own shapes and works on either.
+
+:func:`check_plan_forward` runs a plan and the model on one small batch and refuses a plan
+whose logits differ: :func:`parallel.compose.parallelize` calls it for a model with real
+weights, so an adapter that does not reproduce a family is refused, not trained wrong.
+
+Example::
+
+    model = AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B")
+    plan = hf_causal_lm_plan(model)
+    check_plan_forward(model, plan)
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel.compose.layers import sequential_forward
+from parallel.compose.plan import ContextRequest, Layer, Plan, matching
+from parallel.compose.styles import style_of
+
+# transformers' mask builders by layer type (``config.layer_types``).
+MASKS = {"full_attention": "create_causal_mask",
+         "sliding_attention": "create_sliding_window_causal_mask"}
+# HuggingFace's styles for the LM head that our vocab-parallel head computes.
+_HEAD_STYLES = (None, "colwise", "colwise_rep", "colwise_gather_output")
+# Styles that leave a projection's output split across ranks (by heads, inside attention).
+_HEAD_SPLIT = ("colwise", "packed_colwise")
+# Steps some base models' or heads' forwards take outside the modules the pp plan names,
+# with the values at which they do nothing. Families differ in what they mean (Granite
+# divides by logits_scaling, HyperCLOVAX multiplies), so the plan does not guess.
+_OUTSIDE_STEPS: dict[str, tuple[Any, ...]] = {
+    "embedding_multiplier": (None, 1, 1.0),
+    "logits_scaling": (None, 1, 1.0),
+    "logit_scale": (None, 1, 1.0),
+    "embedding_dropout": (None, 0, 0.0),
+    "use_bidirectional_attention": (None, False),
+}
+# A dropout call inside an attention module's own forward (not the probability handed to
+# the attention kernel): it would fall on whole (replicated) activations.
+_DROPOUT_CALL = re.compile(r"dropout\s*\(")
+
+
+def _refuse(model: nn.Module, what: str) -> ValueError:
+    return ValueError(f"hf_causal_lm_plan: {type(model).__name__} cannot be derived: {what}; "
+                      "pass plan= (a Plan written for this model, as "
+                      "parallel.models.gpt2_plan does for GPT-2)")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where the base model's forward lives: the paths before the decoder layers, the
+    decoder layers' list, and the paths after it."""
+
+    before: tuple[str, ...]
+    blocks: str
+    after: tuple[str, ...]
+
+
+def _base_model(model: nn.Module) -> tuple[str, nn.Module]:
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    if not isinstance(base, nn.Module):
+        raise _refuse(model, f"no base model at base_model_prefix {prefix!r}")
+    return prefix, base
+
+
+def _layout(model: nn.Module, prefix: str, base: nn.Module) -> _Layout:
+    """The pp plan's modules in order, split around the one ``ModuleList``.
+
+    Raises:
+        ValueError: no pp plan, not exactly one module list, or a module of the base model
+            the pp plan does not place (its forward would do more than the plan).
+    """
+    pp = getattr(model.config, "base_model_pp_plan", None)
+    if not pp:
+        raise _refuse(model, "its config declares no base_model_pp_plan")
+    names = list(pp)
+    lists = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
+    missing = [n for n in names if not isinstance(getattr(base, n, None), nn.Module)]
+    if missing or len(lists) != 1:
+        raise _refuse(model, f"base_model_pp_plan {names} does not name modules around one "
+                      f"ModuleList of {type(base).__name__} (missing: {missing})")
+    extra = [n for n, _ in base.named_children() if n not in pp and n != "rotary_emb"]
+    extra += [n for n, _ in base.named_parameters(recurse=False)]
+    if extra:
+        raise _refuse(model, f"{type(base).__name__} has {extra}, which base_model_pp_plan "
+                      "does not place")
+    cut = names.index(lists[0])
+    return _Layout(tuple(f"{prefix}.{n}" for n in names[:cut]), f"{prefix}.{lists[0]}",
+                   tuple(f"{prefix}.{n}" for n in names[cut + 1:]))
+
+
+def _check_head(model: nn.Module, prefix: str) -> None:
+    """The causal LM around the base model is its ``lm_head`` and nothing else."""
+    children = sorted(n for n, _ in model.named_children() if n not in (prefix, "lm_head"))
+    if not isinstance(getattr(model, "lm_head", None), nn.Module) or children:
+        raise _refuse(model, f"expected the base model and lm_head only (also has {children})")
+    # The class's own plans: an instance's merge the base model's in, under the prefix.
+    cls = type(model)
+    if "lm_head" not in (getattr(cls, "_pp_plan", None) or {}):
+        raise _refuse(model, "its class declares no _pp_plan for lm_head")
+    declared = dict(getattr(cls, "_tp_plan", None) or {})
+    head_tp = dict(declared)
+    style = head_tp.pop("lm_head", None)
+    if style not in _HEAD_STYLES or head_tp:
+        raise _refuse(model, f"its class's _tp_plan {declared} is not a colwise "
+                      "lm_head alone (what the vocab-parallel head computes)")
+
+
+def _check_outside_steps(model: nn.Module, base: nn.Module) -> None:
+    """Refuses a family whose forward scales or drops out what the plan passes along."""
+    for name, neutral in _OUTSIDE_STEPS.items():
+        for owner in (model.config, base):
+            value = getattr(owner, name, None)
+            if value not in neutral:
+                raise _refuse(model, f"its forward applies {name} = {value!r} outside the "
+                              "modules base_model_pp_plan names")
+
+
+def layer_types(model: nn.Module, count: int) -> list[str]:
+    """Each decoder layer's attention type (``config.layer_types``; without it, as
+    Mistral's forward: sliding windows for all when ``config.sliding_window`` is set).
+
+    Raises:
+        ValueError: a layer type with no mask builder here (linear attention, chunks).
+    """
+    config = model.config
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        sliding = getattr(config, "sliding_window", None) is not None
+        types = ["sliding_attention" if sliding else "full_attention"] * count
+    types = list(types)[:count]
+    unknown = sorted(set(types) - set(MASKS))
+    if unknown or len(types) != count:
+        raise _refuse(model, f"layer types {unknown or types} (known: {sorted(MASKS)})")
+    return types
+
+
+def _accepted(fn: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``offered`` that ``fn``'s signature names (transformers
+    renamed them across versions: ``input_embeds``, ``past_key_values``, ``cache``)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in offered.items() if k in params}
+
+
+def attention_mask(kind: str, config: Any, request: ContextRequest) -> Any:
+    """The mask transformers builds for a layer of type ``kind`` over the whole sequence
+    of ``request`` without padding (None where the kernel applies causality itself)."""
+    from transformers import masking_utils
+
+    fn = getattr(masking_utils, MASKS[kind])
+    # Only the shape, dtype and device are read: a stride-0 view allocates nothing.
+    embeds = torch.zeros((), dtype=request.dtype, device=request.device).expand(
+        request.batch, request.seq, int(getattr(config, "hidden_size", 1)))
+    positions = torch.arange(request.seq, device=request.device)
+    offered = {"config": config, "inputs_embeds": embeds, "input_embeds": embeds,
+               "attention_mask": None, "cache": None, "past_key_values": None,
+               "position_ids": positions.unsqueeze(0), "cache_position": positions}
+    return fn(**_accepted(fn, offered))
+
+
+@dataclass
+class _Context:
+    """The base model's per-forward values, for the whole sequence: position ids, the
+    rotary table (one per layer type where the rotary module takes a layer type), and
+    each layer type's mask. Holds the rotary module and the config only, not the base
+    model, so that a pipeline stage does not keep every layer alive."""
+
+    config: Any
+    rotary: nn.Module | None
+    types: tuple[str, ...]
+
+    def __call__(self, request: ContextRequest) -> dict[str, Any]:
+        positions = torch.arange(request.seq, device=request.device).unsqueeze(0)
+        masks = {t: attention_mask(t, self.config, request) for t in set(self.types)}
+        out = {"position_ids": positions, "attention_mask": masks}
+        if self.rotary is not None:
+            x = torch.zeros((), dtype=request.dtype, device=request.device).expand(
+                request.batch, request.seq, int(getattr(self.config, "hidden_size", 1)))
+            if "layer_type" in inspect.signature(self.rotary.forward).parameters:
+                out["position_embeddings"] = {t: self.rotary(x, positions, t)
+                                              for t in set(self.types)}
+            else:
+                out["position_embeddings"] = self.rotary(x, positions)
+        return out
+
+
+@dataclass(frozen=True)
+class DecoderCall:
+    """A decoder layer called as the base model's forward calls it: with its layer type's
+    mask (and rotary table), the position ids, and no cache. Older transformers return a
+    tuple: its first element is the hidden states."""
+
+    layer_type: str
+    rope_per_type: bool
+
+    def __call__(self, modules: Sequence[nn.Module], x: Any, context: dict[str, Any]) -> Any:
+        kwargs = {"attention_mask": context["attention_mask"][self.layer_type],
+                  "position_ids": context["position_ids"]}
+        rope = context.get("position_embeddings")
+        if rope is not None:
+            kwargs["position_embeddings"] = rope[self.layer_type] if self.rope_per_type else rope
+        out = modules[0](x, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+@dataclass(frozen=True)
+class HeadCall:
+    """The LM head, with the final logit soft-capping (``c * tanh(logits / c)``) of the
+    families that declare ``final_logit_softcapping``: elementwise, so it is the same on
+    vocab-split logits."""
+
+    softcap: float | None
+
+    def __call__(self, modules: Sequence[nn.Module], x: Any, _context: dict[str, Any]) -> Any:
+        logits = modules[0](x)
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """Logits from a HuggingFace output (``.logits``) or from the head layer (a tensor)."""
+    return output.logits if hasattr(output, "logits") else output
+
+
+def _checked_style(model: nn.Module, path: str, style: Any) -> Any:
+    try:
+        style_of(style, path)
+    except ValueError as err:
+        raise _refuse(model, str(err)) from err
+    if not matching(path, model):
+        raise _refuse(model, f"base_model_tp_plan entry {path!r} (style {style!r}) names no "
+                      "module (a parameter of a fused module?)")
+    return style
+
+
+def _attention_patterns(tp: dict[str, Any], blocks: str) -> list[str]:
+    """The attention modules whose projections the tp plan splits by heads: the parents
+    of its colwise entries named like an attention (``self_attn``, ``attention``)."""
+    parents = {p.rpartition(".")[0] for p, s in tp.items() if s in _HEAD_SPLIT}
+    return sorted(p for p in parents if p.startswith(blocks + ".*.")
+                  and re.search(r"attn|attention", p.rpartition(".")[2]))
+
+
+def _draws_per_head(attn: nn.Module) -> bool:
+    """Whether every random draw inside ``attn`` falls on this rank's heads: no dropout
+    module in it and no dropout call in its own forward (only the probability it hands
+    to the attention kernel)."""
+    if any(isinstance(m, nn.Dropout) for m in attn.modules()):
+        return False
+    try:
+        source = inspect.getsource(type(attn).forward)
+    except (OSError, TypeError):
+        return False
+    return not _DROPOUT_CALL.search(source)
+
+
+def _per_rank_random(model: nn.Module, tp: dict[str, Any], blocks: str) -> dict[str, str]:
+    """``per_rank_random`` for each attention split by heads whose draws all fall on the
+    rank's heads (on whole activations they must be alike on every rank)."""
+    out = {}
+    for pattern in _attention_patterns(tp, blocks):
+        found = matching(pattern, model)
+        if found and all(_draws_per_head(model.get_submodule(p)) for p in found):
+            out[pattern] = "per_rank_random"
+    return out
+
+
+def _tp(model: nn.Module, prefix: str, layout: _Layout) -> dict[str, Any]:
+    """The config's styles under the base model's prefix; the embedding and the head
+    vocab-parallel (the head's logits split for the vocab-parallel loss)."""
+    embed = layout.before[0]
+    tp: dict[str, Any] = {}
+    for pattern, style in (getattr(model.config, "base_model_tp_plan", None) or {}).items():
+        path = f"{prefix}.{pattern}"
+        if path != embed:  # HF's embedding split (rowwise) gives way to the vocab split
+            tp[path] = _checked_style(model, path, style)
+    tp[embed] = "vocab_embedding"
+    tp["lm_head"] = "vocab_head"
+    return {**tp, **_per_rank_random(model, tp, layout.blocks)}
+
+
+def _divisible(config: Any) -> dict[str, int]:
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return {k: int(v) for k, v in (("attention heads", heads), ("key-value heads", kv)) if v}
+
+
+def hf_causal_lm_plan(model: nn.Module) -> Plan:
+    """The plan of a HuggingFace ``*ForCausalLM`` from its config's ``base_model_tp_plan``
+    and ``base_model_pp_plan`` and its class's ``_tp_plan`` / ``_pp_plan``.
+
+    Args:
+        model: e.g. a ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM``.
+
+    Raises:
+        ValueError: naming the class and what is missing, for a family this cannot derive
+            (no pp or tp plan, a layout or forward step it does not reproduce, a style
+            this project does not implement); pass ``plan=`` for it.
+    """
+    config: Any = model.config
+    if not getattr(config, "base_model_tp_plan", None):
+        raise _refuse(model, "its config declares no base_model_tp_plan")
+    _check_transformers(model)
+    prefix, base = _base_model(model)
+    layout = _layout(model, prefix, base)
+    _check_head(model, prefix)
+    _check_outside_steps(model, base)
+    blocks: Any = model.get_submodule(layout.blocks)
+    types = layer_types(model, len(blocks))
+    rotary = getattr(base, "rotary_emb", None)
+    per_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+    decoders = [Layer((f"{layout.blocks}.{i}",), DecoderCall(t, per_type))
+                for i, t in enumerate(types)]
+    head = Layer(("lm_head",), HeadCall(getattr(config, "final_logit_softcapping", None)))
+    return Plan(layers=[Layer(layout.before), *decoders, Layer(layout.after), head],
+                blocks=f"{layout.blocks}.*", tp=_tp(model, prefix, layout),
+                context=_Context(config, rotary, tuple(types)), output=logits_of,
+                divisible=_divisible(config), name=type(model).__name__)
+
+
+def _check_transformers(model: nn.Module) -> None:
+    """transformers has the mask builders the context calls (4.53 and later)."""
+    try:
+        from transformers import masking_utils
+    except ImportError as err:
+        raise _refuse(model, f"transformers has no masking_utils ({err})") from err
+    if not all(hasattr(masking_utils, fn) for fn in MASKS.values()):
+        raise _refuse(model, f"transformers.masking_utils lacks one of {sorted(MASKS.values())}")
+
+
+def _probe_tokens(model: nn.Module, device: torch.device) -> torch.Tensor:
+    """A fixed (2, 8) batch of token ids spread over the vocabulary (no random draw)."""
+    config: Any = model.config
+    return (torch.arange(16, device=device) * 7919 % int(config.vocab_size)).reshape(2, 8)
+
+
+def _difference(model: nn.Module, plan: Plan, tokens: torch.Tensor, seed: int) -> float:
+    torch.manual_seed(seed)  # the same draws for both, where dropout is on
+    want = logits_of(model(tokens))
+    torch.manual_seed(seed)
+    got = sequential_forward(model, plan, tokens)
+    return float((got.float() - want.float()).abs().max())
+
+
+def check_plan_forward(model: nn.Module, plan: Plan, atol: float = 1e-5) -> float:
+    """Run ``plan`` layer by layer and the model's own forward on a small fixed batch
+    (2 x 8 tokens): in eval mode, then in training mode with the same random draws (a
+    plan that drops a dropout, or moves one, then differs). No gradients; every module's
+    mode and the random generators are as before.
+
+    Returns:
+        The largest difference of the logits.
+
+    Raises:
+        ValueError: naming the model class, the mode and the difference, when it exceeds
+            ``atol``.
+    """
+    device = next(model.parameters()).device
+    tokens = _probe_tokens(model, device)
+    modes = [(m, m.training) for m in model.modules()]
+    devices = [device.index or 0] if device.type == "cuda" else []
+    worst = 0.0
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            for training in (False, True):
+                model.train(training)
+                diff = _difference(model, plan, tokens, seed=1234)
+                if not diff <= atol:  # also NaN
+                    raise ValueError(
+                        f"plan for {type(model).__name__} does not reproduce its forward "
+                        f"({'training' if training else 'eval'} mode): logits differ by up to "
+                        f"{diff:.3g} (atol {atol:g}); pass plan= with one that does")
+                worst = max(worst, diff)
+    finally:
+        for module, mode in modes:
+            module.training = mode
+    return worst
