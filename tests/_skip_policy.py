@@ -35,6 +35,7 @@ ALLOWED: dict[str, str] = {
     "x86-64 CPU": r"^not x86-64\b",
     "objdump": r"^no objdump\b",
     "a torch API (older torch)": r"^no torch API\b",
+    "transformers (the [hf] extra)": r"^no transformers\b",
     # pytest-benchmark's own skips, only when asked for on the command line
     "--benchmark-only / --benchmark-skip": r"\(--benchmark-(only|skip) active\)",
 }

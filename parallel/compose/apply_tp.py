@@ -49,8 +49,16 @@ def styles_by_path(plan: Plan, model: nn.Module, held: list[str]) -> dict[str, l
     styles (one that replaces the module at most).
 
     Raises:
-        ValueError: a module two replacing styles name, or an unknown style.
+        ValueError: a module two replacing styles name, an unknown style, or a pattern
+            that names no module of the model at all (a plan written for another model,
+            or a typo: what it was meant for would be left whole).
     """
+    paths = [p for p, _ in model.named_modules(remove_duplicate=False)]
+    unmatched = [pattern for pattern in plan.tp if not any(matches(pattern, p) for p in paths)]
+    if unmatched:
+        raise ValueError(f"plan for {plan.name}: tensor-parallel entries {unmatched} match no "
+                         f"module of this {type(model).__name__}; the plan is not this "
+                         "model's (pass plan= with one that names its modules)")
     out: dict[str, list[Style]] = {}
     for path, _module in model.named_modules(remove_duplicate=False):
         if not _inside(path, held):

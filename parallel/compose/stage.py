@@ -99,6 +99,13 @@ def tensor_parallel(model: nn.Module, plan: Plan, stage: Stage, mesh: ParallelMe
     check_divisible(plan, mesh.size("tp"))
     styles = styles_by_path(plan, model, stage.held)
     check_coverage(plan, model, stage.held, styles, stage.blocks)
+    # Both ends of a tie get their (shared) weights before either is split; the others
+    # one module at a time, just before their style splits them.
+    for names in stage.ties:
+        for name in names:
+            owner = name.rpartition(".")[0]
+            if _under(owner, stage.held):
+                stage.materializer.module(owner, model.get_submodule(owner))
     stage.split_logits = apply_styles(model, styles, group, stage.blocks, sequence_parallel,
                                       parallel_loss, stage.materializer)
     mark_partial_grads(model, stage.held, stage.blocks, sequence_parallel)

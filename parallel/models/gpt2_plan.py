@@ -51,7 +51,7 @@ from torch import nn
 
 from parallel.compose.plan import ContextRequest, Layer, Plan
 from parallel.compose.styles import Colwise, LocalSizes, Rowwise
-from parallel.models.hf import attention_mask
+from parallel.models.hf import attention_mask, hf_init, logits_of
 
 H = "transformer.h.*"  # every block
 
@@ -101,5 +101,7 @@ def gpt2_plan(model: nn.Module) -> Plan:
             f"{H}.mlp.c_proj": Rowwise(transposed=True),
             "lm_head": "vocab_head"},
         context=context,
+        output=logits_of,
         divisible={"attention heads": config.n_head},
+        init=hf_init(model),
         name=type(model).__name__)

@@ -350,7 +350,18 @@ def hf_causal_lm_plan(model: nn.Module) -> Plan:
     return Plan(layers=[Layer(layout.before), *decoders, Layer(layout.after), head],
                 blocks=f"{layout.blocks}.*", tp=_tp(model, prefix, layout),
                 context=_Context(config, rotary, tuple(types)), output=logits_of,
-                divisible=_divisible(config), name=type(model).__name__)
+                divisible=_divisible(config), init=hf_init(model), name=type(model).__name__)
+
+
+def hf_init(model: nn.Module) -> Callable[[str, nn.Module], None]:
+    """A module's weights as its model's ``_init_weights`` gives them (for a model built on
+    the meta device: each module initialised on its own, rotary tables included)."""
+    init: Any = getattr(model, "_init_weights")  # noqa: B009 (every PreTrainedModel has it)
+
+    def init_module(_path: str, module: nn.Module) -> None:
+        init(module)
+
+    return init_module
 
 
 def _check_transformers(model: nn.Module) -> None:

@@ -76,6 +76,7 @@ class ParallelMultiheadAttention(nn.Module):
         ``True`` in either is a position not attended)."""
         mask = None
         if attn_mask is not None:
+            self._check_mask(attn_mask)
             mask = _additive(attn_mask, dtype)
             if mask.dim() == 3:  # (batch * heads, T, S): this rank's heads of it
                 mask = mask.view(batch, self.num_heads, *mask.shape[1:])
@@ -84,6 +85,15 @@ class ParallelMultiheadAttention(nn.Module):
             pad = _additive(key_padding_mask, dtype)[:, None, None, :]
             mask = pad if mask is None else mask + pad
         return mask
+
+    def _check_mask(self, attn_mask: torch.Tensor) -> None:
+        seq = self._seq
+        if tuple(attn_mask.shape[-2:]) != (seq, seq):
+            raise ValueError(
+                f"ParallelMultiheadAttention: attn_mask is {tuple(attn_mask.shape)} for a "
+                f"sequence of {seq}: under sequence parallelism a block holds 1/tp of the "
+                "sequence, so a mask built from its input's length is too small; take the "
+                "mask from the plan's context (built from the whole sequence)")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,
@@ -95,6 +105,7 @@ class ParallelMultiheadAttention(nn.Module):
         x = query if self.batch_first else query.transpose(0, 1)
         q, k, v = self.in_proj(x).chunk(3, dim=-1)
         batch, time = q.shape[:2]
+        self._seq = time  # the whole sequence (the projection gathered it)
         q, k, v = (t.view(batch, time, self.local_heads, self.head_dim).transpose(1, 2)
                    for t in (q, k, v))
         mask = self._local_mask(attn_mask, key_padding_mask, batch, q.dtype)

@@ -1,13 +1,15 @@
 """ZeRO-DP stages 1 and 2: the flat parameter buffer, this rank's master shards, and
-the gradients reduced into them during backward.
+the gradients reduced into them.
 
 Stage 1: every rank keeps the whole gradient in a gradient arena, all-reduced in
 buckets during backward (as data parallel), but optimizer state only for its shard of
 each bucket; after its step it all-gathers the updated shards back into the parameters.
-Stage 2: each bucket's gradients are packed into one of two constant-size bucket
-buffers and reduce-scattered straight into the rank's gradient shard as soon as the
-bucket is complete; the full gradients are freed then, so a rank holds ``1/world`` of
-the gradients plus the buckets in flight.
+Stage 2 keeps only the rank's gradient shards: each bucket's gradient is whole only in
+a buffer of the bucket's size, taken when its first gradient arrives and given back once
+it is reduce-scattered into the shard (:class:`GradStream`). Where that would hold more
+at peak than the whole gradient (one or two buckets: the cap near the model's size, or a
+single rank), stage 2 keeps the gradient whole as stage 1 does, so at equal buckets it
+never holds more than stage 1.
 
 Parameters live in one flat buffer laid out by :class:`ShardLayout`; on a pycomm group
 it is shared memory, so the all-gathers read peers' shards in place.
@@ -31,6 +33,7 @@ from torch import nn
 
 from parallel.grad_hooks import EndOfBackward, move_grad_into, on_grad_ready
 from parallel.zero import zero_comms as comms
+from parallel.zero.grad_stream import GradStream, window_numel
 from parallel.zero.model_writes import ParamWatch
 from parallel.zero.precision import Precision
 from parallel.zero.shard_layout import ShardLayout
@@ -64,14 +67,14 @@ class FlatShards:
         self.layout = ShardLayout(self.params, self.world, self.rank, cap, self.precision.compute)
         self._op, self._divide_after = comms.averaging_op(process_group)
         self._adopt_params()
+        # Deferred (a composed job's finalize_grads reduces, after the tensor-parallel
+        # phase): backward leaves every gradient in .grad (or a view) for reduce_gradients.
+        self.reduce_in_backward = reduce_in_backward
         self._make_grad_buffers(self.precision.reduce)
         self._bucketer = Bucketer([b.params for b in self.layout.buckets], self._launch)
         self._sync, self._fresh = True, True
         self._end_of_backward = EndOfBackward(self._finalize)
-        # Deferred (a composed job's finalize_grads reduces, after the tensor-parallel
-        # phase): backward leaves every gradient in .grad for reduce_gradients.
-        self.reduce_in_backward = reduce_in_backward
-        if reduce_in_backward:
+        if reduce_in_backward or (self._stream is not None and self._grads_are_views):
             on_grad_ready(self.params, self._on_grad_ready)
         self._watch = ParamWatch(self.params, self._param_view_of_flat)
 
@@ -106,23 +109,44 @@ class FlatShards:
         self.shard_params = [nn.Parameter(m) for m in masters]
 
     def _make_grad_buffers(self, dtype: torch.dtype) -> None:
-        shards = [self.flat.buffer[b.shard_of(self.rank)] for b in self.layout.buckets]
-        # Stage 1 keeps whole gradients, every .grad a view (as parallel.data); when they
-        # are reduced in another dtype than computed, each is added into its view instead.
+        # Whole gradients (stage 1) are views of one arena, every .grad a view (as
+        # parallel.data); when reduced in another dtype than computed, each is added into
+        # its view instead. Stage 2 streams them through bucket buffers into its shards.
         self._grads_are_views = self.precision.reduce == self.precision.compute
-        if self.stage == 1:
+        self._stream: GradStream | None = None
+        window = self._stream_window()
+        if not self._streams(window):
             self.grads = Arena.for_group(self.layout.numel, dtype, self.group)
             self._point_grads_at_views()
             shard_grads = [self.grads.buffer[b.shard_of(self.rank)] for b in self.layout.buckets]
-        else:  # only this rank's shards, plus two bucket buffers for packing
+        else:
             self.grads = Arena(self.layout.shard_numel, dtype)
-            shard_grads = [self.grads.allocate(s.numel()) for s in shards]
-            biggest = max((b.shard * self.world for b in self.layout.buckets), default=0)
-            self._bucket_buffers = [Arena.for_group(biggest, dtype, self.group) for _ in range(2)]
-            self._free = [a.buffer for a in self._bucket_buffers]
-            self._in_flight: list[tuple[Any, torch.Tensor]] = []
-            self._scratch: torch.Tensor | None = None
+            shard_grads = [self.grads.allocate(b.shard) for b in self.layout.buckets]
+            self._stream = GradStream(self.params, self.layout, shard_grads, dtype, self._op,
+                                      self.group, window)
         self.shard_grads = shard_grads
+
+    def _stream_window(self) -> int:
+        """Bucket buffers live at once: two to overlap reducing with backward; deferred,
+        one per bucket where gradients can move into them as they arrive (their .grad a
+        view), else two while reduce_gradients copies them in."""
+        if not self.reduce_in_backward and self._grads_are_views:
+            return len(self.layout.buckets)
+        return 2
+
+    def _streams(self, window: int) -> bool:
+        """Whether stage 2 streams its gradients: only where that holds no more, at peak,
+        than keeping them whole (stage 1's arena; deferred, also the .grad tensors
+        autograd allocates, which stay beside it until reduce_gradients copies them in)."""
+        if self.stage == 1 or self.world == 1:
+            return False
+        itemsize = self.precision.reduce.itemsize
+        autograd = sum(p.numel() for p in self.params) * self.precision.compute.itemsize
+        whole = itemsize * self.layout.numel + (0 if self.reduce_in_backward else autograd)
+        stream = itemsize * (self.layout.shard_numel + window_numel(self.layout, window))
+        if not self.reduce_in_backward and not self._grads_are_views:
+            stream += autograd  # they stay in .grad until copied in, bucket by bucket
+        return stream <= whole
 
     def _point_grads_at_views(self) -> None:
         for i, p in enumerate(self.params):
@@ -131,56 +155,28 @@ class FlatShards:
     # -- backward ------------------------------------------------------------------------------
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
-        if self.stage == 1:
-            view = self._param_view(self.grads.buffer, i)
-            if self._grads_are_views:
-                move_grad_into(param, view)
-            elif param.grad is not None:
-                view.add_(param.grad)
-                param.grad = None
-        if not self._sync:
+        if self._stream is not None:
+            self._stream.on_grad(i, param, as_view=self._grads_are_views)
+        else:
+            self._into_arena(i, param)
+        if not (self._sync and self.reduce_in_backward):
             return
         self._end_of_backward.request()
         self._bucketer.mark_ready(i)
 
+    def _into_arena(self, i: int, param: torch.Tensor) -> None:
+        view = self._param_view(self.grads.buffer, i)
+        if self._grads_are_views:
+            move_grad_into(param, view)
+        elif param.grad is not None:
+            view.add_(param.grad)
+            param.grad = None
+
     def _launch(self, k: int) -> Any:
-        bucket = self.layout.buckets[k]
-        if self.stage == 1:
-            full = self.grads.buffer[bucket.full(self.world)]
-            return dist.all_reduce(full, op=self._op, group=self.group, async_op=True)
-        base = self._take_buffer()
-        buffer = base[: bucket.shard * self.world]
-        used = 0
-        for i in bucket.params:
-            p = self.params[i]
-            start = self.layout.offsets[i] - bucket.start
-            target = buffer[start : start + p.numel()]
-            if p.grad is None:  # no gradient this backward: it contributes zeros
-                target.zero_()
-            else:
-                target.copy_(p.grad.reshape(-1))
-            used = max(used, start + p.numel())
-            p.grad = None  # the full gradient is not kept (stage 2)
-        buffer[used:].zero_()
-        out = self.shard_grads[k] if self._fresh else self._scratch_for(k)
-        work = comms.reduce_scatter_bucket(out, buffer, self._op, self.group)
-        self._in_flight.append((work, base))
-        return work
-
-    def _take_buffer(self) -> torch.Tensor:
-        """A free bucket buffer; if both are in flight, wait for the older."""
-        if not self._free:
-            work, base = self._in_flight.pop(0)
-            work.wait()
-            self._free.append(base)
-        return self._free.pop(0)
-
-    def _scratch_for(self, k: int) -> torch.Tensor:
-        """Where a reduce-scatter lands when gradients accumulate over several backwards."""
-        if self._scratch is None:
-            self._scratch = torch.empty(self.layout.shard_numel, dtype=self.grads.dtype)
-        offsets = self.layout.local_offsets()
-        return self._scratch[offsets[k] : offsets[k] + self.layout.buckets[k].shard]
+        if self._stream is not None:
+            return self._stream.launch(k, accumulate=not self._fresh)
+        full = self.grads.buffer[self.layout.buckets[k].full(self.world)]
+        return dist.all_reduce(full, op=self._op, group=self.group, async_op=True)
 
     def _finalize(self) -> None:
         missing = self._bucketer.missing_items()
@@ -188,16 +184,13 @@ class FlatShards:
             self._bucketer.mark_ready(i)
         self._bucketer.wait()
         self._bucketer.reset()
-        if self.stage == 2:
-            self._in_flight.clear()
-            self._free = [a.buffer for a in self._bucket_buffers]
-        # What this backward produced: the gradients themselves, or (accumulating in
-        # stage 2) the scratch that is added to them. Without AVG (gloo) it is a sum.
-        added = self._scratch if self.stage == 2 and not self._fresh else self.grads.buffer
-        if self._divide_after and added is not None:
-            added.div_(self.world)
-        if added is not self.grads.buffer and added is not None:
-            self.grads.buffer.add_(added)
+        if self._stream is not None:
+            self._stream.finish()
+        # Without AVG (gloo) the reduction is a sum; accumulating, it is world x the old
+        # gradient plus the new sum (stage 1: every rank adds the same averaged gradient
+        # back in; stage 2: GradStream adds world x the shard), so one division averages.
+        if self._divide_after:
+            self.grads.buffer.div_(self.world)
         self._fresh = False
 
     # -- after the step ------------------------------------------------------------------------
@@ -217,13 +210,13 @@ class FlatShards:
         """Reduce, now and outside backward, every bucket not reduced yet, from the
         parameters' gradients (stage 1: what ``no_sync`` accumulated; a deferred mode:
         everything), then average as the end of a backward does."""
-        if self.stage == 1 and not self.reduce_in_backward:
+        if self._stream is None and not self.reduce_in_backward:
             self._gather_grads_into_arena()
         self._finalize()
 
     @torch.no_grad()
     def _gather_grads_into_arena(self) -> None:
-        """Deferred stage 1: the parameters' gradients (left in .grad by backward) into
+        """Deferred, whole gradients: the parameters' gradients (left in .grad by backward) into
         the gradient arena the buckets reduce."""
         for i, p in enumerate(self.params):
             view = self._param_view(self.grads.buffer, i)
@@ -266,7 +259,9 @@ class FlatShards:
     def zero_grad(self) -> None:
         """Zero the reduced gradients (stage 1: the whole-gradient arena, whose views
         some ``.grad`` may be; stage 2: this rank's shards, which a backward that
-        reaches no bucket leaves as they are)."""
+        reaches no bucket leaves as they are, and drop any bucket not reduced yet)."""
+        if self._stream is not None:
+            self._stream.discard()
         self.grads.buffer.zero_()
         self._fresh = True
 
@@ -306,13 +301,15 @@ class FlatShards:
 
     def memory_stats(self, state_bytes: int) -> dict[str, int]:
         """Bytes this rank holds for parameters (compute dtype), fp32 master shards
-        (mixed precision), reduced gradients, optimizer state (``state_bytes``) and
-        buckets."""
-        buckets = sum(a.stats()["reserved_bytes"] for a in getattr(self, "_bucket_buffers", []))
+        (mixed precision), reduced gradients (stage 1, or stage 2 kept whole: the whole
+        gradient), optimizer state (``state_bytes``) and stage 2's bucket buffers (live
+        now, and the most live at once so far)."""
+        stream = self._stream
         return {
             "param_bytes": self.flat.stats()["reserved_bytes"],
             "master_bytes": self.masters.stats()["reserved_bytes"] if self.masters else 0,
             "grad_bytes": self.grads.stats()["reserved_bytes"],
             "optimizer_state_bytes": state_bytes,
-            "bucket_bytes": buckets,
+            "bucket_bytes": stream.live_bytes if stream else 0,
+            "bucket_peak_bytes": stream.peak_bytes if stream else 0,
         }

@@ -1,0 +1,146 @@
+"""The models every layout is checked on: the project's GPT, HuggingFace's Llama, Qwen2,
+Mistral and GPT-2 (built from configs, no download), a user's own block with
+``nn.MultiheadAttention`` under a user plan, and a plain MLP. Each comes with the batches
+it trains on; all are tiny (CPU, a few cores), with tied embeddings where the model has
+an LM head, dropout 0.
+
+``build(name, seed)`` gives the same weights on every call with the same seed (every
+rank builds its own copy); ``plan_of(name, model)`` the plan to pass (None: the model's
+own, as ``parallelize`` finds it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel.compose.plan import ContextRequest, Layer, Plan
+from parallel.models import GPT, GPTConfig
+
+VOCAB, SEQ, ROWS = 64, 16, 8
+HF = ("llama", "qwen2", "mistral", "gpt2")
+LM = ("gpt", *HF, "myblock")
+ALL = (*LM, "mlp")
+
+
+def _hf(name: str) -> nn.Module:
+    import transformers as tf
+
+    common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": SEQ, "tie_word_embeddings": True,
+              "attention_dropout": 0.0}
+    if name == "gpt2":
+        config = tf.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4,
+                               n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                               bos_token_id=0, eos_token_id=0)
+        config._attn_implementation = "sdpa"
+        return tf.GPT2LMHeadModel(config)
+    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+           "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[name]
+    config = cls[0](**common)
+    config._attn_implementation = "sdpa"
+    return cls[1](config)
+
+
+class UserBlock(nn.Module):
+    """A user's own pre-norm block: torch's MultiheadAttention and an ``nn.Sequential``
+    MLP, the same maths as the project's block. It takes the attention mask from its
+    caller when given (the plan's context, so that every pipeline stage and every
+    sequence-parallel rank uses the whole sequence's), and makes it otherwise."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.ff = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attn_mask is None:
+            attn_mask = causal_mask(x.shape[1], x.device)
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=attn_mask, need_weights=False)[0]
+        return x + self.ff(self.norm2(x))
+
+
+def causal_mask(seq: int, device: Any) -> torch.Tensor:
+    return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)
+
+
+def user_block_plan(model: nn.Module) -> Plan:
+    """The user's plan for a GPT whose blocks are :class:`UserBlock`: the attention is
+    torch's MultiheadAttention split by heads, the MLP's two linears column- and
+    row-parallel, the mask the whole sequence's, from the context."""
+
+    def block(mods: Any, x: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+        return mods[0](x, attn_mask=ctx["mask"])
+
+    def context(req: ContextRequest) -> dict[str, Any]:
+        return {"mask": causal_mask(req.seq, req.device)}
+
+    return Plan(layers=["embed", Layer(("blocks.*",), block), "ln_f", "lm_head"],
+                blocks="blocks.*", context=context,
+                tp={"embed.wte": "vocab_embedding", "blocks.*.attn": "mha",
+                    "blocks.*.ff.0": "colwise", "blocks.*.ff.2": "rowwise",
+                    "lm_head": "vocab_head"},
+                divisible={"attention heads": 4}, name="GPT with UserBlock")
+
+
+def _gpt(user_blocks: bool) -> nn.Module:
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_embd=32,
+                    tie_embeddings=True)
+    model = GPT(cfg)
+    if user_blocks:
+        model.blocks = nn.ModuleList(UserBlock(32, 4) for _ in range(cfg.n_layer))
+    return model
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                         nn.Linear(64, 10))
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    """Model ``name`` with the weights of ``seed``."""
+    torch.manual_seed(seed)
+    if name in HF:
+        return _hf(name)
+    if name == "mlp":
+        return _mlp()
+    return _gpt(user_blocks=name == "myblock")
+
+
+def plan_of(name: str, model: nn.Module) -> Plan | None:
+    return user_block_plan(model) if name == "myblock" else None
+
+
+def batch(name: str, step: int, rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch for model ``name`` (tokens and next tokens; features
+    and classes for the MLP)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    if name == "mlp":
+        return torch.randn(rows, 16, generator=gen), torch.randint(0, 10, (rows,), generator=gen)
+    data = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
+    return data[:, :-1], data[:, 1:]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The training every layout and the one-process reference share."""
+
+    steps: int = 20
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    warmup: int = 3
+
+    def lr_lambda(self) -> Callable[[int], float]:
+        from parallel.train.schedule import WarmupCosine
+
+        return WarmupCosine(self.steps, self.warmup, 0.1)
