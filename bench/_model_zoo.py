@@ -21,23 +21,37 @@ from torch import nn
 from parallel.compose.plan import ContextRequest, Layer, Plan
 from parallel.models import GPT, GPTConfig
 
-VOCAB, SEQ, ROWS = 64, 16, 8
+ROWS = 8
 HF = ("llama", "qwen2", "mistral", "gpt2")
 LM = ("gpt", *HF, "myblock")
 ALL = (*LM, "mlp")
 
 
-def _hf(name: str) -> nn.Module:
+@dataclass(frozen=True)
+class Size:
+    vocab: int = 64
+    seq: int = 16
+    width: int = 32
+    layers: int = 4
+    heads: int = 4
+
+
+TINY = Size()
+MEDIUM = Size(vocab=256, seq=128, width=256, layers=6, heads=8)  # ~4.9M parameters
+
+
+def _hf(name: str, size: Size) -> nn.Module:
     import transformers as tf
 
-    common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
-              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": SEQ, "tie_word_embeddings": True,
+    common = {"vocab_size": size.vocab, "hidden_size": size.width,
+              "intermediate_size": 2 * size.width, "num_hidden_layers": size.layers,
+              "num_attention_heads": size.heads, "num_key_value_heads": size.heads // 2,
+              "max_position_embeddings": size.seq, "tie_word_embeddings": True,
               "attention_dropout": 0.0}
     if name == "gpt2":
-        config = tf.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4,
-                               n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                               bos_token_id=0, eos_token_id=0)
+        config = tf.GPT2Config(vocab_size=size.vocab, n_positions=size.seq, n_embd=size.width,
+                               n_layer=size.layers, n_head=size.heads, resid_pdrop=0.0,
+                               embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         config._attn_implementation = "sdpa"
         return tf.GPT2LMHeadModel(config)
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
@@ -89,15 +103,17 @@ def user_block_plan(model: nn.Module) -> Plan:
                 tp={"embed.wte": "vocab_embedding", "blocks.*.attn": "mha",
                     "blocks.*.ff.0": "colwise", "blocks.*.ff.2": "rowwise",
                     "lm_head": "vocab_head"},
-                divisible={"attention heads": 4}, name="GPT with UserBlock")
+                divisible={"attention heads": model.blocks[0].attn.num_heads},
+                name="GPT with UserBlock")
 
 
-def _gpt(user_blocks: bool) -> nn.Module:
-    cfg = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_embd=32,
-                    tie_embeddings=True)
+def _gpt(user_blocks: bool, size: Size) -> nn.Module:
+    cfg = GPTConfig(vocab_size=size.vocab, block_size=size.seq, n_layer=size.layers,
+                    n_head=size.heads, n_embd=size.width, tie_embeddings=True)
     model = GPT(cfg)
     if user_blocks:
-        model.blocks = nn.ModuleList(UserBlock(32, 4) for _ in range(cfg.n_layer))
+        model.blocks = nn.ModuleList(UserBlock(size.width, size.heads)
+                                     for _ in range(cfg.n_layer))
     return model
 
 
@@ -106,27 +122,28 @@ def _mlp() -> nn.Module:
                          nn.Linear(64, 10))
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
+def build(name: str, seed: int = 0, size: Size = TINY) -> nn.Module:
     """Model ``name`` with the weights of ``seed``."""
     torch.manual_seed(seed)
     if name in HF:
-        return _hf(name)
+        return _hf(name, size)
     if name == "mlp":
         return _mlp()
-    return _gpt(user_blocks=name == "myblock")
+    return _gpt(name == "myblock", size)
 
 
 def plan_of(name: str, model: nn.Module) -> Plan | None:
     return user_block_plan(model) if name == "myblock" else None
 
 
-def batch(name: str, step: int, rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(name: str, step: int, rows: int = ROWS, size: Size = TINY
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s global batch for model ``name`` (tokens and next tokens; features
     and classes for the MLP)."""
     gen = torch.Generator().manual_seed(1000 + step)
     if name == "mlp":
         return torch.randn(rows, 16, generator=gen), torch.randint(0, 10, (rows,), generator=gen)
-    data = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
+    data = torch.randint(0, size.vocab, (rows, size.seq + 1), generator=gen)
     return data[:, :-1], data[:, 1:]
 
 

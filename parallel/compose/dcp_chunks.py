@@ -684,3 +684,19 @@ def read_whole(path: str | os.PathLike, keys: list[str] | None = None, *,
             whole[key] = None  # an object (or a missing key, which load names)
     objects = _load(whole, path, None, weights_only, multi=False)
     return {k: objects[k] if v is None else v for k, v in whole.items()}
+
+
+def payload_by_file(path: str | os.PathLike) -> dict[str, int]:
+    """Bytes of tensor data each file of the checkpoint holds (the chunks DCP assigned to
+    it, without its per-item framing): every element of every tensor is in exactly one
+    file, so the sum is the tensors' size once, whatever the replication when saved."""
+    md = _read_metadata(Path(path))
+    out: dict[str, int] = defaultdict(int)
+    for key, smd in md.state_dict_metadata.items():
+        if not isinstance(smd, TensorStorageMetadata):
+            continue
+        item = torch.empty((), dtype=smd.properties.dtype).element_size()
+        for chunk in smd.chunks:
+            index = MetadataIndex(key, chunk.offsets)
+            out[md.storage_data[index].relative_path] += math.prod(chunk.sizes) * item
+    return dict(out)

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.compose import checkpoint, stage as build
+from parallel.compose import checkpoint
+from parallel.compose import stage as build
 from parallel.compose.apply_tp import partial_grad_params
 from parallel.compose.config import ParallelConfig, StepResult
 from parallel.compose.finalize import GradPhases, clip_grad_norm_, finalize_grads
@@ -192,6 +193,39 @@ class ParallelModel:
         self.stage.eval()
         loss = forward_loss(self.pipeline, self._rows(tokens), self._rows(targets), self.loss_fn)
         return self._dp_mean(loss)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole batch's logits (fp32, the whole vocabulary), on every rank: what the
+        unsplit model computes (an export's reload is checked against it)."""
+        self.stage.eval()
+        caught: list[torch.Tensor] = []
+
+        def keep(output: Any, _targets: Any) -> torch.Tensor:
+            logits = self.plan.output(output) if self.plan.output is not None else output
+            caught.append(logits.float())
+            return torch.zeros(())
+
+        rows = self._rows(tokens)
+        forward_loss(self.pipeline, rows, rows, keep)
+        mine = torch.cat(caught) if caught else torch.empty(0)
+        if self.stage_plan.split_logits:
+            mine = comms.gather_dim(mine, mine.dim() - 1, self.tp_group)
+        return self._everywhere(mine, tokens.shape[0])
+
+    def _everywhere(self, mine: torch.Tensor, rows: int) -> torch.Tensor:
+        """The last stage's rows of every replica, on every rank."""
+        shape = [None]
+        if self.pipeline.is_last:
+            shape = [[rows, *mine.shape[1:]]]
+        last = dist.get_global_rank(self.mesh.group("pp"), self.mesh.size("pp") - 1)
+        dist.broadcast_object_list(shape, src=last, group=self.mesh.group("pp"))
+        per = rows // self.mesh.size("dp")
+        full = torch.empty([per, *shape[0][1:]], dtype=torch.float32)  # type: ignore[index]
+        if self.pipeline.is_last:
+            full.copy_(mine)
+        dist.broadcast(full, src=last, group=self.mesh.group("pp"))
+        return comms.gather_dim(full, 0, self.mesh.group("dp"))
 
     def _dp_mean(self, loss: torch.Tensor) -> float:
         value = loss.detach().double().reshape(1).clone()

@@ -18,6 +18,8 @@ from typing import Any
 
 from parallel.compose.mesh import MeshShape
 
+MODELS = ("gpt", "llama", "qwen2", "mistral", "gpt2")
+
 
 def _opt(table: str, default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
     """A setting: its default, the TOML table it lives in, and its help line."""
@@ -28,12 +30,18 @@ def _opt(table: str, default: Any, help: str, choices: tuple[Any, ...] | None = 
 class TrainConfig:
     """Every setting of ``python -m parallel.train`` (see ``--help`` for each one)."""
 
-    # [model]: the byte-level GPT (vocabulary 256)
+    # [model]: byte-level (vocabulary 256)
+    model: str = _opt("model", "gpt", "gpt | llama | qwen2 | mistral | gpt2 (HuggingFace "
+                      "models from a config, sized by the flags below) | hf:CONFIG.json")
     n_layer: int = _opt("model", 4, "transformer blocks")
     n_head: int = _opt("model", 4, "attention heads")
     n_embd: int = _opt("model", 128, "embedding width")
     block_size: int = _opt("model", 128, "context length in bytes")
     dropout: float = _opt("model", 0.0, "dropout probability")
+    tie_embeddings: bool = _opt("model", True, "the LM head shares the token embedding")
+    init: str = _opt("model", "full", "full: every rank builds the whole model; meta: on "
+                     "the meta device, each rank materializes only what it holds",
+                     ("full", "meta"))
     # [data]
     data: str = _opt("data", "", "a text file or a folder of them (default: the Python "
                      "standard library's .py sources)")
@@ -54,6 +62,10 @@ class TrainConfig:
     tp: int = _opt("parallel", 1, "tensor-parallel ranks")
     pp: int = _opt("parallel", 1, "pipeline stages")
     zero: int = _opt("parallel", 0, "ZeRO stage over dp", (0, 1, 2, 3))
+    precision: str = _opt("parallel", "fp32", "compute dtype (fp32 master weights and "
+                          "optimizer state either way; fp16 scales the loss)",
+                          ("fp32", "bf16", "fp16"))
+    bucket_mb: float = _opt("parallel", 25.0, "gradient bucket size in MB (C_B)")
     sequence_parallel: bool = _opt("parallel", False, "split activations along the "
                                    "sequence between TP layers")
     recompute: bool = _opt("parallel", False, "activation checkpointing of every block")
@@ -69,6 +81,8 @@ class TrainConfig:
     ckpt_every: int = _opt("checkpoint", 0, "save every K steps (0: never)")
     resume: bool = _opt("checkpoint", False, "continue from the last checkpoint in "
                         "ckpt_dir, in any layout")
+    export_hf: str = _opt("checkpoint", "", "at the end, the model as a HuggingFace folder "
+                          "(from_pretrained loads it; HuggingFace models only)")
     # [output]
     metrics: str = _opt("output", "", "JSON lines, one per step and per validation (rank 0)")
     plot: str = _opt("output", "", "loss curve PNG (default: the metrics file's name, .png)")
@@ -103,6 +117,14 @@ class TrainConfig:
                              f"{self.effective_microbatches()}) equal micro-batches")
         if (self.ckpt_every or self.resume) and not self.ckpt_dir:
             raise ValueError("train: ckpt_every and resume need ckpt_dir")
+        if self.model not in MODELS and not self.model.startswith("hf:"):
+            raise ValueError(f"train: model must be one of {MODELS} or hf:CONFIG.json, got "
+                             f"{self.model!r}")
+        if self.export_hf and self.model == "gpt":
+            raise ValueError("train: export_hf writes a HuggingFace model; --model gpt is the "
+                             "project's own (its checkpoints consolidate to a state dict)")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"train: bucket_mb must be > 0, got {self.bucket_mb}")
 
 
 def _check_choices(cfg: TrainConfig) -> None:
@@ -178,8 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     file's value, or the default, stays)."""
     parser = argparse.ArgumentParser(
         prog="python -m parallel.train", argument_default=argparse.SUPPRESS,
-        description="Train the byte-level GPT on a (dp, tp, pp) mesh with every strategy "
-                    "of parallel/. Flags override --config's TOML keys ([table] key).")
+        description="Train a byte-level model (the project's GPT or a HuggingFace one) on a "
+                    "(dp, tp, pp) mesh with every strategy of parallel/. Flags override "
+                    "--config's TOML keys ([table] key).")
     parser.add_argument("--config", help="TOML file of settings (flags override it)")
     groups = {t: parser.add_argument_group(f"[{t}]") for t in TABLES}
     for f in _fields().values():

@@ -68,13 +68,15 @@ def train_rank(cfg: TrainConfig) -> None:
     """The whole run on this rank (the process group is up)."""
     torch.set_num_threads(cfg.threads)
     corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.block_size)
-    engine, params = build(cfg)
-    start, resumed = ckpt.resume(engine, cfg) if cfg.resume else (0, None)
+    engine, params, name = build(cfg)
+    start, resumed, changes = ckpt.resume(engine, cfg) if cfg.resume else (0, None, "")
     log = Metrics(dist.get_rank() == 0, cfg.metrics, cfg.plot_path(), cfg.progress,
                   cfg.steps, start)
-    log.say(_banner(cfg, corpus, params))
+    log.say(_banner(cfg, corpus, params, name))
     if resumed:
         log.say(f"resumed from {resumed} (step {start})")
+    if changes:
+        log.say(changes)
     if not start:
         log.record({"kind": "config", **dataclasses.asdict(cfg), "world": dist.get_world_size(),
                     "params": params, "corpus": corpus.source, "corpus_bytes": corpus.size})
@@ -87,7 +89,9 @@ def train_rank(cfg: TrainConfig) -> None:
             log.eval(step, loss, time.perf_counter() - t0)
         if _due(step, cfg.ckpt_every, cfg.steps, at_end=False):
             log.say(f"checkpoint -> {ckpt.save(engine, cfg, step)}")
-    log.close(f"byte-level GPT, {params / 1e6:.2f}M params, {describe(cfg)}")
+    if cfg.export_hf:
+        log.say(f"HuggingFace model -> {ckpt.export_hf(engine, cfg)}")
+    log.close(f"{name}, {params / 1e6:.2f}M params, {describe(cfg)}")
 
 
 def _train_step(engine: ParallelModel, cfg: TrainConfig, corpus: Corpus, step: int,
@@ -99,6 +103,7 @@ def _train_step(engine: ParallelModel, cfg: TrainConfig, corpus: Corpus, step: i
     seconds = time.perf_counter() - t0
     log.train({"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                "step_s": seconds, "tokens_per_s": tokens.numel() / seconds,
+               "skipped": r.skipped, "loss_scale": r.loss_scale,
                "peak_rss_mb": peak_rss_mb()})
 
 
@@ -108,16 +113,15 @@ def describe(cfg: TrainConfig) -> str:
     pp = f"pp{cfg.pp}" + (f" ({cfg.schedule}, M={cfg.effective_microbatches()})"
                           if cfg.pp > 1 else "")
     return (f"dp{cfg.dp} {tp} {pp} zero{cfg.zero}" + (" recompute" if cfg.recompute else "")
-            + f", dropout {cfg.dropout}, seed {cfg.seed}")
+            + f" {cfg.precision}, dropout {cfg.dropout}, seed {cfg.seed}")
 
 
 def _ranks(n: int) -> str:
     return f"{n} rank" + ("s" if n > 1 else "")
 
 
-def _banner(cfg: TrainConfig, corpus: Corpus, params: int) -> str:
-    return (f"train: GPT {params / 1e6:.2f}M params (n_layer={cfg.n_layer} n_head={cfg.n_head}"
-            f" n_embd={cfg.n_embd} block_size={cfg.block_size}, bytes) | data: "
+def _banner(cfg: TrainConfig, corpus: Corpus, params: int, name: str) -> str:
+    return (f"train: {name}, {params / 1e6:.2f}M params | data: "
             f"{corpus.source}, {corpus.size / 1e6:.1f} MB, {corpus.val.numel() / 1e6:.1f} MB "
             f"held out | {describe(cfg)} | {_ranks(dist.get_world_size())} on {cfg.backend}, "
             f"batch {cfg.batch_size}x{cfg.block_size}")
