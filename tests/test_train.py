@@ -297,3 +297,57 @@ def test_resume_without_a_checkpoint_is_refused(tiny, tmp_path):
     done = _run([sys.executable, "-m", "parallel.train", *tiny, "--resume", "--ckpt-dir",
                  str(tmp_path / "none")])
     assert done.returncode == 2 and "holds no complete checkpoint" in done.stderr
+
+
+def test_a_resumed_run_follows_its_own_schedule(tiny, text_dir, tmp_path):
+    """A run of 5 steps resumed with --steps 10 and another --lr: steps 6-10 take the
+    learning rates a fresh 10-step run at that --lr takes there, and the trainer says so
+    in one line. Before: the saved schedule went on (steps 6-10 at the old rate)."""
+    ck, short, longer = tmp_path / "ck", tmp_path / "short.jsonl", tmp_path / "long.jsonl"
+    run = [*tiny, "--data", text_dir, "--eval-every", "0", "--ckpt-dir", ck]
+    train(*run, "--ckpt-every", "5", "--metrics", short)
+    done = train(*run, "--steps", "10", "--lr", "0.003", "--resume", "--metrics", longer)
+    fresh = tmp_path / "fresh.jsonl"
+    train(*tiny, "--data", text_dir, "--eval-every", "0", "--steps", "10", "--lr", "0.003",
+          "--metrics", fresh)
+    got = {r["step"]: r["lr"] for r in lines(longer, "train")}
+    want = {r["step"]: r["lr"] for r in lines(fresh, "train")}
+    assert all(math.isclose(got[s], want[s], rel_tol=1e-12) for s in range(6, 11)), (got, want)
+    said = [ln for ln in (done.stdout + done.stderr).splitlines() if "schedule continues" in ln]
+    assert len(said) == 1 and "steps 5 -> 10" in said[0] and "lr 0.001 -> 0.003" in said[0], said
+
+
+HF_TINY = ["--model", "llama", "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
+           "--block-size", "16", "--batch-size", "4", "--steps", "4", "--eval-every", "0",
+           "--warmup-steps", "2", "--no-progress"]
+
+
+def test_a_huggingface_model_trains_on_a_mesh_as_in_one_process(text_dir, tmp_path, backend):
+    """--model llama on dp x tp x pp = 1 x 2 x 2 trains what one process trains;
+    --export-hf writes a folder transformers loads."""
+    pytest.importorskip("transformers", reason="no transformers (the [hf] extra)")
+    one, mesh = tmp_path / "one.jsonl", tmp_path / "mesh.jsonl"
+    common = [*HF_TINY, "--backend", backend, "--data", text_dir]
+    train(*common, "--metrics", one)
+    train(*common, "--tp", "2", "--pp", "2", "--metrics", mesh, "--export-hf", tmp_path / "hf")
+    got, want = lines(mesh, "train"), lines(one, "train")
+    assert all(abs(g["loss"] / w["loss"] - 1) < RTOL for g, w in zip(got, want, strict=True))
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_meta_init_bf16_and_buckets_train(tiny, text_dir, tmp_path):
+    """--init meta (each rank materializes its part) with ZeRO-3 trains what --init meta
+    trains in one process; --precision bf16 --bucket-mb 0.01 runs and learns."""
+    one, mesh, low = tmp_path / "one.jsonl", tmp_path / "mesh.jsonl", tmp_path / "bf16.jsonl"
+    common = [*tiny, "--data", text_dir, "--eval-every", "0", "--init", "meta"]
+    train(*common, "--metrics", one)
+    train(*common, "--dp", "2", "--zero", "3", "--metrics", mesh)
+    got, want = lines(mesh, "train"), lines(one, "train")
+    assert all(abs(g["loss"] / w["loss"] - 1) < RTOL for g, w in zip(got, want, strict=True))
+    train(*tiny, "--data", text_dir, "--eval-every", "0", "--dp", "2", "--zero", "2",
+          "--precision", "bf16", "--bucket-mb", "0.01", "--metrics", low)
+    steps = lines(low, "train")
+    assert steps[-1]["loss"] < steps[0]["loss"] and not any(s["skipped"] for s in steps)

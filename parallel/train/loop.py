@@ -11,18 +11,13 @@ import torch.distributed as dist
 
 from parallel.compose.mesh import ParallelMesh
 from parallel.compose.parallelize import ParallelConfig, ParallelModel, parallelize
-from parallel.models import GPT, GPTConfig
 from parallel.rng import seed_streams
 from parallel.train import ckpt
 from parallel.train.config import TrainConfig
 from parallel.train.data import Corpus, derive_seed, load_corpus, train_batch, val_batches
 from parallel.train.metrics import Metrics, peak_rss_mb
+from parallel.train.models import build_model, describe_model
 from parallel.train.schedule import WarmupCosine
-
-
-def model_config(cfg: TrainConfig) -> GPTConfig:
-    return GPTConfig(vocab_size=256, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                     n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)
 
 
 def parallel_config(cfg: TrainConfig) -> ParallelConfig:
@@ -31,18 +26,20 @@ def parallel_config(cfg: TrainConfig) -> ParallelConfig:
         microbatches=cfg.effective_microbatches(), schedule=cfg.schedule,
         max_grad_norm=cfg.max_grad_norm or None, optimizer=torch.optim.AdamW,
         optimizer_kwargs={"lr": cfg.lr, "betas": (0.9, 0.95)},
-        weight_decay=cfg.weight_decay, seed=cfg.seed,
+        weight_decay=cfg.weight_decay, seed=cfg.seed, precision=cfg.precision,
+        bucket_mb=cfg.bucket_mb,
         lr_lambda=WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
 
 
-def build(cfg: TrainConfig) -> tuple[ParallelModel, int]:
-    """The engine on this rank's part of the mesh, and the whole model's parameter count.
-    The GPT is built whole from ``seed`` on every rank, so every layout starts alike."""
+def build(cfg: TrainConfig) -> tuple[ParallelModel, int, str]:
+    """The engine on this rank's part of the mesh, the whole model's parameter count and
+    its description. The model is built whole from ``seed`` on every rank (or on the
+    meta device, each rank then materializing its part), so every layout starts alike."""
     mesh = ParallelMesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
-    torch.manual_seed(cfg.seed)
-    model = GPT(model_config(cfg))
+    model = build_model(cfg)
     params = sum(p.numel() for p in model.parameters())
-    return parallelize(model, mesh, parallel_config(cfg)), params
+    name = describe_model(cfg, model)
+    return parallelize(model, mesh, parallel_config(cfg)), params, name
 
 
 def seed_step(seed: int, step: int, mesh: ParallelMesh) -> None:
