@@ -6,10 +6,11 @@ buckets during backward (as data parallel), but optimizer state only for its sha
 each bucket; after its step it all-gathers the updated shards back into the parameters.
 Stage 2 keeps only the rank's gradient shards: each bucket's gradient is whole only in
 a buffer of the bucket's size, taken when its first gradient arrives and given back once
-it is reduce-scattered into the shard (:class:`GradStream`). Where that would hold more
-at peak than the whole gradient (one or two buckets: the cap near the model's size, or a
-single rank), stage 2 keeps the gradient whole as stage 1 does, so at equal buckets it
-never holds more than stage 1.
+it is reduce-scattered into the shard (:class:`GradStream`). Its buckets are capped at
+C_B and at a quarter of what the shards leave of the gradient, so the shards and the
+buffers live at once hold less than stage 1's whole gradient whatever C_B is; where one
+parameter too large to split would still make them hold more (or on a single rank),
+stage 2 keeps the gradient whole as stage 1 does. At equal C_B it never holds more.
 
 Parameters live in one flat buffer laid out by :class:`ShardLayout`; on a pycomm group
 it is shared memory, so the all-gathers read peers' shards in place.
@@ -63,7 +64,7 @@ class FlatShards:
         self._shapes = [p.shape for p in params]
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self.precision = precision
-        cap = int(bucket_cap_mb * MB)
+        cap = self._bucket_cap(int(bucket_cap_mb * MB))
         self.layout = ShardLayout(self.params, self.world, self.rank, cap, self.precision.compute)
         self._op, self._divide_after = comms.averaging_op(process_group)
         self._adopt_params()
@@ -79,6 +80,17 @@ class FlatShards:
         self._watch = ParamWatch(self.params, self._param_view_of_flat)
 
     # -- setup -------------------------------------------------------------------------------
+
+    def _bucket_cap(self, cap: int) -> int:
+        """Stage 2 reduces each bucket out of a buffer of its own, taken when backward
+        reaches the bucket: two of them beside the shards must hold less than the whole
+        gradient (what stage 1 keeps), and one taken early must not outweigh the
+        gradients autograd would have allocated by then. So its buckets are capped at a
+        quarter of what the shards leave of the gradient, as well as at C_B."""
+        if self.stage == 1 or self.world == 1:
+            return cap
+        whole = sum(p.numel() for p in self.params) * self.precision.compute.itemsize
+        return max(1, min(cap, whole * (self.world - 1) // (4 * self.world)))
 
     def _param_view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
         shape = self._shapes[i]  # as built: the parameter itself may have been replaced

@@ -114,6 +114,8 @@ class ShardedModel:
                 full.zero_()
                 for j, p in enumerate(u.params):
                     u.piece(full, j).copy_(p.reshape(-1))
+                    if self._materialize is not None:  # made here: freed here, not after all
+                        p.data = torch.empty(0, dtype=p.dtype)
                 dist.broadcast(full, src=comms.src_rank(self.group), group=self.group)
                 view = self.masters.allocate(u.shard_numel)
                 view.copy_(full[self.rank * u.shard_numel : (self.rank + 1) * u.shard_numel])
