@@ -67,10 +67,13 @@ def main(argv: list[str] | None = None) -> None:
     mb = 1 << 20
     for init in ("full", "meta"):
         runs = report[init]
-        print(f"{init}: building, peak in use per rank {[round(r['build_peak'] / mb) for r in runs]}"
-              f" MiB (held after {[round(r['build_after'] / mb) for r in runs]}; RSS added "
-              f"{[round(r['build_rss_added'] / mb) for r in runs]}); first step's peak "
-              f"{[round(r['step_peak'] / mb) for r in runs]} MiB; loss {runs[0]['loss']:.4f}")
+
+        def mib(key: str, runs: list[dict[str, Any]] = runs) -> list[int]:
+            return [round(r[key] / mb) for r in runs]
+
+        print(f"{init}: building, peak in use per rank {mib('build_peak')} MiB (held after "
+              f"{mib('build_after')}; RSS added {mib('build_rss_added')}); first step's "
+              f"peak {mib('step_peak')} MiB; loss {runs[0]['loss']:.4f}")
     print(f"fp32 training state {report['state_bytes'] / mb:.0f} MiB, one rank's share "
           f"{report['share_bytes'] / mb:.0f} MiB, parameters {params / 1e6:.1f}M")
     if args.out:

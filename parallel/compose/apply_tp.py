@@ -194,7 +194,7 @@ def mark_partial_grads(model: nn.Module, held: list[str], blocks: list[str],
             continue
         for p in module.parameters(recurse=False):
             if spec_of(p).dim is None:
-                p.tp_partial_grad = True  # type: ignore[attr-defined]
+                p.tp_partial_grad = True
 
 
 def partial_grad_params(params: list[nn.Parameter]) -> list[nn.Parameter]:

@@ -122,10 +122,12 @@ class ParallelModel:
         if not tied or before == (self.config.zero == 3):
             return
         if before:
-            for p, _ in tied:
+            grads = []
+            for p, group in tied:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            self.ties.sum_grads([(p.grad, g) for p, g in tied])
+                grads.append((p.grad, group))
+            self.ties.sum_grads(grads)
         else:
             shards = self.dp.shard_grads_of([p for p, _ in tied])
             self.ties.sum_grads([(s, g) for s, (_, g) in zip(shards, tied, strict=True)])
@@ -215,13 +217,13 @@ class ParallelModel:
 
     def _everywhere(self, mine: torch.Tensor, rows: int) -> torch.Tensor:
         """The last stage's rows of every replica, on every rank."""
-        shape = [None]
+        shape: list[Any] = [None]
         if self.pipeline.is_last:
             shape = [[rows, *mine.shape[1:]]]
         last = dist.get_global_rank(self.mesh.group("pp"), self.mesh.size("pp") - 1)
         dist.broadcast_object_list(shape, src=last, group=self.mesh.group("pp"))
         per = rows // self.mesh.size("dp")
-        full = torch.empty([per, *shape[0][1:]], dtype=torch.float32)  # type: ignore[index]
+        full = torch.empty([per, *shape[0][1:]], dtype=torch.float32)
         if self.pipeline.is_last:
             full.copy_(mine)
         dist.broadcast(full, src=last, group=self.mesh.group("pp"))

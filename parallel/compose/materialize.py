@@ -108,7 +108,7 @@ class Materializer:
     def _run_init(self, path: str, module: nn.Module, keep: dict[str, nn.Parameter]) -> None:
         saved = {n: p.detach().clone() for n, p in keep.items()}
         if hasattr(module, "_is_hf_initialized"):  # transformers skips what it marked
-            module._is_hf_initialized = False
+            module.__dict__["_is_hf_initialized"] = False
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed_of(self.seed, path))
             self.init(path, module)

@@ -155,7 +155,7 @@ def resolve_layers(plan: Plan, model: nn.Module) -> list[ResolvedLayer]:
                 if p not in modules:
                     raise ValueError(f"plan for {plan.name}: layer names module {p!r}, "
                                      f"which the model ({type(model).__name__}) does not have")
-            is_block = bool(plan.blocks) and any(matches(plan.blocks, p) for p in paths)
+            is_block = plan.blocks is not None and any(matches(plan.blocks, p) for p in paths)
             out.append(ResolvedLayer(len(out), paths, spec.call, is_block))
     return out
 

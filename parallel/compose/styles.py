@@ -185,7 +185,7 @@ class PerRankRandom(Style):
             with TRACKER.fork(TENSOR_PARALLEL):
                 return forward(*args, **kwargs)
 
-        module.forward = forked  # type: ignore[method-assign]
+        module.forward = forked
         return module
 
 

@@ -64,9 +64,10 @@ class ZeroPlan:
         if config.zero == 3:
             shard_model(stage_module, group, unit_modules=unit_modules,
                         never_persistent=never_persistent, materialize=materialize)
-        named = {n: p for n, p in stage_module.named_parameters()}
-        named.update(zip(getattr(stage_module, "zero3", None).names, stage_module.zero3.params,
-                         strict=True) if config.zero == 3 else {})
+        named = dict(stage_module.named_parameters())
+        zero3: Any = stage_module.__dict__.get("zero3")
+        if zero3 is not None:  # the parameters as stage 3 keeps them (made from meta there)
+            named.update(zip(zero3.names, zero3.params, strict=True))
         groups = [{"params": [named[n] for n in names], "weight_decay": decay}
                   for names, decay in by_name]
         master = next(p.dtype for names, _ in by_name for p in (named[n] for n in names))

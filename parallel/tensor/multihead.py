@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from types import SimpleNamespace
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,8 @@ class ParallelMultiheadAttention(nn.Module):
     """This rank's ``num_heads / TP`` heads of an ``nn.MultiheadAttention``."""
 
     # where torch's names for the parameters went (checkpoints speak torch's)
-    original_names = {"in_proj.weight": "in_proj_weight", "in_proj.bias": "in_proj_bias"}
+    original_names: ClassVar[dict[str, str]] = {"in_proj.weight": "in_proj_weight",
+                                                 "in_proj.bias": "in_proj_bias"}
 
     def __init__(self, embed_dim: int, num_heads: int, in_proj: ColumnParallelLinear,
                  out_proj: RowParallelLinear, *, group: Group, dropout: float,

@@ -35,6 +35,11 @@ def _check_divisible(what: str, size: int, parts: int, world: int) -> None:
                          + (f" times {parts}" if parts > 1 else ""))
 
 
+def _weight_and_bias(layer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A dense layer's ``weight`` and its ``bias`` (None without one)."""
+    return layer.weight, getattr(layer, "bias", None)
+
+
 def _value(p: nn.Parameter, grads: bool) -> torch.Tensor:
     """``p``'s values, or its gradient (zeros if it has none)."""
     if not grads:
@@ -169,7 +174,7 @@ class ColumnParallelLinear(nn.Module):
         """From an ``nn.Linear`` (weight ``(out, in)``) or, ``transposed``, a layer whose
         weight is ``(in, out)`` (HuggingFace's ``Conv1D``): this rank's output features
         of the same weights, in the same dtype and on the same device."""
-        weight, bias = linear.weight, getattr(linear, "bias", None)
+        weight, bias = _weight_and_bias(linear)
         dense = weight.t() if transposed else weight
         layer = cls(dense.shape[1], dense.shape[0], bias is not None, group=group,
                     transposed=transposed, dtype=weight.dtype, device=weight.device, **kwargs)
@@ -247,7 +252,7 @@ class RowParallelLinear(nn.Module):
                    **kwargs: Any) -> RowParallelLinear:
         """From an ``nn.Linear`` or (``transposed``) a ``Conv1D``: this rank's input
         features of the same weights, in the same dtype and on the same device."""
-        weight, bias = linear.weight, getattr(linear, "bias", None)
+        weight, bias = _weight_and_bias(linear)
         dense = weight.t() if transposed else weight
         layer = cls(dense.shape[1], dense.shape[0], bias is not None, group=group,
                     transposed=transposed, dtype=weight.dtype, device=weight.device, **kwargs)
