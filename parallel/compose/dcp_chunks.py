@@ -24,23 +24,20 @@ import pickle
 import shutil
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -55,166 +52,20 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from parallel.tensor.sharding import TPSpec
+from parallel.compose.chunks import (
+    Box,
+    Chunk,
+    ChunkedTensor,
+    as_chunked,
+    chunks_of,
+    describe,
+    disjoint,
+    inside,
+)
+from parallel.compose.dcp_metadata import Reader, read_metadata
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
-
-
-@dataclass
-class Chunk:
-    """A rectangle of a tensor: ``offsets`` in the global tensor, ``data`` shaped like
-    it (possibly a view into live storage: load writes into it in place)."""
-
-    offsets: tuple[int, ...]
-    data: torch.Tensor
-
-
-@dataclass
-class ChunkedTensor:
-    """This rank's parts of a tensor of global ``shape``; other ranks may hold the same
-    (replicated) chunks, and a rank may hold none."""
-
-    shape: torch.Size
-    dtype: torch.dtype
-    chunks: list[Chunk] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.shape = torch.Size(self.shape)
-
-
-# --- which rectangles of the global tensor a flat range of a TP part is -------------------
-
-def chunks_of(full_shape: torch.Size | tuple[int, ...], spec: TPSpec, tp_world: int,
-              tp_rank: int, flat: torch.Tensor, flat_start: int) -> list[Chunk]:
-    """The chunks, in global coordinates, that ``flat`` holds.
-
-    Args:
-        full_shape: the whole tensor's shape.
-        spec, tp_world, tp_rank: the tensor-parallel split (``spec.shard(full, tp_world,
-            tp_rank)`` is this rank's TP-local tensor).
-        flat: 1-D, elements ``[flat_start, flat_start + flat.numel())`` of the TP-local
-            tensor flattened row-major (a ZeRO shard; the whole part without ZeRO).
-        flat_start: where ``flat`` starts in the flattened TP-local tensor.
-
-    Returns chunks whose data are views of ``flat``.
-
-    Raises:
-        ValueError: the split does not divide the shape, or the range lies outside the
-            TP-local tensor, or ``flat`` is not 1-D.
-    """
-    full = tuple(full_shape)
-    local, dim = _local_shape(full, spec, tp_world, tp_rank)
-    if flat.dim() != 1 or flat_start < 0 or flat_start + flat.numel() > math.prod(local):
-        raise ValueError(f"flat range [{flat_start}, {flat_start + flat.numel()}) "
-                         f"(flat of shape {tuple(flat.shape)}) is not inside the TP-local "
-                         f"tensor of shape {local}")
-    out, pos = [], 0
-    for offsets, sizes in _row_major_boxes(local, flat_start, flat_start + flat.numel()):
-        n = math.prod(sizes)
-        data = flat[pos:pos + n].view(sizes)
-        pos += n
-        if dim is None:
-            out.append(Chunk(offsets, data))
-        else:
-            block = local[dim] // spec.interleave
-            out += _to_global(offsets, data, dim, block, tp_world, tp_rank)
-    return out
-
-
-def _local_shape(full: tuple[int, ...], spec: TPSpec, world: int,
-                 rank: int) -> tuple[tuple[int, ...], int | None]:
-    """The TP-local shape and the (non-negative) split dim, None when not split."""
-    if not 0 <= rank < world:
-        raise ValueError(f"tp_rank {rank} is not in [0, {world})")
-    if spec.dim is None or world == 1:
-        return full, None
-    if not -len(full) <= spec.dim < len(full):
-        raise ValueError(f"split dim {spec.dim} does not exist in shape {full}")
-    dim = spec.dim % len(full)
-    parts = spec.interleave * world
-    if spec.interleave < 1 or full[dim] % parts:
-        raise ValueError(f"dim {dim} of shape {full} does not split into {spec.interleave} "
-                         f"blocks x {world} ranks")
-    return full[:dim] + (full[dim] // world,) + full[dim + 1:], dim
-
-
-def _row_major_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
-    """Rectangles, in order, covering elements ``[start, stop)`` of a row-major tensor:
-    a partial leading row, full rows, a partial trailing row (the partial rows recursively
-    in the lower dims). Each is one contiguous run of the range."""
-    if start >= stop:
-        return []
-    if not shape:
-        return [((), ())]
-    row = math.prod(shape[1:])
-    first, last = -(-start // row), stop // row  # full rows are [first, last)
-    if first > last:  # inside one row
-        return _in_row(shape, first - 1, start, stop)
-    boxes = _in_row(shape, first - 1, start, first * row) if start < first * row else []
-    if last > first:
-        boxes.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + shape[1:]))
-    if stop > last * row:
-        boxes += _in_row(shape, last, last * row, stop)
-    return boxes
-
-
-def _in_row(shape: tuple[int, ...], r: int, start: int, stop: int) -> list[Box]:
-    """The boxes of ``[start, stop)``, all inside row ``r``, as 1-high boxes."""
-    row = math.prod(shape[1:])
-    inner = _row_major_boxes(shape[1:], start - r * row, stop - r * row)
-    return [((r,) + offsets, (1,) + sizes) for offsets, sizes in inner]
-
-
-def _to_global(offsets: tuple[int, ...], data: torch.Tensor, dim: int, block: int,
-               world: int, rank: int) -> list[Chunk]:
-    """A TP-local box in global coordinates: local index ``k * block + j`` along ``dim``
-    is global ``(k * world + rank) * block + j``, so the box is cut at block edges."""
-    out = []
-    lo, hi = offsets[dim], offsets[dim] + data.shape[dim]
-    i = lo
-    while i < hi:
-        k, j = divmod(i, block)
-        n = min(hi, (k + 1) * block) - i
-        where = offsets[:dim] + ((k * world + rank) * block + j,) + offsets[dim + 1:]
-        out.append(Chunk(where, data.narrow(dim, i - lo, n)))
-        i += n
-    return out
-
-
-# --- checks shared by save and load -----------------------------------------------------
-
-def _as_chunked(key: str, value: Any) -> ChunkedTensor | None:
-    """A tensor value as a ChunkedTensor (a plain tensor is one whole chunk), checked;
-    None for an object."""
-    if isinstance(value, torch.Tensor):
-        value = ChunkedTensor(value.shape, value.dtype, [Chunk((0,) * value.dim(), value)])
-    if not isinstance(value, ChunkedTensor):
-        return None
-    for c in value.chunks:
-        if c.data.dtype != value.dtype or not _inside(value.shape, c.offsets, c.data.shape):
-            raise ValueError(f"key {key!r}: chunk at {tuple(c.offsets)} of shape "
-                             f"{tuple(c.data.shape)} {c.data.dtype} does not fit its "
-                             f"{value.dtype} tensor of shape {tuple(value.shape)}")
-    return value
-
-
-def _inside(shape: torch.Size, offsets: Any, sizes: Any) -> bool:
-    """Whether the box lies in ``shape`` (and is well formed: non-negative ints)."""
-    if not (isinstance(offsets, (tuple, list)) and isinstance(sizes, (tuple, list))):
-        return False
-    return (len(offsets) == len(sizes) == len(shape)
-            and all(type(v) is int and v >= 0 for v in (*offsets, *sizes))
-            and all(o + s <= n for o, s, n in zip(offsets, sizes, shape, strict=True)))
-
-
-def _show(box: Any) -> str:
-    """A box's offsets or sizes for a message, whatever the metadata held."""
-    return str(tuple(box)) if isinstance(box, (tuple, list)) else repr(box)
-
-
-def _describe(shape: torch.Size, dtype: torch.dtype) -> str:
-    return f"{dtype} tensor of shape {tuple(shape)}"
-
+__all__ = ["Chunk", "ChunkedTensor", "chunks_of", "load", "payload_by_file", "read_whole",
+           "save", "saved_keys"]
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -242,7 +93,7 @@ class _SavePlanner(DefaultSavePlanner):
         kinds: dict[str, tuple[torch.Size, torch.dtype] | None] = {}
         self._data: dict[MetadataIndex, torch.Tensor] = {}
         for key, value in self.state_dict.items():
-            ct = _as_chunked(key, value)
+            ct = as_chunked(key, value)
             kinds[key] = None if ct is None else (ct.shape, ct.dtype)
             if ct is None:
                 items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
@@ -294,7 +145,7 @@ def _agreed_kinds(plans: list[SavePlan]) -> dict[str, Any]:
 
 
 def _kind(kind: Any) -> str:
-    return "an object" if kind is None else "a " + _describe(*kind)
+    return "an object" if kind is None else "a " + describe(*kind)
 
 
 def _check_tiling(kinds: dict[str, Any], metadata: Metadata) -> None:
@@ -307,7 +158,7 @@ def _check_tiling(kinds: dict[str, Any], metadata: Metadata) -> None:
         if not isinstance(md, TensorStorageMetadata):
             raise ValueError(f"key {key!r}: no rank holds any part of it")
         for c in md.chunks:
-            if not _inside(md.size, c.offsets, c.sizes):
+            if not inside(md.size, c.offsets, c.sizes):
                 raise ValueError(f"key {key!r}: chunk at {tuple(c.offsets)} of size "
                                  f"{tuple(c.sizes)} lies outside shape {tuple(md.size)}")
         held = sum(math.prod(c.sizes) for c in md.chunks)
@@ -380,101 +231,6 @@ def _unwrapped(exc: CheckpointException, what: str) -> BaseException:
 
 # --- reading the metadata, untrusted -----------------------------------------------------
 
-_META = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {(_META, name) for name in (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-    "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle: only its own classes and torch dtypes may load."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if (module, name) in _ALLOWED or dtype:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
-
-
-def _read_metadata(path: Path) -> Metadata:
-    """The checked metadata of the checkpoint at ``path``.
-
-    Raises:
-        FileNotFoundError: no complete checkpoint there (say so when a partial one is).
-        ValueError: the metadata is malformed or a chunk lies outside its tensor.
-    """
-    if not (path / ".metadata").is_file():
-        partial = path.with_name(path.name + ".partial")
-        hint = f" ({partial} is a save that did not finish)" if partial.exists() else ""
-        raise FileNotFoundError(f"no checkpoint at {path}{hint}")
-    try:
-        with open(path / ".metadata", "rb") as f:
-            md = _MetadataUnpickler(f).load()
-    except Exception as exc:  # whatever a malformed pickle raises
-        raise ValueError(f"{path}: unreadable checkpoint metadata ({exc})") from exc
-    if not (isinstance(md, Metadata) and isinstance(md.state_dict_metadata, dict)
-            and isinstance(md.storage_data, dict)):
-        raise ValueError(f"{path}: not a checkpoint's metadata")
-    for index, info in md.storage_data.items():
-        _check_storage(path, index, info)
-    for key, smd in md.state_dict_metadata.items():
-        _check_entry(path, key, smd, md.storage_data)
-    return md
-
-
-def _check_storage(path: Path, index: Any, info: Any) -> None:
-    """A storage entry names a file inside the checkpoint and a byte range."""
-    ok = (isinstance(index, MetadataIndex) and isinstance(info, _StorageInfo)
-          and isinstance(info.relative_path, str)
-          and info.relative_path not in ("", ".", "..")
-          and os.path.basename(info.relative_path) == info.relative_path
-          and all(type(v) is int and v >= 0 for v in (info.offset, info.length))
-          and not getattr(info, "transform_descriptors", None))  # save writes none
-    if not ok:
-        raise ValueError(f"{path}: malformed storage entry {index!r}: {info!r}")
-
-
-def _check_entry(path: Path, key: Any, smd: Any, storage: dict) -> None:
-    """A key's entry is an object, or a tensor whose chunks lie inside it and are stored."""
-    if isinstance(smd, BytesStorageMetadata) and isinstance(key, str):
-        if MetadataIndex(key) not in storage:
-            raise ValueError(f"{path}: key {key!r}: the object is not stored")
-        return
-    if not (isinstance(key, str) and isinstance(smd, TensorStorageMetadata)
-            and isinstance(smd.size, torch.Size)
-            and all(type(v) is int and v >= 0 for v in smd.size)
-            and isinstance(smd.properties, TensorProperties)
-            and isinstance(smd.properties.dtype, torch.dtype)
-            and isinstance(smd.chunks, list)
-            and all(isinstance(c, ChunkStorageMetadata) for c in smd.chunks)):
-        raise ValueError(f"{path}: key {key!r}: malformed entry")
-    for c in smd.chunks:
-        if not _inside(smd.size, c.offsets, c.sizes):
-            raise ValueError(f"{path}: key {key!r}: saved chunk at {_show(c.offsets)} of "
-                             f"size {_show(c.sizes)} lies outside shape {tuple(smd.size)}")
-        if MetadataIndex(key, c.offsets) not in storage:
-            raise ValueError(f"{path}: key {key!r}: chunk at {tuple(c.offsets)} not stored")
-
-
-class _Reader(FileSystemReader):
-    """DCP's file reader with the metadata read once, through :func:`_read_metadata`."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.metadata = _read_metadata(path)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self.metadata.storage_meta is None:
-            self.metadata.storage_meta = StorageMeta()
-        self.metadata.storage_meta.load_id = self.load_id
-        return self.metadata
-
-
-# --- load -------------------------------------------------------------------------------
-
 class _LoadPlanner(DefaultLoadPlanner):
     """Reads what :func:`_plan_reads` planned into the chunks' data, in place, and
     unpickles the objects (``weights_only`` unless told otherwise: the files are data)."""
@@ -510,7 +266,7 @@ def _plan_reads(state: dict[str, Any], md: Metadata) -> tuple[
     problems: list[str] = []
     for key, value in state.items():
         try:
-            wanted = _as_chunked(key, value)
+            wanted = as_chunked(key, value)
         except ValueError as exc:
             problems.append(str(exc))
             continue
@@ -558,30 +314,10 @@ def _uncovered(key: str, local: list[ChunkStorageMetadata], reads: list[ReadItem
     out = []
     for i, c in enumerate(local):
         got = boxes[i]
-        if sum(math.prod(s) for _, s in got) != c.sizes.numel() or not _disjoint(got):
+        if sum(math.prod(s) for _, s in got) != c.sizes.numel() or not disjoint(got):
             out.append(f"key {key!r}: the checkpoint does not hold the part at "
                        f"{tuple(c.offsets)} of size {tuple(c.sizes)} exactly once")
     return out
-
-
-def _disjoint(boxes: list[Box]) -> bool:
-    """No two (non-empty) boxes share an element: a sweep along dim 0."""
-    if len(boxes) < 2:
-        return True
-    if not boxes[0][0]:
-        return False  # two boxes of a 0-d tensor are the same element
-    active: list[Box] = []
-    for box in sorted(boxes):
-        active = [a for a in active if a[0][0] + a[1][0] > box[0][0]]
-        if any(_overlap(a, box) for a in active):
-            return False
-        active.append(box)
-    return True
-
-
-def _overlap(a: Box, b: Box) -> bool:
-    return all(ao < bo + bs and bo < ao + as_
-               for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1], strict=True))
 
 
 def load(state: dict[str, Any], path: str | os.PathLike, group: Any = None, *,
@@ -612,11 +348,11 @@ def load(state: dict[str, Any], path: str | os.PathLike, group: Any = None, *,
 def _load(state: dict[str, Any], path: str | os.PathLike, group: Any, weights_only: bool,
           multi: bool) -> dict[str, Any]:
     """:func:`load`, collective when ``multi``, else in this process alone."""
-    reader: _Reader | None = None
+    reader: Reader | None = None
     items: list[ReadItem] = []
     targets: dict[str, list[torch.Tensor]] = {}
     try:
-        reader = _Reader(Path(path))
+        reader = Reader(Path(path))
         items, targets, problems = _plan_reads(state, reader.metadata)
     except Exception as exc:  # any rank's: every rank must still reach _everyones
         plain = isinstance(exc, (FileNotFoundError, ValueError))
@@ -654,7 +390,7 @@ def saved_keys(path: str | os.PathLike) -> dict[str, tuple[torch.Size, torch.dty
         FileNotFoundError: no complete checkpoint at ``path``.
         ValueError: its metadata is malformed.
     """
-    md = _read_metadata(Path(path))
+    md = read_metadata(Path(path))
     return {k: (v.size, v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
             for k, v in md.state_dict_metadata.items()}
 
@@ -673,7 +409,7 @@ def read_whole(path: str | os.PathLike, keys: list[str] | None = None, *,
         ValueError: a key is not in the checkpoint, or the chunks do not tile a tensor.
         FileNotFoundError: no complete checkpoint at ``path``.
     """
-    saved = _read_metadata(Path(path)).state_dict_metadata
+    saved = read_metadata(Path(path)).state_dict_metadata
     wanted = list(saved) if keys is None else list(keys)
     whole: dict[str, Any] = {}
     for key in wanted:
@@ -690,7 +426,7 @@ def payload_by_file(path: str | os.PathLike) -> dict[str, int]:
     """Bytes of tensor data each file of the checkpoint holds (the chunks DCP assigned to
     it, without its per-item framing): every element of every tensor is in exactly one
     file, so the sum is the tensors' size once, whatever the replication when saved."""
-    md = _read_metadata(Path(path))
+    md = read_metadata(Path(path))
     out: dict[str, int] = defaultdict(int)
     for key, smd in md.state_dict_metadata.items():
         if not isinstance(smd, TensorStorageMetadata):
