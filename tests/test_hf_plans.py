@@ -209,7 +209,7 @@ def pool2():
         yield pool
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen3", "gpt_neox", "mistral"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen3", "gpt_neox", "mistral", "gemma"])
 def test_tp_styles_of_the_plan_give_the_one_process_logits(pool2, model_type):
     """tp = 2 over the world group, styles applied by hand, logits gathered by the head."""
     if model_type != "gpt2":

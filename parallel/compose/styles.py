@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from parallel.tensor.parallel_linear import (
@@ -95,16 +96,41 @@ class Rowwise(Style):
                                             sequence_parallel=ctx.sequence_parallel)
 
 
+def _embed_scale(module: nn.Module) -> torch.Tensor | None:
+    """The scale of HuggingFace's ``*ScaledWordEmbedding`` (an ``nn.Embedding`` whose
+    forward multiplies the lookup by the buffer ``embed_scale``: Gemma's), else None."""
+    scale = getattr(module, "embed_scale", None)
+    scaled = (type(module).__bases__ == (nn.Embedding,) and torch.is_tensor(scale)
+              and type(module).__name__.endswith("ScaledWordEmbedding"))
+    return scale if scaled else None
+
+
+class ScaledVocabParallelEmbedding(VocabParallelEmbedding):
+    """A vocab-parallel embedding whose lookup is multiplied by ``embed_scale``."""
+
+    embed_scale: torch.Tensor
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) * self.embed_scale.to(self.weight.dtype)
+
+
 @dataclass(frozen=True)
 class VocabEmbedding(Style):
-    """An ``nn.Embedding`` split by vocabulary rows (Megatron's VocabParallelEmbedding)."""
+    """An ``nn.Embedding`` split by vocabulary rows (Megatron's VocabParallelEmbedding);
+    HuggingFace's scaled word embeddings keep their scale."""
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        if type(module) is not nn.Embedding:
+        scale = _embed_scale(module)
+        if type(module) is not nn.Embedding and scale is None:
             raise TypeError(f"tensor parallel: {ctx.path} is a {type(module).__name__}; the "
                             "style vocab_embedding replaces nn.Embedding only (a subclass "
                             "may scale or pad what it returns): give it another style")
-        return VocabParallelEmbedding.from_dense(module, ctx.group)
+        layer = VocabParallelEmbedding.from_dense(module, ctx.group)  # type: ignore[arg-type]
+        if scale is None:
+            return layer
+        layer.__class__ = ScaledVocabParallelEmbedding
+        layer.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
+        return layer
 
 
 @dataclass(frozen=True)
