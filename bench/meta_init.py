@@ -22,6 +22,7 @@ import torch
 
 from bench._dcp_runs import PeakRSS
 from bench._memory_probe import PeakSampler
+from bench._provenance import cpu_model, git_commit, now, versions
 
 WIDTH, LAYERS, HEADS, SEQ = 768, 8, 12, 128
 
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
               f"peak {mib('step_peak')} MiB; loss {runs[0]['loss']:.4f}")
     print(f"fp32 training state {report['state_bytes'] / mb:.0f} MiB, one rank's share "
           f"{report['share_bytes'] / mb:.0f} MiB, parameters {params / 1e6:.1f}M")
+    report.update(commit=git_commit(), when=now(), versions=versions(), cpu=cpu_model())
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))

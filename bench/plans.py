@@ -13,6 +13,8 @@ Example::
 
     python -m bench.plans --out bench/results/plans/fp32.md
     python -m bench.plans --models gpt,llama --layouts 2x2x1 --precision bf16
+    python -m bench.plans --layouts 2x2x1,1x2x2,2x2x2 \
+        --config '{"sequence_parallel": true, "recompute": true}'
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from bench import _model_zoo as zoo
 from bench import _plan_runs as runs
+from bench._provenance import cpu_model, git_commit, now, versions
 
 DEFAULT_LAYOUTS = "4x1x1,2x2x1,2x1x2,1x2x2,1x1x4,2x2x2"
 
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     for world in sorted({lay[0] * lay[1] * lay[2] for _, lay, _ in todo}):
         with RankPool(world, backend="pycomm", pg_timeout_s=120) as pool:
             for model, lay, z in [c for c in todo if c[1][0] * c[1][1] * c[1][2] == world]:
-                config = {"zero": z, "precision": args.precision, "loss_scale": args.loss_scale}
+                config = {"zero": z, "precision": args.precision, "loss_scale": args.loss_scale,
+                          **args.config}
                 t0 = time.perf_counter()
                 got = pool.run(runs.layout, model, *lay, config, recipe, args.meta,
                                timeout_s=900)[0]
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loss-scale", type=float, default=2.0**22,
                         help="fp16's initial loss scale (high: the first steps overflow and "
                              "are skipped, as the table counts)")
+    parser.add_argument("--config", type=json.loads, default={},
+                        help='more ParallelConfig settings, as JSON: \'{"recompute": true}\'')
     parser.add_argument("--out", help="markdown table (and .json beside it)")
     args = parser.parse_args(argv)
     print(_header(args.precision))
@@ -128,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(table)
         Path(args.out).with_suffix(".json").write_text(json.dumps(
-            {"argv": vars(args), "rows": rows}, indent=1))
+            {"argv": vars(args), "commit": git_commit(), "when": now(),
+             "versions": versions(), "cpu": cpu_model(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

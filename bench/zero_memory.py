@@ -10,7 +10,7 @@ outside the optimizer (bench._memory_probe, not ``memory_stats()``):
 - **held between steps**: the unique tensor storages reachable from the engine after
   the step, by role: parameters, their gradients, optimizer state, and the rest
   (bucket buffers, stage 3's pooled whole units and persistent parameters, plain data
-  parallelism's averaging buffer);
+  parallelism's averaging buffer, which the gradients are views of);
 - **peak**: the process's bytes in use (malloc plus pycomm's shared-memory arena) read
   after every aten op of the step, above what it used before the engine was built
   (activations included); and the rise of peak RSS over the step.
@@ -18,8 +18,8 @@ outside the optimizer (bench._memory_probe, not ``memory_stats()``):
 Formulas (fp32 parameters and gradients, Adam with K = 8 bytes of state per parameter,
 the masters being the parameters themselves): stage 0 16Psi, stage 1 4Psi + 4Psi +
 8Psi/N, stage 2 4Psi + 12Psi/N, stage 3 16Psi/N; each plus the buffers it states
-(``ALLOWANCE`` below): stage 0 its averaging buffer (a whole gradient), stages 1-2
-none between steps (stage 1's buckets are views of its gradient; stage 2 gives each
+(``ALLOWANCE`` below): stages 0-2 none between steps (stage 0's gradients are views of
+its averaging buffer) (stage 1's buckets are views of its gradient; stage 2 gives each
 bucket's buffer back once reduce-scattered), stage 3 its pool of whole-unit buffers
 (at most 6 of the largest unit) and the parameters under its persistence threshold,
 kept whole with their gradients.
@@ -46,7 +46,7 @@ MODEL: dict[str, Any] = {"vocab_size": 256, "block_size": 128, "n_layer": 6, "n_
 ROWS = 2  # per rank
 STAGES = (0, 1, 2, 3)
 ALLOWANCE = {
-    0: "averaging buffer 4Psi",
+    0: "0 (the gradients are views of the averaging buffer)",
     1: "0 (buckets are views of the gradient)",
     2: "0 (bucket buffers given back; 2 x bucket if kept whole)",
     3: "pool <= 6 x largest unit, + 8 B x persistent params",
@@ -112,9 +112,6 @@ def allowance(stage: int, model: Any) -> float:
     composed engine reduces after backward, where stage 2 streams at every cap)."""
     from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD
 
-    psi = sum(p.numel() for p in model.parameters())
-    if stage == 0:
-        return 4 * psi
     if stage == 3:
         unit = max(sum(p.numel() for p in block.parameters()) for block in model.blocks)
         small = sum(p.numel() for p in model.parameters()

@@ -57,11 +57,14 @@ class PlainDataParallel:
             return
         if self.low_reduce:
             self.averager()
-        for p, m in zip(self.params, self.masters, strict=True):
-            m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
-            p.grad = None
-        if not self.low_reduce:
-            self.averager()
+            for p, m in zip(self.params, self.masters, strict=True):
+                m.grad = p.grad.float()  # type: ignore[union-attr]
+            return
+        # Each low-precision gradient cast into its master's view of the fp32 buffer.
+        for p, m, view in zip(self.params, self.masters, self.averager.views, strict=True):
+            view.copy_(p.grad) if p.grad is not None else view.zero_()
+            p.grad, m.grad = None, view
+        self.averager()
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -71,8 +74,11 @@ class PlainDataParallel:
                 p.copy_(m)
 
     def zero_grad(self) -> None:
-        for p in [*self.params, *self.masters]:
-            p.grad = None
+        if self.mixed:
+            for p in [*self.params, *self.masters]:
+                p.grad = None
+        else:  # the gradients are the averaging buffer's views, zeroed in place
+            self.averager.zero()
 
     def grad_parts(self) -> list[tuple[torch.Tensor, float]]:
         dp = self.mesh.size("dp")

@@ -3,9 +3,11 @@
 :class:`DataParallel` reduces while backward runs, which needs to know which backward
 is the last one; a composed job (a pipeline runs many backwards per step, tensor
 parallelism sums partial gradients first) reduces once, when told, in the order the
-job's :func:`parallel.compose.finalize.finalize_grads` fixes. The gradients go through one
-preallocated flat buffer in constant-size buckets (C_B; shared memory on pycomm, so the
-all-reduces are zero-copy), each bucket's all-reduce started before the next is packed.
+job's :func:`parallel.compose.finalize.finalize_grads` fixes. The gradients live in one
+preallocated flat buffer (C_B-sized buckets of it are all-reduced, each started before
+the next; shared memory on pycomm, so the all-reduces are zero-copy): once attached,
+every ``.grad`` is a view of it (torch's ``gradient_as_bucket_view``), so backward
+accumulates into it, the average is taken in place, and no gradient exists twice.
 """
 
 from __future__ import annotations
@@ -43,32 +45,46 @@ class GradAverager:
         self.op, self.divide_after = averaging_op(group)
         numel = sum(p.numel() for p in self.params)
         self.buffer = Arena.for_group(numel, dtype, group).buffer[:numel]
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
         self.buckets = _buckets([p.numel() for p in self.params], int(bucket_mb * MB) //
                                 max(1, dtype.itemsize))
 
     @torch.no_grad()
+    def zero(self) -> None:
+        """Zero every gradient, each ``.grad`` a view of the buffer from now on (the next
+        backward accumulates into it)."""
+        self.buffer.zero_()
+        for p, view in zip(self.params, self.views, strict=True):
+            p.grad = view
+
+    @torch.no_grad()
     def __call__(self) -> None:
+        self._gather_grads()
         if self.world == 1:
             return
-        works, offset, views = [], 0, []
+        works = []
         for first, last in self.buckets:
-            start = offset
-            for p in self.params[first:last]:
-                view = self.buffer[offset : offset + p.numel()]
-                view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
-                views.append((p, view))
-                offset += p.numel()
-            works.append(dist.all_reduce(self.buffer[start:offset], op=self.op,
-                                         group=self.group, async_op=True))
+            start = self.views[first].data_ptr() - self.buffer.data_ptr()
+            stop = start + sum(p.numel() for p in self.params[first:last]) * self.buffer.itemsize
+            span = self.buffer[start // self.buffer.itemsize : stop // self.buffer.itemsize]
+            works.append(dist.all_reduce(span, op=self.op, group=self.group, async_op=True))
         for work in works:
             work.wait()
         if self.divide_after:
             self.buffer.div_(self.world)
-        for p, view in views:
+
+    def _gather_grads(self) -> None:
+        """Gradients that are not the buffer's views (set by someone else, or none) are
+        copied in, and the views take their place."""
+        for p, view in zip(self.params, self.views, strict=True):
             if p.grad is None:
-                p.grad = view.view_as(p).clone()
-            else:
-                p.grad.copy_(view.view_as(p))
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
 
 
 def _buckets(numels: list[int], cap: int) -> list[tuple[int, int]]:

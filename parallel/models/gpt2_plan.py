@@ -27,7 +27,9 @@ what that derivation would have said. Reading ``GPT2LMHeadModel.forward`` (trans
    checked by the parallel layers themselves). The vocabulary is split too, so it must
    be divisible by ``tp``: GPT-2's 50257 is not, pad it first
    (``model.resize_token_embeddings(50304)``).
-6. **output**: the last layer already returns logits, so none is needed.
+6. **output**: the model's own forward returns a ``CausalLMOutputWithCrossAttentions``;
+   :func:`parallel.models.hf.logits_of` takes its ``.logits`` (and passes the last
+   layer's plain tensor through), so the plan can be checked against the model itself.
 
 Not in the plan: ``per_rank_random`` on ``attn``. GPT2Attention's ``resid_dropout`` falls
 on ``c_proj``'s output, which every rank holds whole; drawing it from the per-rank stream
