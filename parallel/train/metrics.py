@@ -12,8 +12,8 @@ The lines (``--metrics FILE.jsonl``) are::
 step's wall time on rank 0 (the step ends in a world-wide collective, so that is the
 job's step time); ``peak_rss_mb`` is the largest peak resident set over all ranks
 (``getrusage``'s ``ru_maxrss``, gathered with a MAX all-reduce); ``skipped`` and
-``loss_scale`` are fp16's (a step whose gradients overflowed is skipped on every rank). A resumed run first
-drops the lines after its checkpoint's step, so the file reads as one uninterrupted run.
+``loss_scale`` are fp16's (an overflowed step is skipped on every rank). A resumed run
+first drops the lines after its checkpoint's step, so the file reads as one run.
 """
 
 from __future__ import annotations
