@@ -116,3 +116,14 @@ def collect(placements: list[dict], argv: list[str]) -> dict:
     return {"versions": versions(), "host": socket.gethostname(), "cpu": cpu_model(),
             "commit": git_commit(), "argv": [sys.executable, "-m", "bench.collectives", *argv],
             "started": now(), "env": environment(), "placement": placements}
+
+
+def write_report(report: dict, out: str | None) -> None:
+    """``report`` with where and when it was measured (commit, time, versions, CPU), as
+    JSON at ``out`` (nothing without one)."""
+    import json
+
+    report.update(commit=git_commit(), when=now(), versions=versions(), cpu=cpu_model())
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench import _dcp_runs as dr
 from bench import _model_zoo as zoo
-from bench._provenance import cpu_model, git_commit, now, versions
+from bench._provenance import write_report
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,10 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         got = dr.exported_logits(args.model, path, str(root / "hf"), size)
         report["export_logits_max_abs_diff"] = float((got - ranks[0]["logits"]).abs().max())
     print(json.dumps(report, indent=1))
-    report.update(commit=git_commit(), when=now(), versions=versions(), cpu=cpu_model())
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

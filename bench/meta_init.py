@@ -14,15 +14,13 @@ shows what was ever touched.)
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench._dcp_runs import PeakRSS
 from bench._memory_probe import PeakSampler
-from bench._provenance import cpu_model, git_commit, now, versions
+from bench._provenance import write_report
 
 WIDTH, LAYERS, HEADS, SEQ = 768, 8, 12, 128
 
@@ -77,10 +75,7 @@ def main(argv: list[str] | None = None) -> None:
               f"peak {mib('step_peak')} MiB; loss {runs[0]['loss']:.4f}")
     print(f"fp32 training state {report['state_bytes'] / mb:.0f} MiB, one rank's share "
           f"{report['share_bytes'] / mb:.0f} MiB, parameters {params / 1e6:.1f}M")
-    report.update(commit=git_commit(), when=now(), versions=versions(), cpu=cpu_model())
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

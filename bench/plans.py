@@ -111,6 +111,23 @@ def _header(precision: str) -> str:
             "against fp32 | skipped steps (layout / one process) |\n|---|---|---|---|---|---|---|")
 
 
+def summary(rows: list[dict[str, Any]]) -> str:
+    """The largest relative loss difference per model and layout, over its ZeRO stages
+    (how many in brackets): the table's digest."""
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    lines = ["| model | " + " | ".join(layouts) + " |", "|---" * (len(layouts) + 1) + "|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        cells = []
+        for lay in layouts:
+            got = [r for r in rows if r["model"] == model and r["layout"] == lay]
+            bad = [r for r in got if "error" in r]
+            worst = max((r["loss_rel"] for r in got if "error" not in r), default=None)
+            cells.append("—" if not got else f"refused ({len(bad)})" if worst is None
+                         else f"{worst:.1e} ({len(got)})")
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.plans", description=__doc__.split(
         "\n\n")[1])
@@ -126,9 +143,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", type=json.loads, default={},
                         help='more ParallelConfig settings, as JSON: \'{"recompute": true}\'')
     parser.add_argument("--out", help="markdown table (and .json beside it)")
+    parser.add_argument("--summarize", metavar="JSON", help="print the digest of a run's JSON")
     args = parser.parse_args(argv)
+    if args.summarize:
+        print(summary(json.loads(Path(args.summarize).read_text())["rows"]))
+        return
     print(_header(args.precision))
     rows = run(args)
+    print(summary(rows))
     if args.out:
         table = "\n".join([_header(args.precision), *map(_line, rows)]) + "\n"
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

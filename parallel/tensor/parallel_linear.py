@@ -35,9 +35,15 @@ def _check_divisible(what: str, size: int, parts: int, world: int) -> None:
                          + (f" times {parts}" if parts > 1 else ""))
 
 
-def _weight_and_bias(layer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A dense layer's ``weight`` and its ``bias`` (None without one)."""
-    return layer.weight, getattr(layer, "bias", None)
+def _shaped_like(cls: Any, linear: Any, group: Group, transposed: bool, **kwargs: Any
+                 ) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+    """A parallel layer of ``cls`` for the dense ``linear`` (its sizes, dtype, device;
+    weights not yet copied), its weight as ``(out, in)``, and its bias."""
+    weight, bias = linear.weight, getattr(linear, "bias", None)
+    dense = weight.t() if transposed else weight
+    layer = cls(dense.shape[1], dense.shape[0], bias is not None, group=group,
+                transposed=transposed, dtype=weight.dtype, device=weight.device, **kwargs)
+    return layer, dense, bias
 
 
 def _value(p: nn.Parameter, grads: bool) -> torch.Tensor:
@@ -174,11 +180,8 @@ class ColumnParallelLinear(nn.Module):
         """From an ``nn.Linear`` (weight ``(out, in)``) or, ``transposed``, a layer whose
         weight is ``(in, out)`` (HuggingFace's ``Conv1D``): this rank's output features
         of the same weights, in the same dtype and on the same device."""
-        weight, bias = _weight_and_bias(linear)
-        dense = weight.t() if transposed else weight
-        layer = cls(dense.shape[1], dense.shape[0], bias is not None, group=group,
-                    transposed=transposed, dtype=weight.dtype, device=weight.device, **kwargs)
-        if weight.device.type != "meta":
+        layer, dense, bias = _shaped_like(cls, linear, group, transposed, **kwargs)
+        if dense.device.type != "meta":
             with torch.no_grad():
                 layer.weight_out_in.copy_(layer._shard(dense))
                 if layer.bias is not None and bias is not None:
@@ -252,11 +255,8 @@ class RowParallelLinear(nn.Module):
                    **kwargs: Any) -> RowParallelLinear:
         """From an ``nn.Linear`` or (``transposed``) a ``Conv1D``: this rank's input
         features of the same weights, in the same dtype and on the same device."""
-        weight, bias = _weight_and_bias(linear)
-        dense = weight.t() if transposed else weight
-        layer = cls(dense.shape[1], dense.shape[0], bias is not None, group=group,
-                    transposed=transposed, dtype=weight.dtype, device=weight.device, **kwargs)
-        if weight.device.type != "meta":
+        layer, dense, bias = _shaped_like(cls, linear, group, transposed, **kwargs)
+        if dense.device.type != "meta":
             with torch.no_grad():
                 layer.weight_out_in.copy_(comms.split_last(dense, group))
                 if layer.bias is not None and bias is not None:
