@@ -22,6 +22,10 @@ def _plan(kind: str | None, name: str, model: Any) -> Any:
         return gpt_plan(model)
     if kind == "whole":  # the whole model as one layer
         return Plan(name=type(model).__name__)
+    if kind == "no_blocks":  # the GPT's plan without its blocks
+        plan = gpt_plan(model)
+        plan.blocks = None
+        return plan
     plan = zoo.user_block_plan(model)
     if kind == "no_attention_style":
         del plan.tp["blocks.*.attn"]

@@ -120,6 +120,8 @@ def test_recompute_without_units_and_pipeline_without_layers_are_refused(pool4):
     assert "names no recompute units" in no_units, no_units
     no_layers = pool4.run(sc.refusal, "mlp", 2, 1, 2, "whole")[0]
     assert "gives its forward as one layer" in no_layers, no_layers
+    no_blocks = pool4.run(sc.refusal, "gpt", 2, 2, 1, "no_blocks", {"sequence_parallel": True})[0]
+    assert "names no blocks" in no_blocks, no_blocks
 
 
 @pytest.mark.parametrize(("precision", "zero"), [("bf16", 0), ("bf16", 1), ("fp16", 3)])

@@ -139,10 +139,17 @@ def cast(model: nn.Module, stage: Stage, dtype: torch.dtype) -> None:
 
 def sequence_splits(stage: Stage, mesh: ParallelMesh, sequence_parallel: bool
                     ) -> dict[int, SequenceSplit]:
-    """Each block's :class:`SequenceSplit`: the first splits, the last gathers."""
+    """Each block's :class:`SequenceSplit`: the first splits, the last gathers.
+
+    Raises:
+        ValueError: the plan names no blocks (the region sequence parallelism splits).
+    """
     if not sequence_parallel:
         return {}
     blocks = [x.index for x in stage.layers if x.is_block]
+    if not blocks:
+        raise ValueError("sequence parallel: the plan names no blocks (Plan.blocks), the "
+                         "layers whose activations it would split along the sequence")
     group, world = mesh.group("tp"), mesh.size("tp")
     return {i: SequenceSplit(group, world, True, i == blocks[0], i == blocks[-1])
             for i in blocks}
