@@ -176,6 +176,10 @@ class Pipeline:
             micro.loss = loss_fn(out, tgts[m]) * weights[m]
             state.losses.append(float(micro.loss.detach()))
         else:
+            if not torch.is_tensor(out):
+                raise TypeError(f"pipeline: stage {self.stage_id} returns a {type(out).__name__}; "
+                                "a pipeline passes one tensor from stage to stage (a plan's "
+                                "layer call must return the activations)")
             micro.output = out
             state.sends.append(send_tensor(out, self.stage_id + 1, self.group))
         self._events.append(Event(self.stage_id, "F", m, start, time.perf_counter()))
