@@ -177,6 +177,77 @@ def zero_tp_clip_and_checkpoint(stage: int, path: str) -> dict[str, Any]:
             "replicas": (copies[0] - copies[1]).abs().max().item(), **saved}
 
 
+def _zero_net(stage: int, tp: Any, dp: Any, seed: int) -> tuple[nn.Module, Any]:
+    """GPT(CFG) from ``seed``, tensor-parallel over ``tp`` (None: plain), ZeRO over
+    ``dp`` with SGD and momentum (state to carry across layouts)."""
+    from parallel.tensor import apply_tensor_parallel
+    from parallel.zero import ZeroOptimizer, shard_model
+
+    torch.manual_seed(seed)
+    net: nn.Module = GPT(CFG)
+    if tp is not None:
+        net = apply_tensor_parallel(net, tp, sequence_parallel=True)
+    if stage == 3:
+        net = shard_model(net, dp, persistence_threshold=100)
+    opt = ZeroOptimizer(net.parameters(), torch.optim.SGD, stage=stage, process_group=dp,
+                        lr=LR, momentum=0.9)
+    return net, opt
+
+
+def _sgd_step(net: nn.Module, opt: Any, tp: Any, step: int) -> None:
+    """Step ``step`` on the same 4 rows in every layout: TP 2 x DP 2 replica ``d`` (TP
+    group ``d``) takes rows ``2d, 2d + 1``; TP 1 x DP 4 rank ``r`` takes row ``r``."""
+    from parallel.tensor import vocab_parallel_cross_entropy
+
+    x, y = synthetic_batch(CFG, 4, seed=30 + step)
+    opt.zero_grad()
+    if tp is None:
+        r = dist.get_rank()
+        lm_loss(net(x[r : r + 1]), y[r : r + 1]).backward()
+    else:
+        d = 2 * (dist.get_rank() // 2)
+        vocab_parallel_cross_entropy(net(x[d : d + 2]).float(), y[d : d + 2], tp).mean().backward()
+    opt.step()
+
+
+def _saved_whole(net: nn.Module, opt: Any, path: str) -> dict[str, torch.Tensor]:
+    """``net``'s parameters whole, through ``save_sharded`` and ``consolidate``."""
+    from parallel.zero import consolidate, save_sharded
+
+    save_sharded(path, net, opt)
+    return consolidate(path)
+
+
+def zero_checkpoint_across_tp_sizes(stage: int, root: str) -> dict[str, float]:
+    """A ZeRO checkpoint of a TP model (TP 2 x DP 2, 4 ranks) after step 1, loaded by the
+    plain model under ZeRO over all 4 ranks (TP 1 x DP 4), whose checkpoint after step 2
+    is loaded back at TP 2 x DP 2: each resumed step must be the saving job's own
+    (parameters and momentum resharded across TP sizes). Returns the largest
+    differences of the whole parameters after steps 2 and 3."""
+    from parallel.zero import load_sharded
+
+    rank = dist.get_rank()
+    tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp, dp = tps[rank // 2], dps[rank % 2]
+    net, opt = _zero_net(stage, tp, dp, seed=0)
+    _sgd_step(net, opt, tp, 1)
+    _saved_whole(net, opt, f"{root}/tp2-step1")
+    want = {}
+    for step in (2, 3):
+        _sgd_step(net, opt, tp, step)
+        want[step] = _saved_whole(net, opt, f"{root}/tp2-step{step}-want")
+    plain, plain_opt = _zero_net(stage, None, dist.group.WORLD, seed=1)
+    load_sharded(f"{root}/tp2-step1", plain, plain_opt)
+    _sgd_step(plain, plain_opt, None, 2)
+    got2 = _saved_whole(plain, plain_opt, f"{root}/tp1-step2")
+    again, again_opt = _zero_net(stage, tp, dp, seed=2)
+    load_sharded(f"{root}/tp1-step2", again, again_opt)
+    _sgd_step(again, again_opt, tp, 3)
+    got3 = _saved_whole(again, again_opt, f"{root}/tp2-step3")
+    return {"tp1": _max_diff(got2, want[2]), "tp2": _max_diff(got3, want[3])}
+
+
 def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 

@@ -87,6 +87,17 @@ def test_zero_checkpoint_keeps_every_tensor_parallel_rank(pool4, tmp_path, stage
     assert r["diff"] < TOL, f"consolidated checkpoint off by {r['diff']:.3g}"
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_checkpoint_of_a_tensor_parallel_model_loads_at_another_tp_size(pool4, tmp_path,
+                                                                             stage):
+    """The checkpoint holds the unsplit model's tensors: TP 2 x DP 2 resumes at TP 1 x DP 4
+    and back, each resumed step (SGD with momentum) the saving job's own."""
+    for rank, r in enumerate(sc_run(pool4, sc.zero_checkpoint_across_tp_sizes, stage,
+                                    str(tmp_path / "ckpt"))):
+        assert r["tp1"] < TOL, f"rank {rank}: resumed at TP 1, off by {r['tp1']:.3g}"
+        assert r["tp2"] < TOL, f"rank {rank}: resumed at TP 2 again, off by {r['tp2']:.3g}"
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_recompute_replays_tensor_parallel_dropout(pool4, schedule):
     """The pipeline recomputed with torch.utils.checkpoint, which does not replay the TP

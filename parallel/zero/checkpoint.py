@@ -1,24 +1,29 @@
-"""Sharded checkpoints of ZeRO training that reload onto any world size.
+"""Sharded checkpoints of ZeRO training on ``torch.distributed.checkpoint`` (DCP): each
+rank writes only its shards, and any data-parallel world size, stage or (for a
+tensor-parallel model) TP size loads them.
 
-Each data-parallel rank writes ``rank{r}.pt`` holding, for every parameter it owns elements of, the
-range ``[lo, hi)`` of the flattened parameter, its values there, and the optimizer state
-tensors for the same elements. Ranges, not bucket shards, are the unit, so a job with a
-different world size (a different layout) can find the elements it owns in any file.
-``meta.pt`` (rank 0) holds the names, shapes, world size, hyper-parameters, scalar
-optimizer state and the model's buffers.
+Every parameter is saved as the whole tensor of the unsplit model under
+``param/<name>`` (the fp32 masters under mixed precision), each of its optimizer state
+tensors (Adam's moments) as ``optim/<key>/<name>``: a rank contributes the flat ranges
+its master shards hold as chunks in the whole tensor's coordinates
+(:mod:`parallel.compose.dcp_chunks`, as the composed engine's checkpoints); chunks that
+tensor-parallel ranks hold alike (a replicated LayerNorm) are written once. Loading
+asks for the chunks the loading layout holds and DCP reads what overlaps them. Beside
+them: the model's buffers (``buffer/<name>``, whole) and, as objects, the format, the
+parameter groups (members by name, hyper-parameters) and the scalar optimizer state
+(Adam's step). A directory that exists is complete; :func:`consolidate` reads the plain
+``state_dict`` from it in one process.
 
 A tensor-parallel model (its parameters marked by
-:func:`parallel.tensor.apply_tensor_parallel`) holds different tensors under the same
-names on each tensor-parallel rank: each of those ranks writes into its own folder,
-``tp{t}-of-{T}/``, with the parameters' splits in its ``meta.pt``, so
-:func:`consolidate` can rebuild every parameter whole. Other model-parallel layouts (a
-pipeline stage) pass their own ``shard_key``; parallel.compose.checkpoint does this for a
-composed job.
+:func:`parallel.tensor.apply_tensor_parallel`) saves and loads collectively over the
+world, which must be its data- x tensor-parallel grid. A layout the parameters do not
+describe (a pipeline stage) passes ``shard_key``: the optimizer's group then writes its
+own checkpoint, ``<path>/<shard_key>``, of the tensors as its ranks hold them.
 
 Example::
 
     save_sharded("ckpt/step10", model, opt)        # every rank
-    load_sharded("ckpt/step10", model, opt)        # every rank, any world size
+    load_sharded("ckpt/step10", model, opt)        # every rank, any layout
     full = consolidate("ckpt/step10")              # no process group needed
     plain_model.load_state_dict(full)
 """
@@ -26,7 +31,7 @@ Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +39,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.tensor.sharding import TPSpec, model_parallel_groups, spec_of
+from parallel.tensor.sharding import model_parallel_groups, spec_of
 from parallel.zero.param_groups import options
 from parallel.zero.zero_optimizer import ZeroOptimizer
 
-FORMAT = "pycomm.zero/1"
+# parallel.compose (DCP's chunks, ensure_state) is imported inside the functions that
+# use it: it imports parallel.zero, so a module-level import would be a cycle.
+
+FORMAT = "pycomm.zero-dcp/1"
+META = ("meta/format", "meta/groups", "meta/scalar_state")
 
 
 def owned_pieces(opt: ZeroOptimizer) -> list[tuple[int, int, int, int, int]]:
@@ -65,173 +74,199 @@ def state_slices(opt: ZeroOptimizer, k: int, at: int, n: int) -> dict[str, torch
             if torch.is_tensor(t) and t.shape == param.shape}
 
 
-def _scalar_state(opt: ZeroOptimizer) -> dict[str, Any]:
-    """The state that is not per element (Adam's step count), from the first piece."""
-    if not opt.piece_params:
-        return {}
-    state = opt.optimizer.state.get(opt.piece_params[0], {})
-    return {key: t for key, t in state.items() if not (torch.is_tensor(t) and t.dim() > 0)}
+@dataclass(frozen=True)
+class _Where:
+    """Where a rank's checkpoint is, the group that writes it, and the tensor-parallel
+    split its tensors are chunks of (1, 0: the tensors as this rank holds them)."""
+
+    folder: Path
+    group: Any
+    tp: int
+    tp_rank: int
 
 
-def shard_folder(path: str | os.PathLike, opt: ZeroOptimizer, shard_key: str | None) -> Path:
-    """Where this rank's files go: ``path``, or its model-parallel position's sub-folder
-    (``shard_key``, else ``tp{t}-of-{T}`` for a tensor-parallel model)."""
-    if shard_key is None:
-        groups = model_parallel_groups(opt.params)
-        if len(groups) > 1:
-            raise ValueError("save_sharded: the parameters lie in several tensor-parallel "
-                             "groups; pass shard_key to name this rank's position")
-        if groups:
-            group: Any = groups[0]
-            shard_key = f"tp{dist.get_rank(group)}-of-{dist.get_world_size(group)}"
-    if shard_key is not None and (not shard_key or "/" in shard_key or shard_key[0] == "."):
-        raise ValueError(f"save_sharded: shard_key {shard_key!r} is not a plain folder name")
-    return Path(path) / shard_key if shard_key else Path(path)
+def _where(path: str | os.PathLike, opt: ZeroOptimizer, shard_key: str | None) -> _Where:
+    """``shard_key``'s folder and the optimizer's group, tensors as held; else ``path``,
+    over the world for a tensor-parallel model (whole tensors), else the group."""
+    if shard_key is not None:
+        if not shard_key or "/" in shard_key or shard_key[0] == ".":
+            raise ValueError(f"zero checkpoint: shard_key {shard_key!r} is not a plain "
+                             "folder name")
+        return _Where(Path(path) / shard_key, opt.group, 1, 0)
+    groups = model_parallel_groups(opt.params)
+    if len(groups) > 1:
+        raise ValueError("zero checkpoint: the parameters lie in several tensor-parallel "
+                         "groups; pass shard_key to name this rank's position")
+    if not groups:
+        return _Where(Path(path), opt.group, 1, 0)
+    tp_group: Any = groups[0]
+    tp, world = dist.get_world_size(tp_group), dist.get_world_size()
+    if opt.world * tp != world:
+        raise ValueError(f"zero checkpoint: data-parallel ({opt.world}) x tensor-parallel "
+                         f"({tp}) = {opt.world * tp} ranks, not the world ({world}); pass "
+                         "shard_key so that each data-parallel group writes its own folder")
+    return _Where(Path(path), None, tp, dist.get_rank(tp_group))
+
+
+def _whole_shape(shape: torch.Size, p: nn.Parameter, tp: int) -> torch.Size:
+    """The unsplit tensor's shape of a TP-local ``shape``."""
+    dim = spec_of(p).dim
+    if dim is None:
+        return shape
+    whole = list(shape)
+    whole[dim] *= tp
+    return torch.Size(whole)
+
+
+def _buffers(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """The state that is not a parameter (stage 3's shards are parameters too)."""
+    params = set(names)
+    return {n: t for n, t in model.state_dict(keep_vars=True).items()
+            if n not in params and not isinstance(t, nn.Parameter)}
+
+
+def _tensors(model: nn.Module, opt: ZeroOptimizer, names: list[str],
+             where: _Where) -> dict[str, Any]:
+    """This rank's chunks of every parameter (a key even where it holds none) and of
+    its optimizer state, views of the shards (load fills them in place); the buffers."""
+    from parallel.compose.chunks import ChunkedTensor, chunks_of
+
+    shapes = opt.param_shapes()
+    out: dict[str, Any] = {
+        f"param/{n}": ChunkedTensor(_whole_shape(s, p, where.tp), opt.precision.master)
+        for n, s, p in zip(names, shapes, opt.params, strict=True)}
+    for i, k, lo, hi, at in owned_pieces(opt):
+        p, whole = opt.params[i], out[f"param/{names[i]}"].shape
+        flats = {"param": opt.shard_params[k].detach()[at : at + hi - lo],
+                 **{f"optim/{key}": t for key, t in state_slices(opt, k, at, hi - lo).items()}}
+        for prefix, flat in flats.items():
+            target = out.setdefault(f"{prefix}/{names[i]}", ChunkedTensor(whole, flat.dtype))
+            target.chunks += chunks_of(whole, spec_of(p), where.tp, where.tp_rank, flat, lo)
+    out.update({f"buffer/{n}": b for n, b in _buffers(model, names).items()})
+    return out
+
+
+def _objects(opt: ZeroOptimizer, names: list[str]) -> dict[str, Any]:
+    groups = [{"params": [names[i] for i in ids], "options": options(g)}
+              for g, ids in zip(opt.param_groups, opt.group_params, strict=True)]
+    scalars: dict[str, Any] = {}
+    if opt.piece_params:  # not per element (Adam's step): the same in every piece
+        state = opt.optimizer.state.get(opt.piece_params[0], {})
+        scalars = {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+    return {"meta/format": FORMAT, "meta/groups": groups, "meta/scalar_state": scalars}
 
 
 def save_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
                  shard_key: str | None = None) -> None:
-    """Every rank writes its shard (collective over the optimizer's group: all its ranks
-    call it). See the module docstring for ``shard_key``."""
-    path = shard_folder(path, opt, shard_key)
-    path.mkdir(parents=True, exist_ok=True)
+    """Every rank writes its shards (collective over the optimizer's group; over the
+    world for a tensor-parallel model). See the module docstring for ``shard_key``."""
+    from parallel.compose import dcp_chunks
+
+    where = _where(path, opt, shard_key)
     names = opt.param_names(model)
-    pieces = {}
-    for i, k, lo, hi, at in owned_pieces(opt):
-        shard = opt.shard_params[k].detach()
-        state = {key: t.clone() for key, t in state_slices(opt, k, at, hi - lo).items()}
-        pieces[names[i]] = {"lo": lo, "hi": hi, "value": shard[at : at + hi - lo].clone(),
-                            "state": state}
-    torch.save({"format": FORMAT, "pieces": pieces}, path / f"rank{opt.rank}.pt")
-    if opt.rank == 0:
-        torch.save(_meta(model, opt, names), path / "meta.pt")
-    dist.barrier(opt.group)  # the checkpoint is complete only once every rank wrote
+    state = {**_tensors(model, opt, names, where), **_objects(opt, names)}
+    dcp_chunks.save(state, where.folder, where.group)
 
 
-def _meta(model: nn.Module, opt: ZeroOptimizer, names: list[str]) -> dict[str, Any]:
-    params = set(names)
-    return {
-        "format": FORMAT,
-        "world": opt.world,
-        "shapes": dict(zip(names, map(tuple, opt.param_shapes()), strict=True)),
-        "dtype": str(opt.precision.master),
-        "param_groups": [options(g) for g in opt.param_groups],
-        "scalar_state": _scalar_state(opt),
-        "buffers": _buffers(model, params),
-        "splits": {n: (spec_of(p).dim, spec_of(p).interleave)
-                   for n, p in zip(names, opt.params, strict=True)},
-    }
+def _open(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint's keys ((shape, dtype), None for an object) and its ``meta/``
+    objects, checked: they are read from files, not trusted."""
+    from parallel.compose import dcp_chunks
+
+    saved = dcp_chunks.saved_keys(folder)
+    if missing := [k for k in META if k not in saved or saved[k] is not None]:
+        raise ValueError(f"{folder}: not a pycomm ZeRO checkpoint (no {', '.join(missing)})")
+    meta = dcp_chunks.read_whole(folder, list(META))
+    if meta["meta/format"] != FORMAT:
+        raise ValueError(f"{folder}: format {meta['meta/format']!r}, expected {FORMAT!r}")
+    groups = meta["meta/groups"]
+    if not (isinstance(groups, list) and isinstance(meta["meta/scalar_state"], dict) and all(
+            isinstance(g, dict) and isinstance(g.get("params"), list)
+            and isinstance(g.get("options"), dict) for g in groups)):
+        raise ValueError(f"{folder}: malformed ZeRO checkpoint (its parameter groups or "
+                         "scalar optimizer state)")
+    return saved, meta
 
 
-def _buffers(model: nn.Module, params: set[str]) -> dict[str, torch.Tensor]:
-    """The state that is not a parameter (stage 3's shards are parameters too)."""
-    state = model.state_dict(keep_vars=True)
-    return {n: t.detach() for n, t in state.items()
-            if n not in params and not isinstance(t, nn.Parameter)}
+def _check_model(where: _Where, saved: dict[str, Any], model: nn.Module, opt: ZeroOptimizer,
+                 names: list[str]) -> None:
+    """The same parameter and buffer names and (whole) shapes as the checkpoint's."""
+    mine = {f"param/{n}": tuple(_whole_shape(s, p, where.tp))
+            for n, s, p in zip(names, opt.param_shapes(), opt.params, strict=True)}
+    mine.update({f"buffer/{n}": tuple(b.shape) for n, b in _buffers(model, names).items()})
+    theirs = {k: tuple(v[0]) for k, v in saved.items()
+              if k.startswith(("param/", "buffer/")) and v is not None}
+    if mine != theirs:
+        only_saved = sorted(f"{k} {v}" for k, v in theirs.items() if mine.get(k) != v)
+        only_here = sorted(f"{k} {v}" for k, v in mine.items() if theirs.get(k) != v)
+        raise ValueError(f"{where.folder}: checkpoint is from a different model; it holds "
+                         f"{len(only_saved)} entries this model does not (such as "
+                         f"{only_saved[:3]}), this model {len(only_here)} it does not "
+                         f"(such as {only_here[:3]})")
 
 
-def _load_meta(path: Path) -> dict[str, Any]:
-    meta = torch.load(path / "meta.pt", weights_only=False)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a pycomm ZeRO checkpoint (format {meta.get('format')!r})")
-    return meta
+def _check_groups(folder: Path, saved: list[dict[str, Any]], opt: ZeroOptimizer,
+                  names: list[str]) -> None:
+    """The same parameter groups, each of the same parameters (by name)."""
+    if len(saved) != len(opt.group_params):
+        raise ValueError(f"{folder}: the checkpoint has {len(saved)} parameter groups, the "
+                         f"optimizer {len(opt.group_params)}")
+    for n, (group, ids) in enumerate(zip(saved, opt.group_params, strict=True)):
+        theirs, mine = set(map(str, group["params"])), {names[i] for i in ids}
+        if theirs != mine:
+            raise ValueError(f"{folder}: parameter group {n} differs: only the checkpoint's "
+                             f"has {sorted(theirs - mine)[:3]}, only the optimizer's "
+                             f"{sorted(mine - theirs)[:3]}")
 
 
-def _all_pieces(path: Path, world: int) -> list[dict[str, Any]]:
-    files = [path / f"rank{r}.pt" for r in range(world)]
-    if missing := [str(f) for f in files if not f.exists()]:
-        raise FileNotFoundError(f"incomplete ZeRO checkpoint {path}: missing {missing}")
-    return [torch.load(f, mmap=True, weights_only=False)["pieces"] for f in files]
+def _restore_scalars(opt: ZeroOptimizer, scalars: dict[str, Any], has_state: bool) -> None:
+    """Every piece's scalar state (Adam's step), each its own copy (optimizers count in
+    place); no state at all when the checkpoint has none (saved before the first step)."""
+    for q in opt.piece_params:
+        if not has_state:
+            opt.optimizer.state.pop(q, None)
+        elif scalars:
+            opt.optimizer.state[q].update({k: v.clone() if torch.is_tensor(v) else v
+                                           for k, v in scalars.items()})
 
 
 def load_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
                  shard_key: str | None = None) -> None:
-    """Restore parameters, this rank's optimizer state and hyper-parameters, whatever
-    data-parallel world size saved them (the model-parallel layout must be the same).
+    """Restore parameters, this rank's optimizer state, the groups' hyper-parameters
+    and the buffers, whatever data-parallel world size, stage or TP size saved them
+    (collective as :func:`save_sharded`).
 
     Raises:
-        ValueError: if the checkpoint's parameter names or shapes differ from the model's.
+        ValueError: on every rank, before any value is overwritten (a fresh optimizer's
+            state may have been made), when the checkpoint is of another model
+            (parameter or buffer names or shapes), has other parameter groups, or lacks
+            state this optimizer keeps (named in the message).
     """
-    path = shard_folder(path, opt, shard_key)
-    meta = _load_meta(path)
+    from parallel.compose import dcp_chunks
+    from parallel.compose.optim_groups import ensure_state
+
+    where = _where(path, opt, shard_key)
     names = opt.param_names(model)
-    shapes = dict(zip(names, map(tuple, opt.param_shapes()), strict=True))
-    if shapes != meta["shapes"]:
-        diff = sorted(set(shapes.items()) ^ set(meta["shapes"].items()))[:4]
-        raise ValueError(f"{path}: checkpoint is from a different model; differing "
-                         f"(name, shape) entries include {diff}")
-    if len(meta["param_groups"]) != len(opt.param_groups):
-        raise ValueError(f"{path}: checkpoint has {len(meta['param_groups'])} parameter "
-                         f"groups, the optimizer {len(opt.param_groups)}")
-    files = _all_pieces(path, meta["world"])
-    with torch.no_grad():
-        _restore_values(opt, names, files)
-        _restore_state(opt, names, files, meta)
-    for group, saved in zip(opt.param_groups, meta["param_groups"], strict=True):
-        group.update(saved)  # the inner optimizer's groups follow at the next step
-    model.load_state_dict(meta["buffers"], strict=False)
-
-
-def _restore_values(opt: ZeroOptimizer, names: list[str], files: list[dict]) -> None:
-    """This rank's shards, element range by element range; then every rank's shards
-    into the parameters (stages 1-2: whole on every rank; stage 3: gathered when used)."""
-    for i, k, lo, hi, at in owned_pieces(opt):
-        shard = opt.shard_params[k].detach()
-        for piece, a, b in _overlapping(files, names[i], lo, hi):
-            value = piece["value"][a - piece["lo"] : b - piece["lo"]]
-            shard[at + a - lo : at + b - lo].copy_(value)
-    opt.publish_shards()
-
-
-def _overlapping(files: list[dict], name: str, lo: int,
-                 hi: int) -> Iterator[tuple[dict[str, Any], int, int]]:
-    """Each saved piece of ``name`` that overlaps ``[lo, hi)``, with the overlap."""
-    for pieces in files:
-        piece = pieces.get(name)
-        if piece is not None and piece["hi"] > lo and piece["lo"] < hi:
-            yield piece, max(lo, piece["lo"]), min(hi, piece["hi"])
-
-
-def _restore_state(opt: ZeroOptimizer, names: list[str], files: list[dict],
-                   meta: dict[str, Any]) -> None:
-    """This rank's optimizer state, gathered element range by element range."""
-    keys = {key for pieces in files for piece in pieces.values() for key in piece["state"]}
-    for param in opt.piece_params:  # every piece, even one holding only padding
-        state = opt.optimizer.state.setdefault(param, {})
-        for key in keys:
-            state[key] = torch.zeros_like(param)
-        for key, value in meta["scalar_state"].items():
-            state[key] = value.clone() if torch.is_tensor(value) else value
-    for i, k, lo, hi, at in owned_pieces(opt):
-        state = state_slices(opt, k, at, hi - lo)
-        for piece, a, b in _overlapping(files, names[i], lo, hi):
-            for key, saved in piece["state"].items():
-                src = saved[a - piece["lo"] : b - piece["lo"]]
-                state[key][a - lo : b - lo].copy_(src)
+    saved, meta = _open(where.folder)
+    _check_model(where, saved, model, opt, names)
+    _check_groups(where.folder, meta["meta/groups"], opt, names)
+    has_state = any(k.startswith("optim/") for k in saved)
+    if has_state:
+        ensure_state(opt.optimizer)  # tensors to read into, in place
+    tensors = {k: v for k, v in _tensors(model, opt, names, where).items()
+               if has_state or not k.startswith("optim/")}
+    dcp_chunks.load(tensors, where.folder, where.group)
+    _restore_scalars(opt, meta["meta/scalar_state"], has_state)
+    for group, saved_group in zip(opt.param_groups, meta["meta/groups"], strict=True):
+        group.update(options(saved_group["options"]))  # the inner groups follow at step
+    opt.publish_shards()  # every rank's masters into the (compute-dtype) parameters
 
 
 def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """A plain, full ``state_dict`` (parameters and buffers), without any process group:
-    tensor-parallel folders (``tp{t}-of-{T}``) are joined along each parameter's split."""
-    path = Path(path)
-    if (path / "meta.pt").exists():
-        return _consolidate_folder(path)
-    folders = sorted(path.glob("tp*-of-*"), key=lambda f: int(f.name[2:].partition("-")[0]))
-    sizes = {f.name.rpartition("-")[2] for f in folders}
-    if not folders or len(sizes) != 1 or len(folders) != int(sizes.pop()):
-        raise FileNotFoundError(f"{path}: no meta.pt, and not one complete set of "
-                                f"tensor-parallel folders (found {[f.name for f in folders]})")
-    parts = [_consolidate_folder(f) for f in folders]
-    splits = _load_meta(folders[0]).get("splits", {})
-    return {name: TPSpec(*splits[name]).unshard([p[name] for p in parts]) if name in splits
-            else value for name, value in parts[0].items()}
+    """A plain, full ``state_dict`` (parameters whole, and buffers), in one process
+    without any process group."""
+    from parallel.compose import dcp_chunks
 
-
-def _consolidate_folder(path: Path) -> dict[str, torch.Tensor]:
-    meta = _load_meta(path)
-    dtype = getattr(torch, meta["dtype"].removeprefix("torch."))
-    full = {n: torch.zeros(shape, dtype=dtype) for n, shape in meta["shapes"].items()}
-    for pieces in _all_pieces(path, meta["world"]):
-        for name, piece in pieces.items():
-            full[name].view(-1)[piece["lo"] : piece["hi"]].copy_(piece["value"])
-    return {**full, **meta["buffers"]}
+    saved, _ = _open(Path(path))
+    keys = [k for k in saved if k.startswith(("param/", "buffer/"))]
+    return {k.partition("/")[2]: v for k, v in dcp_chunks.read_whole(path, keys).items()}

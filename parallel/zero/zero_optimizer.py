@@ -299,7 +299,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         To resume on another world size, or to get a plain full model, use
         :func:`parallel.zero.save_sharded` / :func:`load_sharded` / :func:`consolidate`
-        instead: they store element ranges by parameter name.
+        instead: they store each parameter whole, as every rank's chunks of it
+        (torch.distributed.checkpoint), by parameter name.
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
