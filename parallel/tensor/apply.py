@@ -76,7 +76,7 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
     return model
 
 
-# -- the parts, for a model split into pipeline stages ---------------------------------------
+# -- the parts ------------------------------------------------------------------------------------
 
 
 def parallelize_block(block: nn.Module, group: Group, sequence_parallel: bool = False,
@@ -110,13 +110,6 @@ def parallelize_head(lm_head: nn.Linear, group: Group, sequence_parallel: bool =
     return ColumnParallelLinear.from_dense(
         lm_head, group, gather_output=not parallel_output, sequence_parallel=sequence_parallel,
         recompute_gather=recompute_gather)
-
-
-def partial_grad_params(model: nn.Module) -> list[nn.Parameter]:
-    """With sequence parallelism, the parameters applied to a rank's part of the sequence
-    (norms, row-parallel biases): each rank's gradient is partial, and the true gradient
-    is their sum over the tensor-parallel group."""
-    return _sequence_parallel_params(model)
 
 
 def _sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
