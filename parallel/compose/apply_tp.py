@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.compose.plan import Plan, matches
+from parallel.compose.plan import Plan, matches, under_any
 from parallel.compose.styles import (
     Colwise,
     Rowwise,
@@ -39,9 +39,6 @@ from parallel.tensor.sharding import spec_of
 
 _SPLITTING = (Colwise, Rowwise)
 
-
-def _inside(path: str, prefixes: list[str]) -> bool:
-    return any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
 
 
 def styles_by_path(plan: Plan, model: nn.Module, held: list[str]) -> dict[str, list[Style]]:
@@ -61,7 +58,7 @@ def styles_by_path(plan: Plan, model: nn.Module, held: list[str]) -> dict[str, l
                          "model's (pass plan= with one that names its modules)")
     out: dict[str, list[Style]] = {}
     for path, _module in model.named_modules(remove_duplicate=False):
-        if not _inside(path, held):
+        if not under_any(path, held):
             continue
         for pattern, given in plan.tp.items():
             if matches(pattern, path):
@@ -95,14 +92,14 @@ def check_coverage(plan: Plan, model: nn.Module, held: list[str],
     replaced = [p for p, s in styles.items() if any(x.changes_module for x in s)]
     splitting = [p for p, s in styles.items() if any(isinstance(x, _SPLITTING) for x in s)]
     for path, module in model.named_modules(remove_duplicate=False):
-        if not _inside(path, held) or not list(module.parameters(recurse=False)):
+        if not under_any(path, held) or not list(module.parameters(recurse=False)):
             continue
-        if path in styles or _inside(path, replaced):
+        if path in styles or under_any(path, replaced):
             continue
         parent = path.rpartition(".")[0]
         beside_split = [p for p in splitting if p.rpartition(".")[0] == parent]
         whole_ok = _is_norm(module) or (isinstance(module, nn.Embedding)
-                                         and not _inside(path, blocks))
+                                         and not under_any(path, blocks))
         if whole_ok and not beside_split:
             continue
         why = (f"it sits beside the split {', '.join(beside_split)} and may see this rank's "
@@ -145,9 +142,9 @@ def gather_at_regions(model: nn.Module, styles: dict[str, list[Style]], group: A
             (its region would hold the block's residual stream).
     """
     regions = sorted({p.rpartition(".")[0] for p, s in styles.items()
-                      if _inside(p, blocks) and any(isinstance(x, Colwise) for x in s)})
+                      if under_any(p, blocks) and any(isinstance(x, Colwise) for x in s)})
     for region in regions:
-        if region in blocks or not _inside(region, blocks):
+        if region in blocks or not under_any(region, blocks):
             raise ValueError(f"sequence parallel: the split layers under {region or '<root>'} "
                              "are the block's own children; the gather before them would "
                              "take in the block's residual stream: keep them in a module "
@@ -170,7 +167,7 @@ def apply_styles(model: nn.Module, styles: dict[str, list[Style]], group: Any,
         if any(s.changes_module for s in styles[path]):
             materialize(path, module)
         # Colwise layers get the region's gathered input; rowwise ones scatter it back.
-        in_blocks = sequence_parallel and _inside(path, blocks)
+        in_blocks = sequence_parallel and under_any(path, blocks)
         colwise = any(isinstance(s, Colwise) for s in styles[path])
         ctx = TPContext(group, world, path, in_blocks and not colwise, parallel_loss,
                         input_gathered=in_blocks and colwise)
@@ -190,7 +187,7 @@ def mark_partial_grads(model: nn.Module, held: list[str], blocks: list[str],
     if not sequence_parallel:
         return
     for path, module in model.named_modules(remove_duplicate=False):
-        if not (_inside(path, held) and _inside(path, blocks)):
+        if not (under_any(path, held) and under_any(path, blocks)):
             continue
         for p in module.parameters(recurse=False):
             if spec_of(p).dim is None:

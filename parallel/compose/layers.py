@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.plan import ContextRequest, Plan, ResolvedLayer
+from parallel.compose.plan import ContextRequest, Plan, ResolvedLayer, resolve_layers
 from parallel.rng import TENSOR_PARALLEL, TRACKER
 from parallel.tensor import comms
 
@@ -133,8 +133,6 @@ def sequential_forward(model: nn.Module, plan: Plan, tokens: torch.Tensor) -> to
     """The model's logits computed layer by layer as the plan says, in one process: what
     every pipeline split of it computes (a plan whose layers do not reproduce the
     model's own forward is wrong; compare with ``plan.output(model(tokens))``)."""
-    from parallel.compose.plan import resolve_layers
-
     x: Any = tokens
     for layer in planned_layers(model, plan, resolve_layers(plan, model)):
         x = layer(x)

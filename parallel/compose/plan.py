@@ -117,6 +117,11 @@ def matches(pattern: str, path: str) -> bool:
                                                                           strict=True))
 
 
+def under_any(path: str, prefixes: list[str]) -> bool:
+    """Whether module ``path`` is one of ``prefixes`` or inside one ("" is the root)."""
+    return any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
+
+
 def matching(pattern: str, model: nn.Module) -> list[str]:
     """Every module path of ``model`` that ``pattern`` matches, in module order."""
     return [name for name, _ in model.named_modules(remove_duplicate=False)

@@ -8,12 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from parallel.compose.plan import Plan, matches
+from parallel.compose.plan import Plan, matches, under_any
 from parallel.recompute.apply import checkpoint_module
-
-
-def _under(path: str, prefixes: list[str]) -> bool:
-    return any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
 
 
 def _units(patterns: list[str], stage: Any, model: nn.Module) -> list[nn.Module]:
@@ -26,7 +22,7 @@ def _units(patterns: list[str], stage: Any, model: nn.Module) -> list[nn.Module]
             out.append(planned)
             continue
         for path, module in model.named_modules(remove_duplicate=False):
-            if _under(path, list(paths)) and any(matches(pat, path) for pat in patterns):
+            if under_any(path, list(paths)) and any(matches(pat, path) for pat in patterns):
                 out.append(module)
     return out
 

@@ -23,12 +23,8 @@ from parallel.compose.apply_tp import (
 from parallel.compose.layers import PlannedLayer, SequenceSplit, planned_layers, stage_balance
 from parallel.compose.materialize import Materializer
 from parallel.compose.mesh import ParallelMesh
-from parallel.compose.plan import Plan, ResolvedLayer, resolve_layers
+from parallel.compose.plan import Plan, ResolvedLayer, resolve_layers, under_any
 from parallel.compose.tied import canonical_names, retie, tie_groups
-
-
-def _under(path: str, prefixes: list[str]) -> bool:
-    return any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
 
 
 @dataclass
@@ -69,7 +65,7 @@ def plan_stage(model: nn.Module, plan: Plan, mesh: ParallelMesh, seed: int) -> S
     for s, (start, count) in enumerate(zip(_starts(balance), balance, strict=True)):
         paths = [p for layer in layers[start : start + count] for p in layer.paths]
         for name, _ in model.named_parameters(remove_duplicate=False):
-            if _under(name.rpartition(".")[0], paths) and name not in stage_of:
+            if under_any(name.rpartition(".")[0], paths) and name not in stage_of:
                 stage_of[name] = s
     return Stage(layers, balance, mine, [p for x in mine for p in x.paths],
                  [p for x in layers if x.is_block for p in x.paths], groups, canonical,
@@ -88,7 +84,7 @@ def drop_other_stages(model: nn.Module, stage: Stage) -> None:
         if layer.index in mine:
             continue
         for path in layer.paths:
-            if not _under(path, stage.held):
+            if not under_any(path, stage.held):
                 model.get_submodule(path).to("meta")
 
 
@@ -104,7 +100,7 @@ def tensor_parallel(model: nn.Module, plan: Plan, stage: Stage, mesh: ParallelMe
     for names in stage.ties:
         for name in names:
             owner = name.rpartition(".")[0]
-            if _under(owner, stage.held):
+            if under_any(owner, stage.held):
                 stage.materializer.module(owner, model.get_submodule(owner))
     stage.split_logits = apply_styles(model, styles, group, stage.blocks, sequence_parallel,
                                       parallel_loss, stage.materializer)
@@ -117,14 +113,14 @@ def materialize_rest(model: nn.Module, stage: Stage, but_zero3: bool) -> None:
     table that every stage's context uses)."""
     layer_paths = [p for layer in stage.layers for p in layer.paths]
     for path, module in model.named_modules(remove_duplicate=False):
-        outside = not _under(path, layer_paths)
-        if outside or (not but_zero3 and _under(path, stage.held)):
+        outside = not under_any(path, layer_paths)
+        if outside or (not but_zero3 and under_any(path, stage.held)):
             stage.materializer.module(path, module)
 
 
 def tie_here(model: nn.Module, stage: Stage) -> None:
     """Names this stage holds that are one parameter are one again (after the styles)."""
-    held = {n for n, s in stage.stage_of.items() if _under(n.rpartition(".")[0], stage.held)}
+    held = {n for n, s in stage.stage_of.items() if under_any(n.rpartition(".")[0], stage.held)}
     retie(model, stage.ties, held)
 
 
