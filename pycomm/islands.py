@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pycomm import _startup
+
 _KEY = "pycomm/islands/host/"
 
 
@@ -84,6 +86,7 @@ def island_ids(store: dist.Store, group_rank: int, group_size: int) -> list[int]
     if group_size == 1:
         return [0]
     store.set(f"{_KEY}{group_rank}", f"{local_size or 'unset'}\n{key}")
+    _startup.wait_for_keys(store, {r: f"{_KEY}{r}" for r in range(group_size)}, group_rank)
     posted = [v.decode().split("\n", 1)
               for v in store.multi_get([f"{_KEY}{r}" for r in range(group_size)])]
     _check_local_sizes_agree([size for size, _ in posted], group_rank)

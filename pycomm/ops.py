@@ -19,6 +19,7 @@ through torch.ops); while torch.compile traces, it emits the operator.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -50,8 +51,16 @@ def all_reduce_(
     """Reduce ``tensor`` in place over ``group`` (default: the world) and return it.
 
     ``op`` is "sum", "avg", "prod", "min" or "max". Synchronous: when it returns,
-    ``tensor`` holds the result on every rank.
+    ``tensor`` holds the result on every rank. On a rank that is not a member of
+    ``group`` it does nothing and warns, as ``dist.all_reduce`` does.
     """
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        warnings.warn("pycomm.all_reduce_: this rank is not a member of the group (as "
+                      "dist.all_reduce, it does nothing here)", stacklevel=2)
+        return tensor
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"pycomm.all_reduce_: group must be a torch.distributed "
+                        f"ProcessGroup or None, got {type(group).__name__}")
     if torch.compiler.is_compiling():
         load()
         torch.ops.pycomm.all_reduce_.default(tensor, op, group_name(group))

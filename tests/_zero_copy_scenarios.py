@@ -33,7 +33,7 @@ FLOATS = ("float32", "float64", "float16", "bfloat16")
 # Messages at least this big are far above the direct size (16 KiB, 64 KiB when ranks
 # outnumber cores), so they take zero-copy or its fallback.
 ABOVE_DIRECT_BYTES = 1 << 17
-SMALL_COUNTS = (0, 1, 7)  # local / direct: arena tensors must work there too
+SMALL_COUNTS = (0, 1, 7)  # direct (0 elements too): arena tensors must work there too
 SECOND_BIG = ("float32", "bfloat16", "float16", "int8", "bool")  # also 3x the big count
 SLAB_ELEMS = (64 << 20) // 4 + 1  # one float32 more than an arena slab
 ZERO_COPY = "zero-copy (every rank's buffer is in the arena)"
@@ -217,9 +217,9 @@ def path_of(log: str) -> str:
 
 
 def expected_path(bytes_: int, count: int, n: int, all_arena: bool) -> set[str]:
-    if count == 0 or n == 1:
+    if n == 1:
         return {"local"}
-    if bytes_ <= 1024:  # far below any direct size
+    if bytes_ <= 1024:  # far below any direct size; 0 elements still meet the others there
         return {"direct"}
     if bytes_ >= ABOVE_DIRECT_BYTES:
         return {"zero-copy"} if all_arena else {"fallback"}

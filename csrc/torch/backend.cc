@@ -3,10 +3,13 @@
 #include "backend.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <unistd.h>
 
 #include <map>
 #include <string>
 
+#include "core/runtime/fork_guard.h"
+#include "core/runtime/group_segment.h"
 #include "store_rendezvous.h"
 #include "tensor_args.h"
 #include "work.h"
@@ -32,17 +35,31 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
     : c10d::Backend(rank, size) {
   StoreRendezvous rdv(store);
   translated([&] {
-    auto cfg = pycomm::Config::from_env();
-    comm_ = std::make_unique<pycomm::Communicator>(rdv, rank, size, cfg, timeout);
+    try {
+      auto cfg = pycomm::Config::from_env();
+      comm_ = std::make_unique<pycomm::Communicator>(rdv, rank, size, cfg, timeout);
+    } catch (const std::exception& e) {
+      pycomm::report_init_failure(rdv, rank, e.what());  // the others fail at once too
+      throw;
+    }
   });
   p2p_ = std::make_unique<pycomm::P2PEngine>(comm_->shared(), comm_->logger(), timeout);
   worker_ = std::make_unique<pycomm::Worker>(timeout);
+  // A stall fails the group through its failure record, so every rank fails alike.
+  worker_->watch_stalls(
+      [this](const std::string& why) {
+        comm_->shared().set_abort(stall_failure("rank " + std::to_string(getRank()), why));
+        return comm_->shared().abort_message();
+      },
+      [comm = comm_.get()] { return comm->seq(); });
 #ifdef PYCOMM_CUDA
   cuda_ = std::make_unique<CudaCollectives>(store, rank, size, timeout);
 #endif
 }
 
-ProcessGroupPycomm::~ProcessGroupPycomm() { shutdown(); }
+// Destroyed without shutdown(): the process is exiting (or dropped the group) without
+// destroy_process_group, which peers are told in those words.
+ProcessGroupPycomm::~ProcessGroupPycomm() { close(pycomm::Departure::EXITED); }
 
 void ProcessGroupPycomm::setTimeout(std::chrono::milliseconds timeout) {
   if (comm_) comm_->set_timeout(timeout);
@@ -53,18 +70,36 @@ void ProcessGroupPycomm::setTimeout(std::chrono::milliseconds timeout) {
 #endif
 }
 
-// Finishes what is queued (each op is bounded by its timeout), then releases the
-// threads and the segment.
-void ProcessGroupPycomm::shutdown() {
+void ProcessGroupPycomm::shutdown() { close(pycomm::Departure::DESTROYED); }
+
+// Refuses new ops, finishes what is queued (each op is bounded by its timeout), then
+// releases the threads and the segment. Every thread that could call into the worker or
+// the engine (the worker itself, the engine, the p2p callback thread, whose callbacks
+// may issue ops) is stopped before anything it uses is released.
+void ProcessGroupPycomm::close(pycomm::Departure how) {
+  closing_.store(true);
+  if (getpid() != creator_pid_) {
+    // A forked child's copy: its threads do not exist here and its rank is the
+    // parent's, so nothing is joined, departed or unmapped (fork_guard.h).
+    (void)worker_.release();
+    (void)p2p_.release();
+    (void)p2p_callbacks_.release();
+    (void)comm_.release();
+#ifdef PYCOMM_CUDA
+    (void)cuda_.release();
+#endif
+    return;
+  }
 #ifdef PYCOMM_CUDA
   cuda_.reset();  // waits (bounded) for the GPU and the peers, then unmaps the windows
 #endif
   if (worker_) worker_->stop();
-  worker_.reset();
-  p2p_.reset();  // fails what is still posted; may hand completions to the callback thread
+  if (p2p_) p2p_->stop();  // fails what is still posted; may hand completions on
   if (p2p_callbacks_) p2p_callbacks_->stop();
   p2p_callbacks_.reset();
-  if (comm_) comm_->depart();
+  p2p_.reset();
+  worker_.reset();
+  if (comm_) comm_->depart(how);
   comm_.reset();
   leftovers_.drop_all();
 }
@@ -79,6 +114,13 @@ void ProcessGroupPycomm::abort() {
                               " aborted the process group");
   }
   shutdown();
+}
+
+void ProcessGroupPycomm::check_open() const {
+  if (std::string forked = pycomm::forked_group_error(creator_pid_, getRank()); !forked.empty())
+    TORCH_CHECK(false, forked);
+  TORCH_CHECK(!closing_.load(std::memory_order_relaxed), "pycomm: rank ", getRank(),
+              ": the process group was shut down (destroy_process_group) and cannot run ops");
 }
 
 pycomm::Communicator& ProcessGroupPycomm::comm() {
@@ -99,7 +141,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::enqueue(c10d::OpType type, co
                                                            std::vector<at::Tensor> outputs,
                                                            bool async_op,
                                                            std::function<void()> body) {
-  comm();  // fail now, in the caller, if shut down
+  check_open();  // fail now, in the caller (or the callback), if shut down
   // Not from a callback on the worker: only the caller's thread may drop user tensors.
   if (!worker_->on_worker_thread()) leftovers_.drop_all();
   auto work =
@@ -152,6 +194,7 @@ void ProcessGroupPycomm::complete_p2p(const c10::intrusive_ptr<PycommWork>& work
   if (!work->future_requested()) return complete();
   std::call_once(p2p_callbacks_once_,
                  [this] { p2p_callbacks_ = std::make_unique<pycomm::Worker>(); });
+  if (!p2p_callbacks_) return complete();  // (released by close(): no thread is left)
   p2p_callbacks_->submit(std::move(complete));
 }
 
@@ -160,7 +203,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::point_to_point(bool is_send, 
   const char* name = is_send ? "send" : "recv";
   pycomm::DType dtype = checked_dtype(t, name, getRank());
   check_peer(peer, name);
-  comm();
+  check_open();
   leftovers_.drop_all();
   auto work = c10::make_intrusive<PycommWork>(
       getRank(), is_send ? c10d::OpType::SEND : c10d::OpType::RECV,
@@ -221,7 +264,7 @@ void ProcessGroupPycomm::all_reduce_direct(at::Tensor& t, const c10d::ReduceOp& 
 bool ProcessGroupPycomm::try_all_reduce_inline(at::Tensor& t, const c10d::ReduceOp& op) {
   pycomm::DType dt = checked_dtype(t, "all_reduce", getRank());
   ReduceSpec rs = reduce_spec(op, dt, "all_reduce", getRank());
-  comm();  // fail now if shut down
+  check_open();  // fail now if shut down
   if (!worker_->on_worker_thread()) leftovers_.drop_all();
   std::exception_ptr error;  // the worker's run_inline expects a task that never throws
   auto body = [this, &t, dt, &rs, &error] {

@@ -3,6 +3,9 @@
 // queues the op on the collective worker (or the send/recv engine) and returns a Work.
 #pragma once
 
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -155,6 +158,9 @@ class ProcessGroupPycomm : public c10d::Backend {
   void complete_p2p(const c10::intrusive_ptr<PycommWork>& work, std::exception_ptr error,
                     std::shared_ptr<void> staged);
   pycomm::Communicator& comm();
+  // Refuses a new op once shutdown began (destroy_process_group, or the destructor).
+  void check_open() const;
+  void close(pycomm::Departure how);
 #ifdef PYCOMM_CUDA
   CudaCollectives& cuda();  // throws, like comm(), once the group was shut down
 #endif
@@ -170,6 +176,8 @@ class ProcessGroupPycomm : public c10d::Backend {
   // Completes p2p Works whose future was asked for (started on first need).
   std::unique_ptr<pycomm::Worker> p2p_callbacks_;
   std::once_flag p2p_callbacks_once_;
+  std::atomic<bool> closing_{false};
+  const int creator_pid_ = static_cast<int>(::getpid());  // a forked child's copy differs
 };
 
 }  // namespace pycomm_torch

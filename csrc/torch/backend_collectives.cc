@@ -35,6 +35,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
     checked_dtype(t, "all_reduce_coalesced", getRank());
     check_same_dtype(tensors[0], t, "all_reduce_coalesced", getRank());
   }
+  check_total_bytes(tensors, "all_reduce_coalesced", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "all_reduce_coalesced", getRank());
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced", tensors,
                  opts.asyncOp, [this, tensors, dt, rs]() mutable {

@@ -184,6 +184,7 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::all_reduce_coalesced(
     check_same_dtype(tensors[0], t, name, rank_);
     check_same_device(tensors[0], t, name, rank_);
   }
+  check_total_bytes(tensors, name, rank_);
   auto r = cuda_reduce_spec(op, dt, name, rank_);
   return on_stream(c10d::OpType::ALLREDUCE_COALESCED, tensors[0], tensors, [&](cudaStream_t s) {
     at::Tensor flat = flat_copy(tensors);

@@ -3,6 +3,7 @@
 #include "islands.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <map>
@@ -10,6 +11,7 @@
 
 #include "core/runtime/config.h"
 #include "core/runtime/errors.h"
+#include "core/runtime/fork_guard.h"
 #include "tensor_args.h"
 #include "work.h"
 
@@ -91,6 +93,8 @@ ProcessGroupIslands::ProcessGroupIslands(const c10::intrusive_ptr<c10d::Store>& 
   TORCH_CHECK_VALUE(!layout_.even() || engines_.shard, "pycomm: islands: no shard engine");
   TORCH_CHECK_VALUE(!is_leader() || engines_.leaders, "pycomm: islands: no leaders engine");
   worker_ = std::make_unique<pycomm::Worker>(timeout);
+  worker_->watch_stalls([this](const std::string& why) { return fail_on_stall(why); },
+                        [this] { return local_->getSequenceNumberForGroup() + inter_bytes_; });
   if (log_.enabled(pycomm::LogLevel::INFO, pycomm::Subsys::ISLANDS)) {
     log_.log(pycomm::LogLevel::INFO, pycomm::Subsys::ISLANDS,
              "islands: " + layout_.describe() + "; this rank is island " +
@@ -101,7 +105,34 @@ ProcessGroupIslands::ProcessGroupIslands(const c10::intrusive_ptr<c10d::Store>& 
   }
 }
 
-ProcessGroupIslands::~ProcessGroupIslands() { shutdown(); }
+// Destroyed without shutdown() (the process exits without destroy_process_group): the
+// island's ranks hear that from the local group's own destructor.
+ProcessGroupIslands::~ProcessGroupIslands() {
+  if (getpid() != creator_pid_) {  // a forked child's copy (see ProcessGroupPycomm::close)
+    (void)worker_.release();
+    for (auto* e : {&engines_.world, &engines_.shard, &engines_.leaders}) (void)e->release();
+    (void)local_.release();
+    return;
+  }
+  if (worker_) worker_->stop();
+  local_.reset();
+  shutdown();
+}
+
+// The stall watch's failure (see Worker): reported like any other, to every island.
+std::string ProcessGroupIslands::fail_on_stall(const std::string& why) {
+  std::string msg = stall_failure(
+      "rank " + std::to_string(getRank()) + " (island " + std::to_string(island()) + ")", why);
+  std::string first = msg;
+  try {
+    first = str(store_->compareSet(kFirstError, {}, bytes(msg)));
+  } catch (...) {  // the store is gone: this rank's own word is all there is
+  }
+  local_->fail_with(msg);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_.empty()) failed_ = first;
+  return failed_;
+}
 
 void ProcessGroupIslands::setTimeout(std::chrono::milliseconds timeout) {
   timeout_ = timeout;
@@ -116,6 +147,7 @@ void ProcessGroupIslands::setTimeout(std::chrono::milliseconds timeout) {
 // island's segment and the engines (gloo joins its threads: an op stuck on a dead
 // peer ends at gloo's own timeout).
 void ProcessGroupIslands::shutdown() {
+  if (getpid() != creator_pid_) return;  // a forked child's copy: see the destructor
   if (worker_) worker_->stop();
   worker_.reset();
   if (local_) local_->shutdown();
@@ -135,6 +167,8 @@ void ProcessGroupIslands::abort() {
 }
 
 void ProcessGroupIslands::check_usable() const {
+  if (std::string forked = pycomm::forked_group_error(creator_pid_, getRank()); !forked.empty())
+    TORCH_CHECK(false, forked);
   TORCH_CHECK(worker_ != nullptr, "pycomm: rank ", getRank(),
               ": the process group was shut down (destroy_process_group) and cannot run ops");
   std::lock_guard<std::mutex> lock(mu_);

@@ -13,6 +13,8 @@
 // broadcast in the island.
 #pragma once
 
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -125,6 +127,7 @@ class ProcessGroupIslands : public c10d::Backend {
                                          std::vector<at::Tensor> outputs, bool async_op,
                                          std::function<void(const Op&)> body);
   void check_usable() const;
+  std::string fail_on_stall(const std::string& why);
   void log_path(const Op& op, const std::string& path) const;
 
   // The steps of every algorithm: blocking, on the worker thread.
@@ -157,6 +160,7 @@ class ProcessGroupIslands : public c10d::Backend {
   mutable std::mutex mu_;
   Leftovers leftovers_;
   std::unique_ptr<pycomm::Worker> worker_;
+  const int creator_pid_ = static_cast<int>(::getpid());  // a forked child's copy differs
 };
 
 }  // namespace pycomm_torch

@@ -301,6 +301,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::allreduce_coalesced(
   const char* name = "all_reduce_coalesced";
   TORCH_CHECK_VALUE(!tensors.empty(), "pycomm: ", name, " on rank ", getRank(), " got no tensors");
   for (const auto& t : tensors) check_same_dtype(tensors[0], t, name, getRank());
+  check_total_bytes(tensors, name, getRank());
   Reduction red = reduction(opts.reduceOp, tensors[0], name, getRank());
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, name, tensors, opts.asyncOp,
                  [this, tensors, red](const Op& op) mutable {

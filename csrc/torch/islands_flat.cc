@@ -73,6 +73,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::scatter(
                         shape_str(out));
     }
   }
+  check_total_bytes(ins, "scatter", getRank());
   return enqueue(
       c10d::OpType::SCATTER, "scatter", {out}, opts.asyncOp, [this, out, ins, root](const Op& op) {
         log_path(op, "flat over the world engine");

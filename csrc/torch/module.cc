@@ -15,6 +15,8 @@
 #include "core/runtime/config.h"
 #include "core/runtime/core_probe.h"
 #include "core/runtime/faults.h"
+#include "core/runtime/fork_guard.h"
+#include "core/runtime/worker.h"
 #include "core/transport/shm_segment.h"
 #include "cuda_host.h"
 #include "fused.h"
@@ -117,6 +119,7 @@ void register_islands(py::module_& m);
 void register_env_info(py::module_& m);  // env_info.cc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pycomm::install_fork_guard();  // before any group or arena exists (fork_guard.h)
   m.doc() = "pycomm's C++ core: the shared-memory torch.distributed backend";
   // Backend is registered by torch; deriving from it lets torch attach ours to a ProcessGroup.
   py::module_::import("torch.distributed");
@@ -144,6 +147,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_env_info(m);
   m.def("arena_empty", &arena_empty, py::arg("sizes"), py::arg("dtype"),
         "An uninitialised CPU tensor in the shared-memory arena.");
+  m.def(
+      "_wait_workers_idle",
+      [](double cap_s) {
+        pycomm::Worker::wait_all_idle(std::chrono::milliseconds(static_cast<int64_t>(cap_s * 1e3)));
+      },
+      py::arg("cap_s"), py::call_guard<py::gil_scoped_release>(),
+      "At exit: waits (the GIL released) until no group's worker runs or holds a task.");
   m.def("arena_stats", &arena_stats, "Bytes reserved, live and peak in this process's arena.");
   m.def("_reduce_into", &reduce_into, py::arg("dst"), py::arg("a"), py::arg("b"),
         py::arg("op") = "sum", py::call_guard<py::gil_scoped_release>(),

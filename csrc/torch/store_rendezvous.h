@@ -20,6 +20,11 @@ class StoreRendezvous : public pycomm::Rendezvous {
     auto v = store_->get(key);
     return std::string(v.begin(), v.end());
   }
+  std::optional<std::string> try_get(const std::string& key) override {
+    if (!store_->check({key})) return std::nullopt;
+    return get(key);
+  }
+  std::chrono::milliseconds timeout() const override { return store_->getTimeout(); }
   void remove(const std::string& key) override {
     try {
       store_->deleteKey(key);

@@ -43,10 +43,28 @@ pycomm::DType checked_dtype(const at::Tensor& t, const char* op, int rank) {
   return dense_dtype(t, op, rank);
 }
 
+int64_t checked_mul(int64_t a, int64_t b, const char* op, int rank, const char* what) {
+  int64_t out = 0;
+  TORCH_CHECK_VALUE(!__builtin_mul_overflow(a, b, &out), who(op, rank), ": ", what, " (", a, " x ",
+                    b, ") overflows a 64-bit size");
+  return out;
+}
+
+int64_t checked_add(int64_t a, int64_t b, const char* op, int rank, const char* what) {
+  int64_t out = 0;
+  TORCH_CHECK_VALUE(!__builtin_add_overflow(a, b, &out), who(op, rank), ": ", what, " (", a, " + ",
+                    b, ") overflows a 64-bit size");
+  return out;
+}
+
 pycomm::DType dense_dtype(const at::Tensor& t, const char* op, int rank) {
   TORCH_CHECK_VALUE(t.defined(), who(op, rank), ": got an undefined tensor");
   TORCH_CHECK_VALUE(t.layout() == c10::kStrided, who(op, rank), ": got a ", t.layout(),
                     " tensor; only dense (strided) tensors are supported");
+  // Every op's byte counts start from numel x element size: an expanded (stride 0)
+  // tensor can claim more elements than memory holds.
+  checked_mul(t.numel(), static_cast<int64_t>(t.element_size()), op, rank,
+              "the tensor's size in bytes");
   switch (t.scalar_type()) {
     case at::kFloat:
       return pycomm::DType::F32;
@@ -130,9 +148,10 @@ void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op, 
 
 void check_numel_ratio(const at::Tensor& big, const at::Tensor& small, int64_t factor,
                        const char* op, const char* big_name, const char* small_name, int rank) {
-  TORCH_CHECK_VALUE(big.numel() == factor * small.numel(), who(op, rank), ": ", big_name, " ",
-                    shape_str(big), " must have ", factor, " x the elements of ", small_name, " ",
-                    shape_str(small), " (world size ", factor, ")");
+  TORCH_CHECK_VALUE(big.numel() == checked_mul(factor, small.numel(), op, rank, small_name),
+                    who(op, rank), ": ", big_name, " ", shape_str(big), " must have ", factor,
+                    " x the elements of ", small_name, " ", shape_str(small), " (world size ",
+                    factor, ")");
 }
 
 std::exception_ptr translate_current_exception() {
@@ -175,6 +194,7 @@ void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int
                       " holds a tensor of shape ", shape_str(t), " but the input has shape ",
                       shape_str(like));
   }
+  check_total_bytes(list, op, rank);
 }
 
 bool check_gather_list(const std::vector<at::Tensor>& list, const at::Tensor& in, int64_t n,
@@ -187,6 +207,7 @@ bool check_gather_list(const std::vector<at::Tensor>& list, const at::Tensor& in
     check_same_dtype(in, t, op, rank);
     uneven = uneven || t.numel() != in.numel();
   }
+  check_total_bytes(list, op, rank);
   TORCH_CHECK_VALUE(list[rank].numel() == in.numel(), who(op, rank), ": output ", rank,
                     " (this rank's) has shape ", shape_str(list[rank]), " but the input has shape ",
                     shape_str(in));
@@ -215,6 +236,7 @@ std::vector<at::Tensor> coalesced_gather_outputs(
       rank_major.push_back(o);
     }
   }
+  check_total_bytes(rank_major, op, rank);
   return rank_major;
 }
 
@@ -230,6 +252,8 @@ void check_all_to_all_lists(const std::vector<at::Tensor>& inputs,
     check_same_dtype(inputs[0], inputs[i], op, rank);
     check_same_dtype(inputs[0], outputs[i], op, rank);
   }
+  check_total_bytes(inputs, op, rank);
+  check_total_bytes(outputs, op, rank);
 }
 
 std::vector<int64_t> split_elems(const at::Tensor& t, const std::vector<int64_t>& splits, int n,
@@ -248,13 +272,31 @@ std::vector<int64_t> split_elems(const at::Tensor& t, const std::vector<int64_t>
                     " split sizes have ", splits.size(), " entries, expected ", n);
   int64_t total = 0;
   for (int i = 0; i < n; ++i) {
-    TORCH_CHECK_VALUE(splits[i] >= 0, who(op, rank), ": negative split size");
-    c[i] = splits[i] * row_elems;
-    total += splits[i];
+    TORCH_CHECK_VALUE(splits[i] >= 0, who(op, rank), ": ", which, " split size ", i, " is ",
+                      splits[i], ", negative");
+    // Each split within the rows, and the running sum checked: a sum that wraps could
+    // otherwise equal the row count and pass.
+    TORCH_CHECK_VALUE(splits[i] <= rows, who(op, rank), ": ", which, " split size ", i, " is ",
+                      splits[i], " rows but the tensor of shape ", shape_str(t), " has ", rows);
+    total = checked_add(total, splits[i], op, rank, "the split sizes' sum");
+    c[i] = splits[i] * row_elems;  // <= numel: within range once splits[i] <= rows
   }
   TORCH_CHECK_VALUE(total == rows, who(op, rank), ": ", which, " split sizes add up to ", total,
                     " rows but the tensor has ", rows);
   return c;
+}
+
+int64_t total_numel(const std::vector<at::Tensor>& tensors, const char* op, int rank) {
+  int64_t total = 0;
+  for (const auto& t : tensors)
+    total = checked_add(total, t.numel(), op, rank, "the tensors' elements");
+  return total;
+}
+
+void check_total_bytes(const std::vector<at::Tensor>& tensors, const char* op, int rank) {
+  if (tensors.empty()) return;
+  checked_mul(total_numel(tensors, op, rank), static_cast<int64_t>(tensors[0].element_size()), op,
+              rank, "the tensors' size in bytes");
 }
 
 at::Tensor flat_copy(const std::vector<at::Tensor>& tensors) {

@@ -41,6 +41,14 @@ void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op, 
 void check_numel_ratio(const at::Tensor& big, const at::Tensor& small, int64_t factor,
                        const char* op, const char* big_name, const char* small_name, int rank);
 std::string shape_str(const at::Tensor& t);
+// a * b and a + b, or a ValueError naming the op and `what` when they overflow int64
+// (sizes from the user's tensors and split lists are untrusted).
+int64_t checked_mul(int64_t a, int64_t b, const char* op, int rank, const char* what);
+int64_t checked_add(int64_t a, int64_t b, const char* op, int rank, const char* what);
+// The elements of all `tensors` together, checked.
+int64_t total_numel(const std::vector<at::Tensor>& tensors, const char* op, int rank);
+// The flat buffer of all `tensors` (one dtype) has a size in bytes that fits int64.
+void check_total_bytes(const std::vector<at::Tensor>& tensors, const char* op, int rank);
 
 // `n` tensors (one per rank) like `like`: CPU, its dtype, its number of elements.
 void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, int64_t n,

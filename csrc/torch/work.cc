@@ -71,6 +71,13 @@ void PycommWork::complete(std::exception_ptr error) {
   finish(error);
 }
 
+std::string stall_failure(const std::string& who, const std::string& why) {
+  return "pycomm: " + who + ": " + why +
+         "; the group is failed on every rank. Raise the group's timeout, or keep slow "
+         "work out of future callbacks; a callback that waits for an op queued after its "
+         "own must call that op's work.wait() (which runs it), not wait on its future";
+}
+
 void dispatch(pycomm::Worker& worker, const c10::intrusive_ptr<PycommWork>& work, bool async_op,
               std::function<void()> task) {
   if (worker.on_worker_thread()) {  // nested: issued from a callback of this group's op

@@ -58,6 +58,9 @@ class PycommWork : public c10d::Work {
   std::exception_ptr error_;
 };
 
+// The group's failure message when the worker's stall watch fires on rank `who`.
+std::string stall_failure(const std::string& who, const std::string& why);
+
 // Runs `task` (which completes `work`) on `worker` in call order: at once when issued
 // from one of the worker's own tasks (a future callback), right here when synchronous
 // and nothing is queued, else queued. A queued task the worker gives up on (see

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 
 #include "core/runtime/errors.h"
@@ -34,12 +35,34 @@ size_t slab_bytes_from_env() {
   return round_up(x, kHuge);
 }
 
+// Never destroyed: tensors freed during interpreter exit must still find it.
+Arena* g_arena = nullptr;
+std::once_flag g_arena_once;
+
 }  // namespace
 
 Arena& Arena::instance() {
-  // Never destroyed: tensors freed during interpreter exit must still find it.
-  static Arena* arena = new Arena();
-  return *arena;
+  std::call_once(g_arena_once, [] {
+    if (g_arena == nullptr) g_arena = new Arena();
+  });
+  return *g_arena;
+}
+
+// A forked child (single-threaded here) gets an empty arena of its own: the parent's
+// allocator state would hand it blocks the parent uses. The parent's slabs it inherited
+// become private copy-on-write mappings at the same addresses, so tensors it inherited
+// stay readable and what it writes stays its own, as with ordinary memory after fork.
+// Their memfds are closed (no peer maps them through the child). Not locked: the
+// parent's lock may have been held by a thread that does not exist here.
+void Arena::after_fork_in_child() {
+  Arena* parent = g_arena;
+  g_arena = new Arena();
+  if (parent == nullptr) return;
+  for (auto& slab : parent->slabs_) {
+    mmap(slab->base, slab->bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, slab->fd, 0);
+    close(slab->fd);
+    slab->fd = -1;
+  }
 }
 
 Arena::Slab* Arena::new_slab(size_t min_bytes) {

@@ -47,6 +47,8 @@ class Arena {
   // True (and *out filled) if [ptr, ptr + bytes) lies inside one slab of this arena.
   bool locate(const void* ptr, size_t bytes, ArenaLocation* out) const;
   ArenaStats stats() const;
+  // Called in a forked child (see fork_guard.h).
+  static void after_fork_in_child();
 
  private:
   struct Slab {

@@ -88,10 +88,12 @@ void Communicator::log_init(const Layout& layout, std::chrono::milliseconds time
   }
 }
 
-Communicator::~Communicator() { depart(); }
+// Whoever destroys a communicator says how it leaves first (depart keeps the first word).
+Communicator::~Communicator() { depart(Departure::EXITED); }
 
-void Communicator::depart() {
-  if (shared_) shared_->depart();
+void Communicator::depart(Departure how) {
+  if (shared_ && !departed_) shared_->depart(how);
+  departed_ = true;
 }
 
 OpCall Communicator::begin(OpKind kind, DType dtype, uint64_t count, RedOp op, int root) {
@@ -155,11 +157,15 @@ void Communicator::run(OpCall& op, const char* algo, const std::string& why, Bod
   }
 }
 
+// An empty op still meets the other ranks (direct, whatever the settings), so one
+// rank's 0 elements against another's 10 is a mismatch named here, not a success
+// that leaves the other rank's op to pair with this rank's next one.
 bool Communicator::use_direct(size_t bytes) const {
-  return cfg_.algo != Algo::RING && bytes <= cfg_.direct_bytes;
+  return bytes == 0 || (cfg_.algo != Algo::RING && bytes <= cfg_.direct_bytes);
 }
 
 std::string Communicator::direct_reason(size_t bytes) const {
+  if (bytes == 0) return "0 elements";
   std::string limit = "PYCOMM_DIRECT_BYTES=" + std::to_string(cfg_.direct_bytes);
   if (cfg_.algo == Algo::RING) return "PYCOMM_ALGO=ring";
   if (bytes <= cfg_.direct_bytes) return std::to_string(bytes) + " B <= " + limit;
@@ -209,7 +215,7 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
   a.in = a.out = data;
   a.count = count;
   OpCall c = begin(OpKind::ALL_REDUCE, dtype, count, op, -1);
-  if (world_ == 1 || count == 0) return run(c, "local", "", [] {});
+  if (world_ == 1) return run(c, "local", "", [] {});
   run_bulk(c, a, count * dtype_size(dtype),
            {all_reduce_direct, all_reduce_ring, all_reduce_zero_copy, "ring"}, a.in);
 }
@@ -220,7 +226,7 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType
   a.out = out;
   a.count = count;
   OpCall c = begin(OpKind::REDUCE_SCATTER, dtype, count, op, -1);
-  if (world_ == 1 || count == 0) {
+  if (world_ == 1) {
     return run(c, "local", "", [&] { std::memmove(out, in, count * dtype_size(dtype)); });
   }
   run_bulk(c, a, count * world_ * dtype_size(dtype),
@@ -235,7 +241,7 @@ void Communicator::all_gather(const void* in, void* out, size_t count, DType dty
   a.dtype = dtype;
   OpCall c = begin(OpKind::ALL_GATHER, dtype, count, RedOp::NONE, -1);
   size_t bytes = count * dtype_size(dtype);
-  if (world_ == 1 || count == 0) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
+  if (world_ == 1) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
   run_bulk(c, a, bytes, {all_gather_direct, all_gather_ring, all_gather_zero_copy, "ring"}, a.in);
 }
 
@@ -248,7 +254,7 @@ void Communicator::broadcast(void* data, size_t count, DType dtype, int root) {
   a.root = root;
   OpCall c = begin(OpKind::BROADCAST, dtype, count, RedOp::NONE, root);
   size_t bytes = count * dtype_size(dtype);
-  if (world_ == 1 || count == 0) return run(c, "local", "", [] {});
+  if (world_ == 1) return run(c, "local", "", [] {});
   run_bulk(c, a, bytes, {broadcast_direct, broadcast_chain, broadcast_zero_copy, "chain"}, data);
 }
 
@@ -262,7 +268,7 @@ void Communicator::reduce(const void* in, void* out, size_t count, DType dtype, 
   a.root = root;
   OpCall c = begin(OpKind::REDUCE, dtype, count, op, root);
   size_t bytes = count * dtype_size(dtype);
-  if (world_ == 1 || count == 0) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
+  if (world_ == 1) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
   // Peers write the result into the root's buffer, so the root offers it only when it
   // is also the input (torch's reduce is in place); otherwise all take the chain.
   const void* offered = rank_ == root && in != out ? nullptr : in;

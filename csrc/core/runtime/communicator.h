@@ -64,7 +64,7 @@ class Communicator {
   void barrier();
 
   // Marks this rank as leaving cleanly: a peer still waiting for it is told so at once.
-  void depart();
+  void depart(Departure how = Departure::DESTROYED);
 
  private:
   void log_init(const Layout& layout, std::chrono::milliseconds timeout) const;
@@ -95,7 +95,8 @@ class Communicator {
   std::unique_ptr<Waiter> waiter_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<PeerMemory> peers_;
-  std::atomic<uint64_t> seq_{0};  // read by other threads (getSequenceNumberForGroup)
+  std::atomic<uint64_t> seq_{0};
+  bool departed_ = false;  // read by other threads (getSequenceNumberForGroup)
 };
 
 }  // namespace pycomm

@@ -1,6 +1,15 @@
 #include "core/runtime/group_segment.h"
 
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -11,7 +20,72 @@ namespace pycomm {
 namespace {
 
 const char* kSegmentKey = "segment";
+const char* kStartedKey = "started";
 std::string opened_key(int r) { return "opened/" + std::to_string(r); }
+// Shared with pycomm/_startup.py, which posts them before the group is built.
+const char* kFailedKey = "pycomm-init/failed";
+std::string pid_key(int r) { return "pycomm-init/pid/" + std::to_string(r); }
+
+uint64_t own_pid_namespace() {
+  struct stat st{};
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+bool is_zombie(int pid) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return false;
+  char line[512] = {0};
+  size_t n = std::fread(line, 1, sizeof(line) - 1, f);
+  std::fclose(f);
+  const char* close_paren = std::strrchr(line, ')');  // "pid (comm) S ..."
+  return n > 0 && close_paren != nullptr && close_paren[1] == ' ' && close_paren[2] == 'Z';
+}
+
+// Rank `peer`'s death, if it posted its pid from this PID namespace and that process
+// is gone ("" otherwise: alive, elsewhere, or not announced).
+std::string died(Rendezvous& rdv, int peer) {
+  auto v = rdv.try_get(pid_key(peer));
+  if (!v) return "";
+  long long pid = 0;
+  unsigned long long ns = 0;
+  if (std::sscanf(v->c_str(), "%lld %llu", &pid, &ns) != 2 || pid <= 0) return "";
+  if (ns == 0 || ns != own_pid_namespace()) return "";
+  bool gone = kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+  if (!gone) gone = is_zombie(static_cast<int>(pid));  // dead, its parent not told yet
+  if (!gone) return "";
+  return "rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
+         ") died before the group started";
+}
+
+// `key`'s value once set. Meanwhile watches for a failure any rank posted and for the
+// death of `peer` (the rank that sets the key), so nobody waits out the store's timeout
+// for a rank that is gone or gave up; `what` names the wait in the timeout's message.
+std::string wait_for(Rendezvous& rdv, const std::string& key, int rank, int peer,
+                     const std::string& what) {
+  const auto start = std::chrono::steady_clock::now();
+  auto pause = std::chrono::microseconds(200);
+  for (int polls = 0;; ++polls) {
+    if (auto v = rdv.try_get(key)) return *v;
+    if (polls % 8 == 7) {  // a few ms apart at first, then every ~50 ms
+      std::string why;
+      if (auto failed = rdv.try_get(kFailedKey)) why = *failed;
+      if (why.empty()) why = died(rdv, peer);
+      if (!why.empty()) {
+        throw CommError("pycomm: rank " + std::to_string(rank) +
+                        ": the group cannot start: " + why);
+      }
+      if (std::chrono::steady_clock::now() - start > rdv.timeout()) {
+        throw CommError("pycomm: rank " + std::to_string(rank) + ": the group cannot start: " +
+                        what + " did not happen within the store's timeout (" +
+                        std::to_string(rdv.timeout().count() / 1000) + " s)");
+      }
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(50));
+  }
+}
 
 std::string mib(size_t bytes) {
   char buf[32];
@@ -135,27 +209,37 @@ GroupSegment create(Rendezvous& rdv, int world, Config& cfg) {
   h->settings = s;
   rdv.set(kSegmentKey, "ok " + std::to_string(layout.total_bytes()) + " " + g.segment.name());
   std::string failed;
-  for (int r = 1; r < world; ++r) {
-    std::string v = rdv.get(opened_key(r));
-    if (v.rfind("error ", 0) == 0 && failed.empty())
-      failed = "rank " + std::to_string(r) + " could not join: " + v.substr(6);
+  for (int r = 1; r < world && failed.empty(); ++r) {
+    try {
+      std::string v =
+          wait_for(rdv, opened_key(r), 0, r, "rank " + std::to_string(r) + " mapping the segment");
+      if (v.rfind("error ", 0) == 0)
+        failed = "rank " + std::to_string(r) + " could not join: " + v.substr(6);
+    } catch (const CommError& e) {
+      failed = e.what();
+    }
   }
   // Every rank has it mapped (or gave up): the name can go, and so can the keys.
   g.segment.unlink();
   rdv.remove(kSegmentKey);
   for (int r = 1; r < world; ++r) rdv.remove(opened_key(r));
   if (!failed.empty()) {
-    // The ranks that did join must not wait for this one at their first op.
-    std::string msg = "pycomm: rank 0: the group cannot start: " + failed;
+    // The ranks that did join fail too, at once (they wait for kStartedKey).
+    std::string msg = failed.rfind("pycomm: ", 0) == 0
+                          ? failed
+                          : "pycomm: rank 0: the group cannot start: " + failed;
     Shared(g.segment, layout, 0, world).set_abort(msg);
+    rdv.set(kStartedKey, "error " + msg);
     throw CommError(msg);
   }
+  rdv.set(kStartedKey, "ok");
   return g;
 }
 
 GroupSegment join(Rendezvous& rdv, int rank, int world, Config& cfg, const Logger& log) {
   GroupSettings mine = group_settings(cfg, world);
-  SegmentRecord rec = parse_record(rdv.get(kSegmentKey), rank);
+  SegmentRecord rec =
+      parse_record(wait_for(rdv, kSegmentKey, rank, 0, "rank 0 creating the segment"), rank);
   if (!rec.ok) {
     throw CommError("pycomm: rank " + std::to_string(rank) +
                     " cannot join: rank 0 failed to set up shared memory: " + rec.name_or_error);
@@ -171,6 +255,8 @@ GroupSegment join(Rendezvous& rdv, int rank, int world, Config& cfg, const Logge
     }
     apply(group, cfg);
     rdv.set(opened_key(rank), "ok");
+    std::string started = wait_for(rdv, kStartedKey, rank, 0, "rank 0 hearing from every rank");
+    if (started != "ok") throw CommError(started.substr(started.find(' ') + 1));
     return GroupSegment{std::move(seg), layout};
   } catch (const std::exception& e) {
     rdv.set(opened_key(rank), std::string("error ") + e.what());
@@ -179,6 +265,14 @@ GroupSegment join(Rendezvous& rdv, int rank, int world, Config& cfg, const Logge
 }
 
 }  // namespace
+
+void report_init_failure(Rendezvous& rdv, int rank, const std::string& why) {
+  try {
+    if (rdv.try_get(kFailedKey)) return;  // the first failure stands
+    rdv.set(kFailedKey, "rank " + std::to_string(rank) + " failed at init: " + why);
+  } catch (...) {  // the store is gone too: the others time out, as before
+  }
+}
 
 GroupSettings group_settings(const Config& cfg, int world) {
   GroupSettings s{};

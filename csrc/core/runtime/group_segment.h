@@ -27,6 +27,10 @@ struct GroupSegment {
 GroupSegment establish_segment(Rendezvous& rdv, int rank, int world, Config& cfg,
                                const Logger& log);
 
+// Tells every rank of the group, through the store, that this rank cannot build it
+// (so nobody waits out the store's timeout for it). Never throws.
+void report_init_failure(Rendezvous& rdv, int rank, const std::string& why);
+
 // The settings rank 0 derives for a group of `world` from its configuration.
 GroupSettings group_settings(const Config& cfg, int world);
 

@@ -3,6 +3,8 @@
 // incarnation of a group its own key prefix, so keys never outlive their group.
 #pragma once
 
+#include <chrono>
+#include <optional>
 #include <string>
 
 namespace pycomm {
@@ -15,6 +17,10 @@ class Rendezvous {
   virtual std::string get(const std::string& key) = 0;
   // Deletes `key` if it exists (best effort: never throws).
   virtual void remove(const std::string& key) = 0;
+  // The value of `key` if it is set now (never blocks).
+  virtual std::optional<std::string> try_get(const std::string& key) = 0;
+  // How long one wait may take at most (the store's timeout).
+  virtual std::chrono::milliseconds timeout() const = 0;
 };
 
 }  // namespace pycomm

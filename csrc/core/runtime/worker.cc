@@ -1,6 +1,8 @@
 #include "core/runtime/worker.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <vector>
@@ -18,9 +20,14 @@ thread_local const Worker* tls_running = nullptr;
 class StallWatch {
  public:
   static StallWatch& instance() {
-    static StallWatch* watch = new StallWatch();  // never destroyed: see Arena::instance
-    return *watch;
+    std::call_once(once_, [] {
+      if (watch_ == nullptr) watch_ = new StallWatch();  // never destroyed: see Arena
+    });
+    return *watch_;
   }
+  // A forked child has no watch thread (and the lock may be held by a thread that is
+  // not there): it starts a watch of its own when it next needs one.
+  static void after_fork_in_child() { watch_ = new StallWatch(); }
   void add(Worker* w) {
     std::lock_guard<std::mutex> lock(mu_);
     workers_.insert(w);
@@ -32,6 +39,10 @@ class StallWatch {
   void remove(Worker* w) {
     std::lock_guard<std::mutex> lock(mu_);
     workers_.erase(w);
+  }
+  std::vector<Worker*> all() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {workers_.begin(), workers_.end()};
   }
 
  private:
@@ -49,6 +60,8 @@ class StallWatch {
       for (auto& cancel : cancels) cancel();
     }
   }
+  static inline StallWatch* watch_ = nullptr;
+  static inline std::once_flag once_;
   std::mutex mu_;
   std::set<Worker*> workers_;
   bool started_ = false;
@@ -76,15 +89,51 @@ Worker::~Worker() {
   StallWatch::instance().remove(this);
 }
 
+void Worker::watch_stalls(OnStall on_stall, Progress progress) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_stall_ = std::move(on_stall);
+  progress_ = std::move(progress);
+}
+
 void Worker::submit(std::function<void()> task, Cancel cancel) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    tasks_.push_back(Entry{std::move(task), std::move(cancel)});
+    if (!joined_) {
+      tasks_.push_back(Entry{std::move(task), std::move(cancel)});
+      cv_.notify_one();
+      return;
+    }
   }
-  cv_.notify_one();
+  // Stopped: nothing would ever run it (a callback issuing an op during shutdown).
+  if (cancel) {
+    cancel("the process group was shut down (destroy_process_group) before it could run");
+  } else {
+    run_here(task);
+  }
 }
 
 const Worker* Worker::current() { return tls_running; }
+
+void Worker::after_fork_in_child() { StallWatch::after_fork_in_child(); }
+
+bool Worker::idle() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !busy_ && tasks_.empty();
+}
+
+void Worker::wait_all_idle(std::chrono::milliseconds cap) {
+  for (Worker* w : StallWatch::instance().all()) {
+    std::chrono::milliseconds limit;
+    {
+      std::lock_guard<std::mutex> lock(w->mu_);
+      limit = std::min(cap, w->stall_after_);
+    }
+    const auto deadline = Clock::now() + limit;
+    while (!w->idle() && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+}
 
 void Worker::run_here(const std::function<void()>& task) {
   RunningScope scope(this);
@@ -99,8 +148,7 @@ bool Worker::run_inline(const std::function<void()>& task) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (busy_ || stopping_ || !tasks_.empty()) return false;
-    busy_ = true;
-    running_since_ = Clock::now();
+    started_locked();
   }
   run_here(task);
   bool queued;
@@ -138,22 +186,35 @@ std::vector<std::function<void()>> Worker::take_stalled(Clock::time_point now) {
   std::chrono::milliseconds stalled{};
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!busy_ || tasks_.empty() || now - running_since_ <= stall_after_) return {};
+    if (!busy_ || tasks_.empty()) return {};
+    if (progress_) {
+      uint64_t p = progress_();
+      if (p != progress_seen_) {  // a collective finished since: not stuck
+        progress_seen_ = p;
+        running_since_ = now;
+        return {};
+      }
+    }
+    if (now - running_since_ <= stall_after_) return {};
     stalled = std::chrono::duration_cast<std::chrono::milliseconds>(now - running_since_);
     for (auto& e : tasks_) stalled_tasks.push_back(std::move(e));
     tasks_.clear();
   }
-  const std::string why =
-      "it was queued behind a task that has not finished in " +
-      std::to_string(stalled.count() / 1000) +
-      " s, longer than the group's timeout: a future callback of an earlier op waits for an "
-      "op queued after it, which can never run (ops of one group run in order; a callback "
-      "may issue new ops and wait for them, or call work.wait() on later ones)";
-  std::vector<std::function<void()>> cancels;
+  char secs[64];
+  std::snprintf(secs, sizeof(secs), "%.1f s, longer than the group's timeout (%.1f s)",
+                stalled.count() / 1000.0, stall_after_.count() / 1000.0);
+  std::string why = std::string("a task on its collective worker (a future callback, or a ") +
+                    "coalesced or composed op) has held the group's order for " + secs +
+                    " without a collective finishing, with " +
+                    std::to_string(stalled_tasks.size()) +
+                    " op(s) queued behind it, which would run past their timeout";
+  auto message = std::make_shared<std::string>("pycomm: " + why);
+  std::vector<std::function<void()>> out;
+  if (on_stall_) out.push_back([on_stall = on_stall_, why, message] { *message = on_stall(why); });
   for (auto& e : stalled_tasks) {
-    if (e.cancel) cancels.push_back([cancel = std::move(e.cancel), why] { cancel(why); });
+    if (e.cancel) out.push_back([cancel = std::move(e.cancel), message] { cancel(*message); });
   }
-  return cancels;
+  return out;
 }
 
 void Worker::stop() {
@@ -165,17 +226,25 @@ void Worker::stop() {
   if (thread_.joinable()) thread_.join();
 }
 
+void Worker::started_locked() {
+  busy_ = true;
+  running_since_ = Clock::now();
+  progress_seen_ = progress_ ? progress_() : 0;
+}
+
 void Worker::loop() {
   for (;;) {
     Entry task;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return (stopping_ && !busy_) || (!tasks_.empty() && !busy_); });
-      if (tasks_.empty()) return;
+      if (tasks_.empty()) {
+        joined_ = true;  // under the lock: a later submit() cannot queue what never runs
+        return;
+      }
       task = std::move(tasks_.front());
       tasks_.pop_front();
-      busy_ = true;
-      running_since_ = Clock::now();
+      started_locked();
     }
     run_here(task.run);
     std::lock_guard<std::mutex> lock(mu_);

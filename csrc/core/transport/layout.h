@@ -46,7 +46,8 @@ struct PackedDesc {
 
 // ABSENT until the rank has joined (taken its liveness lock), DEPARTED once it left
 // cleanly: a peer that waits for a departed rank says so instead of "died".
-enum class RankState : uint32_t { ABSENT = 0, ALIVE = 1, DEPARTED = 2 };
+// (destroy_process_group), EXITED once its process let go of the group without it.
+enum class RankState : uint32_t { ABSENT = 0, ALIVE = 1, DEPARTED = 2, EXITED = 3 };
 
 struct alignas(kLine) RankControl {
   std::atomic<int32_t> pid{0};

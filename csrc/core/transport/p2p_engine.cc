@@ -7,6 +7,10 @@
 #include "core/runtime/errors.h"
 
 namespace pycomm {
+
+namespace {
+const char* const kShutDown = "pycomm: send/recv cancelled: the process group was shut down";
+}  // namespace
 namespace {
 
 // An idle engine (nothing posted) looks at its inbox this often even unwoken.
@@ -30,12 +34,18 @@ P2PEngine::P2PEngine(const Shared& shared, const Logger& log, std::chrono::milli
       received_msgs_(shared.world(), 0),
       thread_([this] { loop(); }) {}
 
-P2PEngine::~P2PEngine() {
+P2PEngine::~P2PEngine() { stop(); }
+
+void P2PEngine::stop() {
   stop_.store(true);
   shared_.ring(shared_.rank(), P2P);
   if (thread_.joinable()) thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(inbox_mu_);
+    closed_ = true;  // what submit() hands over from here on fails at once
+  }
   take_inbox();
-  fail_all("pycomm: send/recv cancelled: the process group was shut down");
+  fail_all(kShutDown);
 }
 
 std::string P2PEngine::what(const P2PRequest& r) const {
@@ -49,9 +59,13 @@ std::string P2PEngine::what(const P2PRequest& r) const {
 void P2PEngine::submit(P2PRequest req) {
   {
     std::lock_guard<std::mutex> lock(inbox_mu_);
-    inbox_.push_back(std::move(req));
+    if (!closed_) {
+      inbox_.push_back(std::move(req));
+      shared_.ring(shared_.rank(), P2P);
+      return;
+    }
   }
-  shared_.ring(shared_.rank(), P2P);
+  req.done(std::make_exception_ptr(CommError(kShutDown)), req.peer);  // after stop()
 }
 
 void P2PEngine::take_inbox() {

@@ -50,6 +50,9 @@ class P2PEngine {
   P2PEngine& operator=(const P2PEngine&) = delete;
 
   void submit(P2PRequest req);  // thread-safe; returns at once
+  // Joins the engine's thread and fails what is posted; a later submit() fails at once
+  // (on the caller's thread). Idempotent; the destructor calls it.
+  void stop();
   void set_timeout(std::chrono::milliseconds t) { timeout_ms_ = t.count(); }
 
  private:
@@ -112,6 +115,7 @@ class P2PEngine {
   std::mutex inbox_mu_;
   std::vector<P2PRequest> inbox_;
   std::atomic<bool> stop_{false};
+  bool closed_ = false;  // under inbox_mu_: stop() has taken the inbox for the last time
   Clock::time_point next_scan_{};
   std::thread thread_;
 };

@@ -33,9 +33,9 @@ void Shared::join() {
   me->state.store(static_cast<uint32_t>(RankState::ALIVE), std::memory_order_release);
 }
 
-void Shared::depart() {
-  control(rank_)->state.store(static_cast<uint32_t>(RankState::DEPARTED),
-                              std::memory_order_release);
+void Shared::depart(Departure how) {
+  auto state = how == Departure::DESTROYED ? RankState::DEPARTED : RankState::EXITED;
+  control(rank_)->state.store(static_cast<uint32_t>(state), std::memory_order_release);
   ring_everyone(COLL);
   ring_everyone(P2P);
 }
@@ -80,18 +80,28 @@ void Shared::set_abort(const std::string& msg) const {
   ring_everyone(P2P);
 }
 
+namespace {
+// How a rank that left cleanly left, or "" while it is still in the group.
+std::string departure(int r, RankState state) {
+  if (state == RankState::DEPARTED)
+    return "rank " + std::to_string(r) + " left the group (destroy_process_group)";
+  if (state == RankState::EXITED) {
+    return "rank " + std::to_string(r) +
+           " let go of the group without destroy_process_group (its process exited, or "
+           "dropped the group, while this rank still waited for it)";
+  }
+  return "";
+}
+}  // namespace
+
 std::string Shared::peer_gone(int r) const {
   auto state = static_cast<RankState>(control(r)->state.load(std::memory_order_acquire));
   if (state == RankState::ABSENT) return "";
-  if (state == RankState::DEPARTED) {
-    return "rank " + std::to_string(r) + " left the group (destroy_process_group)";
-  }
+  if (std::string how = departure(r, state); !how.empty()) return how;
   if (liveness_.alive(r)) return "";
   // Read the state again: a rank that departs releases its lock right after.
-  if (static_cast<RankState>(control(r)->state.load(std::memory_order_acquire)) ==
-      RankState::DEPARTED) {
-    return "rank " + std::to_string(r) + " left the group (destroy_process_group)";
-  }
+  state = static_cast<RankState>(control(r)->state.load(std::memory_order_acquire));
+  if (std::string how = departure(r, state); !how.empty()) return how;
   std::string pid = std::to_string(control(r)->pid.load(std::memory_order_relaxed));
   if (!same_pid_namespace(r)) pid += " in another PID namespace";
   return "rank " + std::to_string(r) + " (pid " + pid + ") died";

@@ -13,6 +13,10 @@
 
 namespace pycomm {
 
+// How a rank leaves its group cleanly: by destroy_process_group, or by its process
+// dropping the group without it (at exit); peers still waiting are told which.
+enum class Departure { DESTROYED, EXITED };
+
 // One running operation, as waits and error messages need to know it.
 struct OpCall {
   OpDesc desc;
@@ -39,7 +43,7 @@ class Shared {
   // pid and PID namespace and marks it alive.
   void join();
   // Marks this rank as having left cleanly (before its lock goes with the segment).
-  void depart();
+  void depart(Departure how = Departure::DESTROYED);
 
   // Tells rank r that something it may be waiting for on `lane` has changed.
   void ring(int r, Lane lane) const;

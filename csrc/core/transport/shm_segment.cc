@@ -14,6 +14,8 @@
 #include <utility>
 
 #include "core/runtime/errors.h"
+#include "core/runtime/fork_guard.h"
+#include "core/transport/unlink_on_signal.h"
 
 namespace pycomm {
 namespace {
@@ -97,12 +99,14 @@ ShmSegment ShmSegment::create(size_t bytes, size_t eager_bytes, const std::strin
     throw CommError("pycomm: shm_open(" + seg.name_ + ") failed: " + strerror(errno));
   }
   seg.linked_ = true;
+  seg.signal_slot_ = unlink_on_signal(seg.name_);
   if (ftruncate(seg.fd_, static_cast<off_t>(bytes)) != 0) {
     throw CommError("pycomm: cannot size shared-memory segment " + seg.name_ + " to " + mib(bytes) +
                     ": " + strerror(errno));
   }
   seg.data_ = map_fd(seg.fd_, bytes, seg.name_);
   seg.size_ = bytes;
+  seg.fork_slot_ = close_on_fork(seg.fd_, seg.data_, bytes);
   seg.reserve(0, eager_bytes, what);
   return seg;  // on a throw above, ~ShmSegment unlinks, unmaps and closes
 }
@@ -142,6 +146,7 @@ ShmSegment ShmSegment::open(const std::string& name, size_t bytes) {
   }
   seg.data_ = map_fd(seg.fd_, bytes, name);
   seg.size_ = bytes;
+  seg.fork_slot_ = close_on_fork(seg.fd_, seg.data_, bytes);
   return seg;
 }
 
@@ -156,6 +161,8 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& o) noexcept {
     size_ = std::exchange(o.size_, 0);
     fd_ = std::exchange(o.fd_, -1);
     linked_ = std::exchange(o.linked_, false);
+    signal_slot_ = std::exchange(o.signal_slot_, -1);
+    fork_slot_ = std::exchange(o.fork_slot_, -1);
   }
   return *this;
 }
@@ -167,12 +174,14 @@ ShmSegment::~ShmSegment() {
 
 void ShmSegment::unlink() {
   if (linked_) {
+    forget_unlink_on_signal(std::exchange(signal_slot_, -1));
     shm_unlink(name_.c_str());
     linked_ = false;
   }
 }
 
 void ShmSegment::unmap() {
+  forget_close_on_fork(std::exchange(fork_slot_, -1));
   if (data_ != nullptr) {
     munmap(data_, size_);
     data_ = nullptr;

@@ -47,6 +47,9 @@ class ShmSegment {
   size_t size_ = 0;
   int fd_ = -1;
   bool linked_ = false;
+  int signal_slot_ = -1;
+  int fork_slot_ = -1;  // the child of a fork closes fd_ (its liveness locks: fork_guard.h)  //
+                        // while linked: unlinked by a fatal signal (unlink_on_signal.h)
 };
 
 // Bytes free in /dev/shm (statvfs), or SIZE_MAX when it cannot be read.
