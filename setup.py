@@ -18,19 +18,28 @@ Environment:
                           after an architecture embeds its PTX as well.
   PYCOMM_PTXAS_VERBOSE=1  ptxas prints each kernel's registers and spills.
 
+Requirements: a wheel (and an editable install) requires exactly the torch it was compiled
+against (``torch==2.13.0``: its binary uses torch's C++ ABI, which changes with every
+release); the sdist, which compiles on install, keeps the range ``torch>=TORCH_FLOOR``.
+
 The setup() call runs only as a script (pip and setuptools run this file as __main__),
-so tests import nvcc_flags() from it without building anything.
+so tests import nvcc_flags() and torch_requirement() from it without building anything.
 """
 
 import glob
 import os
 import re
 import shutil
+import sys
 
 from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# The oldest torch pycomm builds against: the c10d glue overrides Backend::setTimeout,
+# shutdown and abort and reads the options' asyncOp, which older torch lacks. CI's job 2
+# installs the sdist against the newest 2.9.x (.ci/run reads the floor from this line).
+TORCH_FLOOR = "2.9"
 # Sources include each other by their path under csrc/ ("core/transport/layout.h").
 INCLUDE = os.path.join(ROOT, "csrc")
 
@@ -112,7 +121,9 @@ def nvcc_flags() -> list[str]:
 def extension():
     # -fno-trapping-math: nothing here relies on floating-point exceptions, and without
     # it GCC will not turn the clamps of the fused kernels' erf and exp into vector code.
-    cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter",
+    # No -std: torch's extension builder adds the standard its own headers are written
+    # for (C++20 from torch 2.10; C++17 before), and a lower one warns on every header.
+    cxx_flags = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter",
                  "-fno-trapping-math"]
     srcs = cpu_sources()
     if cuda_wanted():
@@ -128,8 +139,48 @@ def extension():
                                       extra_link_args=["-lrt"], include_dirs=[INCLUDE])
 
 
+def build_dir() -> str:
+    """Where the objects and ninja's state stay between builds: PYCOMM_BUILD_DIR, else
+    build/ in the checkout, per Python and torch (objects of another torch never mix)."""
+    import sysconfig
+
+    import torch
+
+    tag = f"{sysconfig.get_platform()}-py{sysconfig.get_python_version()}-torch{torch.__version__}"
+    return os.environ.get("PYCOMM_BUILD_DIR") or os.path.join(ROOT, "build", f"temp.{tag}")
+
+
+class IncrementalBuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """torch's ninja build in a folder that outlives the build: `pip install -e .` (and
+    `pip install .`) otherwise compile in a fresh temporary folder each time, so every
+    install recompiled all of csrc/; here ninja recompiles only what changed."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.build_temp = build_dir()
+
+
+def torch_requirement(building_sdist: bool) -> str:
+    """The sdist's torch requirement is the range it compiles against (torch>=TORCH_FLOOR);
+    a wheel's, and an editable install's, is the torch this build compiles against, without
+    its local label (2.13.0+cpu -> torch==2.13.0, which a 2.13.0+cu128 satisfies too)."""
+    if building_sdist:
+        return f"torch>={TORCH_FLOOR}"
+    import torch
+
+    return f"torch=={str(torch.__version__).partition('+')[0]}"
+
+
+def install_requires(argv: list[str]) -> list[str]:
+    """pyproject.toml's dependencies are dynamic: they are these. setuptools' build_meta
+    runs this file with argv [setup.py, "sdist", ...] for build_sdist, and with
+    "egg_info", "dist_info", "bdist_wheel" or "editable_wheel" for the rest."""
+    return [torch_requirement(building_sdist="sdist" in argv), "numpy"]
+
+
 if __name__ == "__main__":
     setup(
+        install_requires=install_requires(sys.argv),
         ext_modules=[extension()],
-        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": IncrementalBuildExt},
     )

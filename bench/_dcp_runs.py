@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from bench import _model_zoo as zoo
+from parallel._optional import require
 
 
 def rss_bytes() -> int:
@@ -94,9 +95,9 @@ def resume(name: str, lay: tuple[int, int, int], zero: int, recipe: zoo.Recipe,
 def exported_logits(name: str, path: str, out: str, size: zoo.Size = zoo.TINY) -> torch.Tensor:
     """The HuggingFace export of checkpoint ``path``, reloaded by ``from_pretrained``:
     its logits of the first batch (one process)."""
-    import transformers
-
     from parallel.compose.export import save_pretrained
+
+    transformers = require("transformers", "bench's HuggingFace export check")
 
     save_pretrained(path, zoo.build(name, size=size).config, out)
     model = transformers.AutoModelForCausalLM.from_pretrained(out)

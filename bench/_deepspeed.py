@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from bench._timing import Buffers
+from parallel._optional import install_command, require
 
-INSTALL = "pip install deepspeed"
+INSTALL = install_command("deepspeed")  # pip install 'pycomm[deepspeed]' ...
 SEGMENT = "/dev/shm/deepspeed_allreduce_buffer"  # + _{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}
 # dtype -> the shm kernels' vector level it needs: fp32 uses AVX2 (1), the 16-bit
 # kernels AVX-512BW (2). Other dtypes the op returns unreduced, without an error.
@@ -127,11 +128,8 @@ def _init_shm(rank: int, world: int) -> int:
             os.unlink(mine)
         dist.barrier()
     with _stdout_to_stderr():
-        try:
-            import deepspeed.comm as ds_comm
-            from deepspeed.accelerator import get_accelerator
-        except ImportError as e:
-            raise RuntimeError(f"deepspeed cannot be imported: {e}") from e
+        ds_comm = require("deepspeed.comm", "bench's deepspeed peer")
+        get_accelerator = require("deepspeed.accelerator", "bench's deepspeed peer").get_accelerator
         _quiet_logger()
         if get_accelerator().device_name() != "cpu":
             raise RuntimeError(f"DeepSpeed chose accelerator {get_accelerator().device_name()!r}, "
@@ -215,7 +213,6 @@ class DeepSpeedCommApi(DeepSpeedComm):
     (its ``timed_op`` wrapper, the world-size and ISA checks, then the raw op)."""
 
     def launcher(self, op: str, bufs: Buffers, redop: str) -> Callable[[], None]:
-        import deepspeed.comm as ds_comm
-
+        ds_comm = require("deepspeed.comm", "bench's deepspeed-api peer")
         call, tensor, red = ds_comm.inference_all_reduce, bufs.work, ds_comm.ReduceOp.SUM
         return lambda: call(tensor, red)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel._optional import require
 from parallel.compose.plan import ContextRequest, Layer, Plan
 from parallel.models import GPT, GPTConfig
 
@@ -41,7 +42,7 @@ MEDIUM = Size(vocab=256, seq=128, width=256, layers=6, heads=8)  # ~4.9M paramet
 
 
 def _hf(name: str, size: Size) -> nn.Module:
-    import transformers as tf
+    tf = require("transformers", f"bench's HuggingFace model {name!r}")
 
     common = {"vocab_size": size.vocab, "hidden_size": size.width,
               "intermediate_size": 2 * size.width, "num_hidden_layers": size.layers,

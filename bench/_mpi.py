@@ -17,6 +17,7 @@ import torch
 
 from bench._ports import free_port
 from bench._timing import REDUCING, ROOT, Buffers
+from parallel._optional import require
 
 INSTALL = "apt-get install -y openmpi-bin libopenmpi-dev && pip install mpi4py"
 # Besides PYCOMM_*: what every rank needs to behave as a spawned rank would.
@@ -43,8 +44,7 @@ def world_from_env() -> tuple[int, int] | None:
 
 def _mpi():
     """mpi4py's MPI module, initialised at most once, funneled (only this thread calls MPI)."""
-    import mpi4py
-
+    mpi4py = require("mpi4py", "bench's mpi peer (Open MPI through mpi4py)")
     # Open MPI's default here, MPI_THREAD_MULTIPLE, puts locks on every call; pycomm's
     # and gloo's threads never call MPI, so funneled is both correct and fair to MPI.
     mpi4py.rc.thread_level = "funneled"

@@ -5,6 +5,7 @@ import statistics
 from pathlib import Path
 
 from bench._timing import REDUCING, busbw_factor
+from parallel._optional import available
 
 GB = 1e9
 
@@ -168,13 +169,11 @@ def write_plot(
 
     Returns False (and writes nothing) when matplotlib is not installed.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    matplotlib = available("matplotlib")
+    if matplotlib is None:
         return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     ops = list(dict.fromkeys(r["op"] for r in rows))
     fig, axes = plt.subplots(len(ops), 2, figsize=(12, 4 * len(ops)), squeeze=False)
     for (bw_ax, lat_ax), op in zip(axes, ops, strict=True):

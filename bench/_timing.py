@@ -241,7 +241,8 @@ def time_case(op: str, count: int, dtype: torch.dtype, comm, args) -> dict:
     ``#wrong`` (with ``args.check``): 1 counts it on one iteration's result (the last
     timed one; in b2b mode an extra untimed one, as the timed ones reduce their own
     outputs again), 2 on every iteration (barrier mode), with out-of-place outputs
-    poisoned before each so that a call that writes nothing cannot pass.
+    poisoned before each counted call so that a call that writes nothing cannot pass
+    (the inputs are the same every iteration: an earlier call's output would).
     """
     bufs = make_buffers(op, count, dtype, comm.rank, comm.world, comm.alloc)
     run = comm.launcher(op, bufs, args.redop)
@@ -251,17 +252,19 @@ def time_case(op: str, count: int, dtype: torch.dtype, comm, args) -> dict:
         checker.check(bufs, run, comm)
     else:
         times = []
-        for i in range(args.warmup_iters + args.iters):
+        last = args.warmup_iters + args.iters - 1
+        for i in range(last + 1):
+            counted = i >= args.warmup_iters and (checker.every or i == last)
             bufs.reset()
-            if checker.every:
-                bufs.poison()
+            if counted:  # the inputs are the same every time: an output the counted
+                bufs.poison()  # call left unwritten would still hold the last call's result
             comm.barrier()
             start = time.perf_counter()
             run()
             elapsed = time.perf_counter() - start
             if i >= args.warmup_iters:
                 times.append(elapsed)
-                if checker.every or i == args.warmup_iters + args.iters - 1:
+                if counted:
                     checker.count(bufs)
     return {"times": times, "wrong": checker.wrong}
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from parallel._optional import available
+
 
 def plot(what: str, results: dict[str, Any], path: Path) -> bool:
     """Write the chart for ``what`` ("data" or "buckets"); False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    matplotlib = available("matplotlib")
+    if matplotlib is None:
         return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4))
     if what == "data":
         _data_bars(ax, results)

@@ -34,6 +34,7 @@ from bench._timing import (
     time_dispatch_floor,
     total_count,
 )
+from parallel._optional import available, note
 
 DEEPSPEED = ("deepspeed", "deepspeed-api")
 
@@ -128,11 +129,10 @@ def _progress(total: int, quiet: bool):
     """A tqdm bar on rank 0 when tqdm is installed and not --quiet, else None."""
     if quiet or dist.get_rank() != 0:
         return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
+    tqdm = available("tqdm")
+    if tqdm is None:
         return None
-    return tqdm(total=total, desc="bench", leave=False, file=sys.stderr)
+    return tqdm.tqdm(total=total, desc="bench", leave=False, file=sys.stderr)
 
 
 def measure(args: argparse.Namespace, groups: dict) -> tuple[list[tuple], dict]:
@@ -182,8 +182,8 @@ def report(args: argparse.Namespace, backends: list[str], gathered: list, skippe
     notes = [*args.notes, _mpi.oversubscribed(world) if "mpi" in backends else "",
              _deepspeed.oversubscribed(world, len(info.get("cpus", [])) or None)
              if set(DEEPSPEED) & set(backends) else ""]
-    for note in filter(None, notes):
-        print(f"# note: {note}")
+    for line in filter(None, notes):
+        print(f"# note: {line}")
     for b, why in skipped.items():
         print(f"# skipped {b}: {why}")
     for (b, op), why in cannot.items():
@@ -230,7 +230,7 @@ def report(args: argparse.Namespace, backends: list[str], gathered: list, skippe
                                               "limit_busbw": limit_rows})
     plot = args.out.with_suffix(".png")
     wrote = _report.write_plot(plot, rows, backends, limits, world)
-    print(f"# wrote {args.out}" + (f" and {plot}" if wrote else " (no matplotlib: no plot)"))
+    print(f"# wrote {args.out}" + (f" and {plot}" if wrote else f" ({note('matplotlib', 'plot')})"))
     return wrong
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench._report import LATENCY_MAX
+from parallel._optional import available, note
 
 DEFAULT_JSON = Path("bench/results/collectives.json")
 DEFAULT_OUT = Path("docs/headline.png")
@@ -88,13 +89,11 @@ def _draw(ax, curves: dict[str, Curve], colours: dict[str, str], max_bytes: int 
 
 def plot(meta: dict, runs: list[list[dict]], out: Path, op: str = "all_reduce") -> bool:
     """Write the two-panel PNG; False (nothing written) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    matplotlib = available("matplotlib")
+    if matplotlib is None:
         return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     busbw = aggregate(runs, op, "busbw")
     latency = aggregate(runs, op, "time_us")
     colours = {b: f"C{i}" for i, b in enumerate(busbw)}
@@ -133,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not any(r["op"] == args.op for rows in runs for r in rows):
         ap.error(f"no {args.op} rows in {', '.join(map(str, args.json))}")
     if not plot(meta, runs, args.out, args.op):
-        ap.error("matplotlib is not installed (pip install matplotlib)")
+        ap.error(note("matplotlib", "plot"))
     print(f"{title(meta, len(runs), args.op)} -> {args.out}")
     return 0
 

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from parallel._optional import available
+
 Row = dict[str, Any]
 MODELS = {"bsp": ("bsp", 0), "ssp tau=2": ("ssp", 2), "ssp tau=8": ("ssp", 8),
           "async": ("async", 0)}
@@ -135,13 +137,11 @@ def table(rows: list[Row]) -> list[str]:
 
 
 def plot(curves: dict[str, tuple[list[float], list[float]]], path: Path, title: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    matplotlib = available("matplotlib")
+    if matplotlib is None:
         return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, (xs, ys) in curves.items():
         ax.plot(xs, ys, marker=".", label=name)

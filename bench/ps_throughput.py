@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.ps_consistency import load
+from parallel._optional import available
 
 Row = dict[str, Any]
 KEY_SPACE = 10**6
@@ -284,13 +285,11 @@ gloo and pycomm alternate per step within the same ranks."""
 
 
 def plot(rows: list[Row], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    matplotlib = available("matplotlib")
+    if matplotlib is None:
         return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     for w in sorted({r["workers"] for r in rows}):
         mine = [r for r in rows if r["workers"] == w]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.ps_consistency import final_loss, load, read_lines, run_logreg, steps_of
+from parallel._optional import available
 
 Row = dict[str, Any]
 
@@ -116,13 +117,11 @@ def tables(dense_rows: list[Row], filter_rows: list[Row]) -> list[str]:
 
 
 def plot(dense_rows: list[Row], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    matplotlib = available("matplotlib")
+    if matplotlib is None:
         return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [r["touched_rows"] for r in dense_rows]
     ax.loglog(xs, [r["bytes_per_step"] for r in dense_rows], "o-", label="parallel.ps (sparse)")

@@ -43,6 +43,7 @@ from bench._train_steps import (
     peak_memory,
     time_strategies,
 )
+from parallel._optional import note
 from parallel.models import GPTConfig
 from pycomm.testing import run_ranks
 
@@ -234,7 +235,7 @@ def write_outputs(args: argparse.Namespace, results: dict[str, Any]) -> None:
 
     png = args.out.with_suffix(".png")
     wrote = plot(args.what, results, png)
-    print(f"# wrote {args.out}" + (f" and {png}" if wrote else " (no matplotlib: no plot)"))
+    print(f"# wrote {args.out}" + (f" and {png}" if wrote else f" ({note('matplotlib', 'plot')})"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,13 +1,19 @@
-"""Registration of the ``pycomm`` backend with torch.distributed.
+"""Registration of the ``pycomm`` backend with torch.distributed, and the extension.
 
-Registering needs no compiled code: the extension is loaded when the first group is
-created, so ``import pycomm`` (and ``pycomm.testing``) work even where it is not built,
-and creating a group then says how to build it.
+``import pycomm`` loads the compiled extension ``pycomm._C`` and raises ImportError
+(as ``import torch`` does without its own ``_C``) when it cannot be loaded: not built,
+or built against another torch. The message says why, which torch is running and which
+one the build was made for (when its installed metadata says), and how to fix it, for
+a source checkout and for an installed copy alike. ``PYCOMM_ALLOW_NO_EXTENSION=1``
+imports pycomm without it (``python -m pycomm.env``'s report, the tests on gloo):
+creating a pycomm group then raises that message.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import importlib
 import os
 from types import ModuleType
 from typing import Any
@@ -15,7 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pycomm import _install
+
 BACKEND_NAME = "pycomm"
+# Set to 1: ``import pycomm`` succeeds without a loadable extension (see the docstring).
+ALLOW_NO_EXTENSION = "PYCOMM_ALLOW_NO_EXTENSION"
 
 
 def extension_error() -> str | None:
@@ -27,15 +37,50 @@ def extension_error() -> str | None:
     return None
 
 
+def load_failure(exc: BaseException) -> str:
+    """What to tell the user when ``pycomm._C`` does not import: ``exc``, the torch running
+    and the one the build was made for, and the fix for this copy of pycomm."""
+    running = str(torch.__version__)
+    built = _install.built_against()
+    lines = [f"pycomm: the C++ extension pycomm._C cannot be loaded: {exc}",
+             f"torch {running} is running; pycomm was built against "
+             + (f"torch {built} (its installed metadata's requirement)." if built else
+                "a torch that is not recorded (no installed metadata of this copy pins one).")]
+    root = _install.checkout_root()
+    if root is not None:
+        lines += [f"This pycomm is a source checkout ({root}): build the extension against "
+                  "the running torch, from the checkout's root:",
+                  f"    cd {root} && pip install --no-build-isolation -e ."]
+    else:
+        lines += [f"This pycomm is an installed copy ({_install.PACKAGE_DIR}): reinstall it "
+                  "so that it compiles against the running torch:",
+                  "    pip install --no-build-isolation --force-reinstall --no-deps "
+                  "--no-binary pycomm pycomm"]
+    if built and built != running.partition("+")[0]:
+        lines.append(f"or run the torch it was built against: pip install torch=={built}")
+    return "\n".join(lines)
+
+
 def _extension() -> ModuleType:
     try:
-        from pycomm import _C  # type: ignore[attr-defined]  # compiled, no stub
+        # import_module, not `from pycomm import _C`: during ``import pycomm`` that would
+        # say "partially initialized module" instead of what is wrong.
+        return importlib.import_module("pycomm._C")
     except ImportError as exc:
-        raise RuntimeError(
-            f"pycomm: the C++ extension pycomm._C cannot be loaded ({exc}); build it against "
-            "the installed torch with: pip install --no-build-isolation -e ."
-        ) from exc
-    return _C
+        raise RuntimeError(load_failure(exc)) from exc
+
+
+def check_extension() -> None:
+    """What ``import pycomm`` runs: ImportError, chained from the original one, when the
+    extension does not load (unless PYCOMM_ALLOW_NO_EXTENSION=1)."""
+    if os.environ.get(ALLOW_NO_EXTENSION) == "1":
+        return
+    try:
+        _extension()
+    except RuntimeError as exc:
+        raise ImportError(f"{exc}\n({ALLOW_NO_EXTENSION}=1 imports pycomm without it, "
+                          "e.g. for python -m pycomm.env's report.)",
+                          name="pycomm._C") from exc.__cause__
 
 
 def _timeout_seconds(timeout: datetime.timedelta | float | None) -> float:
@@ -83,17 +128,39 @@ def _create_backend(
     Ranks on one host (one island) get the shared-memory backend itself; a group
     spanning islands gets ProcessGroupIslands (see pycomm/islands.py).
     """
-    from pycomm import islands, ops
+    from pycomm import _startup, islands, ops
 
-    seconds = _timeout_seconds(timeout)
-    ext = _extension()
-    ops.load()  # torch.ops.pycomm.* usable (and traceable) once a group exists
+    _drain_at_exit_once()
     store = incarnation_store(store, group_rank, group_size)
-    ids = islands.island_ids(store, group_rank, group_size)
-    islands.log_choice(group_rank, group_size, ids)
+    _startup.announce(store, group_rank)
+    try:
+        seconds = _timeout_seconds(timeout)
+        ext = _extension()
+        ops.load()  # torch.ops.pycomm.* usable (and traceable) once a group exists
+        ids = islands.island_ids(store, group_rank, group_size)
+        islands.log_choice(group_rank, group_size, ids)
+    except BaseException as exc:  # the other ranks must not wait for this one
+        _startup.report_failure(store, group_rank, exc)
+        raise
     if max(ids) == 0:
         return ext.ProcessGroupPycomm(store, group_rank, group_size, seconds)
     return islands.create(store, group_rank, group_size, seconds, ids, ext)
+
+
+_EXIT_DRAIN_CAP_S = 30.0
+_exit_hook_installed = False
+
+
+def _drain_at_exit_once() -> None:
+    """At interpreter exit, first let every group's worker finish what it runs: an op's
+    completion runs its future's callbacks, and a Python callback still running when the
+    interpreter finalizes aborts the process. Bounded by each group's timeout, 30 s at
+    most (a stuck callback is cut off by the stall watch's failure meanwhile)."""
+    global _exit_hook_installed
+    if _exit_hook_installed:
+        return
+    _exit_hook_installed = True
+    atexit.register(lambda: _extension()._wait_workers_idle(_EXIT_DRAIN_CAP_S))
 
 
 def register() -> None:

@@ -3,8 +3,9 @@
 Prints the version and where it is installed, the torch the extension was built against
 beside the one running, the toolchain and CPU kernels, /dev/shm against what a group of
 ``--ranks`` ranks needs, PID-namespace caveats and every ``PYCOMM_*`` variable. Exits 0,
-or 1 when the extension cannot be loaded (the report says why). ``--json`` prints the
-same facts as one JSON object.
+or 1 when the extension cannot be loaded (the report says why; ``import pycomm`` itself
+raises then, so run it as ``PYCOMM_ALLOW_NO_EXTENSION=1 python -m pycomm.env``).
+``--json`` prints the same facts as one JSON object.
 
 Example::
 
@@ -51,6 +52,8 @@ KNOWN_VARIABLES: dict[str, str] = {
     "PYCOMM_CUDA_ARCH": "80;90+PTX (build time; else TORCH_CUDA_ARCH_LIST)",
     "PYCOMM_NO_CUDA": "unset (build time: 1 builds CPU-only)",
     "PYCOMM_PTXAS_VERBOSE": "unset (build time)",
+    "PYCOMM_BUILD_DIR": "build/temp.<platform>-py<ver>-torch<ver> (build time: objects kept)",
+    "PYCOMM_ALLOW_NO_EXTENSION": "unset (1: import pycomm without a loadable pycomm._C)",
 }
 
 

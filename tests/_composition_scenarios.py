@@ -19,11 +19,6 @@ LR = 0.5
 CLIP = 0.05  # well below the gradient norm: clipping scales every step
 
 
-def _singleton_groups() -> Any:
-    """Every rank its own data-parallel group (every rank creates every group)."""
-    return [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
-
-
 def _dense_step(ref: nn.Module, x: torch.Tensor, y: torch.Tensor,
                 clip: float | None) -> float:
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
@@ -37,11 +32,75 @@ def _max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> fl
     return max((got[k].float() - v.float()).abs().max().item() for k, v in want.items())
 
 
+BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits: one rounding is off by <= 2^-8
+
+
+def _tp_dp_groups() -> tuple[Any, Any]:
+    """4 ranks: TP pairs [0, 1], [2, 3] and DP (ZeRO) pairs [0, 2], [1, 3] (every rank
+    creates every group); this rank's (tp, dp)."""
+    rank = dist.get_rank()
+    if dist.get_world_size() != 4:
+        raise AssertionError(f"the TP 2 x DP 2 layout needs 4 ranks, not "
+                             f"{dist.get_world_size()}")
+    tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return tps[rank // 2], dps[rank % 2]
+
+
+def _assert_sharded(dp: Any, opt: Any = None, model: nn.Module | None = None) -> None:
+    """Raise unless ZeRO really shards over ``dp``: the group has >= 2 ranks, and this rank
+    holds only its ``1/world`` part (the optimizer's master shards; stage 3: the model's
+    shards too, its layers' own weights empty between uses, but for the persistent unit's
+    small parameters, gathered all step). A one-rank ZeRO group holds
+    everything and reduces nothing, so a test over one would pass without exercising the
+    sharded reduction it is about."""
+    world = dist.get_world_size(dp)
+    if world < 2:
+        raise AssertionError(f"the ZeRO group has {world} rank: nothing is sharded or reduced")
+    holders = []
+    if opt is not None:
+        if opt.world != world:
+            raise AssertionError(f"ZeroOptimizer shards over {opt.world} ranks, not the DP "
+                                 f"group's {world}")
+        holders.append(("optimizer", opt.layout, sum(p.numel() for p in opt.shard_params)))
+    if model is not None:
+        engine = model.__dict__["zero3"]
+        if engine.world != world:
+            raise AssertionError(f"shard_model sharded over {engine.world} ranks, not {world}")
+        held = sum(p.numel() for n, p in model.named_parameters()
+                   if n.rpartition(".")[2].startswith("zero3_"))
+        holders.append(("model", engine.layout, held))
+        whole = [n for u in engine.units if not u.persistent  # the persistent unit stays
+                 for n, p in zip(u.names, u.params, strict=True) if p.numel()]  # gathered
+        if whole:
+            raise AssertionError(f"stage 3 layers hold weights between uses: {whole[:3]}")
+    for what, layout, held in holders:
+        real = sum(layout.numels)
+        if not (held == layout.shard_numel and layout.shard_numel * world == layout.numel
+                and held < real and held * world >= real):
+            raise AssertionError(f"{what}: this rank holds {held} of {real} elements over "
+                                 f"{world} ranks (shard {layout.shard_numel}): not a 1/{world} "
+                                 "shard")
+
+
+def _bf16_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """The largest difference of any tensor, in units of bf16's rounding at that tensor's
+    scale (``2^-8 * max|want|``): scale-free, so weights (~0.02), LayerNorm gains (~1) and
+    zero-initialised biases (one update) are judged alike."""
+    worst = 0.0
+    for k, v in want.items():
+        scale = BF16_UNIT_ROUNDOFF * max(v.float().abs().max().item(), 1e-30)
+        worst = max(worst, (got[k].float() - v.float()).abs().max().item() / scale)
+    return worst
+
+
 def zero_over_tp_sp(stage: int, mixed: bool) -> dict[str, float]:
-    """Defect 1: ZeRO (stages 1-3) over the DP group of a TP model with sequence
-    parallelism; the world is the TP group. Returns the largest parameter difference
-    from the dense model after one SGD step, and between the TP ranks' copies of a
-    replicated LayerNorm weight."""
+    """Defect 1: ZeRO (stages 1-3) over the DP groups of a TP model with sequence
+    parallelism (4 ranks: TP 2 x DP 2, the ZeRO group two ranks, checked sharded), one
+    SGD step on each replica's rows. Returns the largest parameter difference from the
+    dense model stepped on both replicas' rows (absolute; and in bf16 rounding units,
+    see ``_bf16_error``), and between the TP ranks' copies of a replicated LayerNorm
+    weight."""
     from parallel.tensor import (
         apply_tensor_parallel,
         gather_tensor_parallel_state_dict,
@@ -49,28 +108,30 @@ def zero_over_tp_sp(stage: int, mixed: bool) -> dict[str, float]:
     )
     from parallel.zero import ZeroOptimizer, shard_model
 
-    tp, dp = dist.group.WORLD, _singleton_groups()
+    rank = dist.get_rank()
+    tp, dp = _tp_dp_groups()
     torch.manual_seed(0)
     dense = GPT(CFG)
     ref = copy.deepcopy(dense)
-    x, y = synthetic_batch(CFG, 4, seed=1)
+    rows = [synthetic_batch(CFG, 2, seed=1 + replica) for replica in range(2)]
     net = apply_tensor_parallel(dense, tp, sequence_parallel=True)
-    ln = net.blocks[0].ln_1.weight
     if stage == 3:
         net = shard_model(net, dp, persistence_threshold=100)
     precision = {"mixed_precision": torch.bfloat16, "reduce_dtype": torch.float32} if mixed else {}
     opt = ZeroOptimizer(net.parameters(), torch.optim.SGD, stage=stage, process_group=dp, lr=LR,
                         **precision)
     opt.zero_grad()
+    x, y = rows[rank // 2]
     vocab_parallel_cross_entropy(net(x).float(), y, tp).mean().backward()
     opt.step()
+    _assert_sharded(dp, opt, net if stage == 3 else None)
     got = gather_tensor_parallel_state_dict(net)
-    _dense_step(ref, x, y, None)
+    _dense_step(ref, torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]), None)
     mine = got["blocks.0.ln_1.weight"].float().contiguous()
-    copies = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(copies, mine)
-    del ln
+    copies = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(copies, mine, group=tp)
     return {"params": _max_diff(got, ref.state_dict()),
+            "bf16_units": _bf16_error(got, ref.state_dict()),
             "replicas": (copies[0] - copies[1]).abs().max().item()}
 
 
@@ -112,15 +173,18 @@ def data_parallel_stage(schedule: str) -> dict[str, float]:
 
 def stage3_tp_state_dict() -> dict[str, Any]:
     """Defect 6: gather_tensor_parallel_state_dict of a TP model under ZeRO stage 3
-    (every rank its own DP group): no empty tensors, and the dense model's values."""
+    (4 ranks: TP 2 x DP 2, the ZeRO group two ranks, checked sharded): no empty tensors,
+    and the dense model's values."""
     from parallel.tensor import apply_tensor_parallel, gather_tensor_parallel_state_dict
     from parallel.zero import shard_model
 
+    tp, dp = _tp_dp_groups()
     torch.manual_seed(0)
     dense = GPT(CFG)
     want = copy.deepcopy(dense).state_dict()
-    net = shard_model(apply_tensor_parallel(dense, dist.group.WORLD, sequence_parallel=True),
-                      _singleton_groups(), persistence_threshold=100)
+    net = shard_model(apply_tensor_parallel(dense, tp, sequence_parallel=True), dp,
+                      persistence_threshold=100)
+    _assert_sharded(dp, model=net)
     got = gather_tensor_parallel_state_dict(net)
     empty = sorted(k for k, v in got.items() if v.numel() == 0)
     return {"empty": empty, "diff": _max_diff(got, want) if not empty else float("inf"),

@@ -94,6 +94,24 @@ def scenario_kill_server(kv: KVWorker, arg: str) -> dict[str, Any]:
     return {"diff": diff, "sent": sent}
 
 
+def scenario_stop_server(kv: KVWorker, arg: str) -> dict[str, Any]:
+    """As kill_server, but SIGSTOP: the server's process lives on, silent, so only its
+    heartbeats tell (at the end it is killed, so the job need not wait for it)."""
+    pids: dict[str, int] = {}
+
+    def hook(kv: KVWorker, step: int) -> None:
+        if step == 4 and kv.rank == 0:
+            pids.update(kv.stats()["server_pids"])
+            os.kill(pids[arg], signal.SIGSTOP)
+
+    updater = {"name": "adam", "lr": 0.05}
+    sent, _ = train(kv, updater, hook)
+    diff = final_diff(kv, reference(updater, list(range(kv.num_workers)), STEPS))
+    if pids:
+        os.kill(pids[arg], signal.SIGKILL)
+    return {"diff": diff, "sent": sent}
+
+
 def scenario_add_server(kv: KVWorker, arg: str) -> dict[str, Any]:
     def hook(kv: KVWorker, step: int) -> None:
         if step == 3 and kv.rank == 0:

@@ -1,4 +1,6 @@
-"""What pycomm ships: the sdist, the version, the CUDA architecture flags.
+"""What pycomm ships: the sdist, the version, its requirements and index metadata, the
+CUDA architecture flags, the incremental build folder, and the error of a pycomm whose
+extension does not load.
 
 The sdist is built here (``python -m build --sdist --no-isolation``, from a copy of the
 checkout so the build writes nothing into it) and read, not compiled: it must hold every
@@ -9,21 +11,28 @@ installs and works is the test that CI's second job does: it installs it with pi
 a fresh virtual environment with the oldest supported torch and runs the backend and
 conformance tests against that install (.ci/run, "job 2"). Fast: no compiler runs here.
 
-nvcc_flags() is imported from setup.py (its setup() call runs only as a script).
+nvcc_flags(), torch_requirement() and IncrementalBuildExt are imported from setup.py (its
+setup() call runs only as a script).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tarfile
+import textwrap
 from pathlib import Path
 from types import ModuleType
+from urllib.parse import unquote, urlparse
 
 import pytest
+import torch
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -116,7 +125,7 @@ def test_sdist_holds_every_compiled_source_and_included_header(setup_py, sdist):
     assert not missing, f"the sdist lacks files the build needs: {missing}"
 
 
-def test_sdist_holds_licence_and_metadata(sdist):
+def test_sdist_holds_licence_and_metadata(setup_py, sdist):
     for name in ("LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in",
                  "PKG-INFO"):
         assert name in sdist, name
@@ -125,8 +134,13 @@ def test_sdist_holds_licence_and_metadata(sdist):
     assert f"\nVersion: {VERSION}\n" in info
     assert "\nLicense-Expression: BSD-3-Clause\n" in info
     assert "\nLicense-File: LICENSE\n" in info
-    torch_req = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch"))
-    assert f"\nRequires-Dist: {torch_req}\n" in info
+    # The sdist compiles on install, against any torch from the floor on: a range. Its
+    # requires.txt (which setuptools reads back when building from it) says the same.
+    assert setup_py.TORCH_FLOOR == "2.9"
+    assert "\nRequires-Dist: torch>=2.9\n" in info, info
+    assert "Requires-Dist: torch==" not in info
+    (requires,) = [v for k, v in sdist.items() if k.endswith(".egg-info/requires.txt")]
+    assert requires.decode().splitlines()[:2] == ["torch>=2.9", "numpy"]
     assert "Operating System :: POSIX :: Linux" in info
 
 
@@ -138,17 +152,192 @@ def test_sdist_installs_pycomm_and_parallel_not_bench(sdist):
     assert "entry_points.txt" not in " ".join(sdist), "no console script (bench is not shipped)"
 
 
-def test_version_comes_from_the_installed_metadata():
-    import importlib.metadata
-
+def test_pycomm_is_installed_and_imported_from_where_its_metadata_points():
+    """The README installs pycomm (editable) before running the tests: its metadata must
+    be found, say pyproject's version, and describe the very pycomm that is imported (an
+    editable install of this checkout, or files installed where it is), not another copy."""
     import pycomm
 
-    try:
-        installed = importlib.metadata.version("pycomm")
-    except importlib.metadata.PackageNotFoundError:
-        assert pycomm.__version__ == "0+unknown"
+    dist = importlib.metadata.distribution("pycomm")  # PackageNotFoundError: not installed
+    assert dist.version == VERSION
+    assert pycomm.__version__ == VERSION
+    package = Path(pycomm.__file__).resolve().parent
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    if direct.get("dir_info", {}).get("editable"):
+        url = urlparse(direct["url"])
+        assert url.scheme == "file" and Path(unquote(url.path)).resolve() == package.parent, (
+            f"pycomm's editable install points at {direct['url']}, but {package} is imported")
     else:
-        assert pycomm.__version__ == installed == VERSION
+        assert "pycomm/__init__.py" in {str(f) for f in dist.files or []}
+        assert Path(str(dist.locate_file("pycomm/__init__.py"))).resolve() == (
+            package / "__init__.py")
+    from pycomm import _install
+
+    assert _install.describes(dist, package) and _install.distribution() is not None
+
+
+# --- requirements: a wheel pins the torch it was compiled against, the sdist a range -----
+
+
+def _public(version: str) -> str:
+    return version.partition("+")[0]
+
+
+def test_installed_pycomm_pins_the_running_torch():
+    """An editable install (as a wheel) requires exactly the torch it was built against;
+    the tests run on that torch (a rebuild against another torch re-pins it)."""
+    requires = importlib.metadata.requires("pycomm") or []
+    torch_reqs = [r for r in requires if r.startswith("torch") and "extra ==" not in r]
+    assert torch_reqs == [f"torch=={_public(torch.__version__)}"], requires
+    assert "numpy" in requires
+    from pycomm import _install
+
+    assert _install.built_against() == _public(torch.__version__)
+
+
+@pytest.mark.parametrize(("version", "pin"), [
+    ("2.13.0+cpu", "torch==2.13.0"), ("2.11.0+cu128", "torch==2.11.0"),
+    ("2.9.1", "torch==2.9.1"), ("2.14.0a0+git1234567", "torch==2.14.0a0")])
+def test_torch_requirement_pins_a_wheel_and_ranges_an_sdist(setup_py, monkeypatch, version, pin):
+    monkeypatch.setattr(torch, "__version__", version)
+    assert setup_py.torch_requirement(building_sdist=False) == pin
+    assert setup_py.torch_requirement(building_sdist=True) == f"torch>={setup_py.TORCH_FLOOR}"
+    # The argv that setuptools.build_meta gives setup.py for each hook.
+    sdist = ["setup.py", "sdist", "--formats", "gztar", "--dist-dir", "/tmp/x"]
+    assert setup_py.install_requires(sdist) == ["torch>=2.9", "numpy"]
+    for command in ("egg_info", "dist_info", "bdist_wheel", "editable_wheel"):
+        assert setup_py.install_requires(["setup.py", command, "--dist-dir", "/tmp/x"]) == [
+            pin, "numpy"], command
+
+
+def test_dependencies_are_setup_pys():
+    assert "dependencies" not in PYPROJECT["project"]
+    assert PYPROJECT["project"]["dynamic"] == ["dependencies"]
+
+
+# --- what a package index shows ----------------------------------------------------------
+
+REPO_URL = "https://github.com/pycomm/pycomm"
+
+
+def test_index_metadata_has_project_urls_and_classifiers():
+    project = PYPROJECT["project"]
+    assert project["urls"] == {
+        "Homepage": REPO_URL, "Documentation": f"{REPO_URL}/tree/main/docs",
+        "Source": REPO_URL, "Issues": f"{REPO_URL}/issues"}
+    classifiers = set(project["classifiers"])
+    floor = re.fullmatch(r">=3\.(\d+)", project["requires-python"])
+    assert floor is not None
+    assert {f"Programming Language :: Python :: 3.{minor}"
+            for minor in range(int(floor.group(1)), 14)} <= classifiers
+    assert any(c.startswith("Development Status :: ") for c in classifiers)
+    assert any(c.startswith("Intended Audience :: ") for c in classifiers)
+    # The licence is the SPDX expression (setuptools >= 77 refuses License :: beside it).
+    assert project["license"] == "BSD-3-Clause"
+    assert not any(c.startswith("License ::") for c in classifiers)
+    # The installed metadata (what a wheel carries) says the same.
+    meta = importlib.metadata.metadata("pycomm")
+    assert f"Homepage, {REPO_URL}" in (meta.get_all("Project-URL") or [])
+    assert "Programming Language :: Python :: 3.13" in (meta.get_all("Classifier") or [])
+
+
+# --- the build folder outlives the build (setup.py's IncrementalBuildExt) -----------------
+
+
+def test_incremental_build_ext_builds_in_build_dir(setup_py, monkeypatch, tmp_path):
+    from setuptools import Distribution
+
+    dist = Distribution({"name": "pycomm", "ext_modules": []})
+    monkeypatch.delenv("PYCOMM_BUILD_DIR", raising=False)
+    cmd = setup_py.IncrementalBuildExt(dist)
+    cmd.ensure_finalized()
+    assert cmd.build_temp == setup_py.build_dir()
+    assert Path(cmd.build_temp).parent == ROOT / "build"
+    assert f"torch{torch.__version__}" in Path(cmd.build_temp).name
+    monkeypatch.setenv("PYCOMM_BUILD_DIR", str(tmp_path / "objects"))
+    cmd = setup_py.IncrementalBuildExt(dist)
+    cmd.ensure_finalized()
+    assert cmd.build_temp == str(tmp_path / "objects")
+
+
+# --- a pycomm whose extension does not load -----------------------------------------------
+
+
+def _copy_without_extension(dest: Path, checkout: bool) -> Path:
+    """A copy of the pycomm package under ``dest`` without _C*.so (and, for a checkout,
+    with setup.py, pyproject.toml and csrc/ beside it)."""
+    shutil.copytree(ROOT / "pycomm", dest / "pycomm",
+                    ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    if checkout:
+        for name in ("setup.py", "pyproject.toml"):
+            shutil.copy2(ROOT / name, dest / name)
+        (dest / "csrc").mkdir()
+    return dest
+
+
+def _import_pycomm(path: Path, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "PYCOMM_ALLOW_NO_EXTENSION"}
+    environ.update(PYTHONPATH=str(path), **env)
+    # Without the editable install's finder, which would find this checkout's pycomm._C
+    # for the copy's package too.
+    code = textwrap.dedent("""
+        import sys
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]
+        import pycomm
+        print("IMPORTED", pycomm.__file__, pycomm.extension_error() is not None)
+    """)
+    return subprocess.run([sys.executable, "-c", code], cwd=path, env=environ,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _fake_install(site: Path, torch_pin: str) -> None:
+    """Installed metadata for the pycomm under ``site``, pinning ``torch_pin``."""
+    info = site / f"pycomm-{VERSION}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.4\nName: pycomm\nVersion: {VERSION}\n"
+                                   f"Requires-Dist: torch=={torch_pin}\nRequires-Dist: numpy\n")
+    (info / "RECORD").write_text("pycomm/__init__.py,,\n")
+
+
+def test_import_without_extension_in_a_checkout_says_how_to_build(tmp_path):
+    root = _copy_without_extension(tmp_path / "checkout", checkout=True)
+    proc = _import_pycomm(root)
+    assert proc.returncode != 0 and "IMPORTED" not in proc.stdout
+    err = proc.stderr
+    assert "ImportError: pycomm: the C++ extension pycomm._C cannot be loaded: " in err
+    assert "No module named 'pycomm._C'" in err  # the original ImportError
+    assert f"torch {torch.__version__} is running" in err
+    assert "a torch that is not recorded" in err  # this copy has no installed metadata
+    assert f"source checkout ({root})" in err
+    assert f"cd {root} && pip install --no-build-isolation -e ." in err
+
+
+def test_import_without_extension_in_an_installed_copy_says_how_to_reinstall(tmp_path):
+    site = _copy_without_extension(tmp_path / "site", checkout=False)
+    _fake_install(site, "2.10.0")
+    proc = _import_pycomm(site)
+    assert proc.returncode != 0 and "IMPORTED" not in proc.stdout
+    err = proc.stderr
+    assert "No module named 'pycomm._C'" in err
+    assert f"torch {torch.__version__} is running; pycomm was built against torch 2.10.0" in err
+    assert f"installed copy ({site / 'pycomm'})" in err
+    assert ("pip install --no-build-isolation --force-reinstall --no-deps --no-binary pycomm "
+            "pycomm") in err
+    assert "pip install torch==2.10.0" in err
+    assert "--no-build-isolation -e ." not in err
+
+
+def test_allow_no_extension_imports_and_says_why_later(tmp_path):
+    root = _copy_without_extension(tmp_path / "checkout", checkout=True)
+    proc = _import_pycomm(root, PYCOMM_ALLOW_NO_EXTENSION="1")
+    assert proc.returncode == 0, proc.stderr
+    assert f"IMPORTED {root / 'pycomm' / '__init__.py'} True" in proc.stdout
+
+
+def test_built_tree_imports_and_reports_no_extension_error():
+    import pycomm
+
+    assert pycomm.extension_error() is None
 
 
 # --- CUDA architecture flags (setup.py's nvcc_flags) ----------------------------------

@@ -134,6 +134,7 @@ def test_low_precision_computes_low_and_steps_fp32_masters(pool4, precision, zer
         assert r["masters"] == ["torch.float32"], r
 
 
+@pytest.mark.precision
 @pytest.mark.parametrize(("precision", "lay"), [("bf16", (2, 2, 1)), ("bf16", (1, 1, 4)),
                                                 ("fp16", (1, 2, 2))])
 def test_low_precision_trains_like_one_process_of_the_same_recipe(pool4, precision, lay):

@@ -84,13 +84,20 @@ def test_gate_answers_pulls_by_the_slowest_workers_clock(mode, tau, answers):
 # --- jobs -----------------------------------------------------------------------------------
 
 
+# Deaths in these jobs are of processes the launcher started: it sees them exit at once
+# (tests assert the event says "by": "exit"), so heartbeats matter only to the test of a
+# silent process, and a long timeout keeps an oversubscribed machine's late heartbeats
+# from killing a live one. A death the exit did not reveal shows as "by": "heartbeat".
+HEARTBEAT_TIMEOUT_S = "30"
+
+
 def job(tmp_path: Path, scenario: str, arg: str = "", servers: int = 2, workers: int = 2,
         replicas: int = 0, restore: str = "", *flags: str
         ) -> tuple[list[dict], subprocess.CompletedProcess[str]]:
     out = tmp_path / scenario
     out.mkdir()
     cmd = [sys.executable, "-m", "parallel.ps.launch", "--servers", str(servers), "--workers",
-           str(workers), "--replicas", str(replicas), "--heartbeat-timeout", "1.5",
+           str(workers), "--replicas", str(replicas), "--heartbeat-timeout", HEARTBEAT_TIMEOUT_S,
            *(["--restore", restore] if restore else []), *flags,
            "--timeout", "60", "--", sys.executable, str(ROOT / "tests" / "_ps_jobs.py"),
            scenario, str(out), arg]
@@ -116,8 +123,25 @@ def test_a_killed_server_loses_nothing(tmp_path, servers, replicas, victim):
     results, done = job(tmp_path, "kill_server", str(victim), servers=servers,
                         replicas=replicas)
     assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
-    assert [e["event"] for e in results[0]["events"]] == ["server_dead", "ring"]
+    events = results[0]["events"]
+    assert [e["event"] for e in events] == ["server_dead", "ring"], events
+    assert events[0]["server"] == victim and events[0]["by"] == "exit", events
     assert results[0]["servers"] == [s for s in range(servers) if s != victim]
+    assert results[0]["diff"] <= 1e-5, results[0]
+    assert results[0]["applied"] == sum(r["sent"] for r in results)
+
+
+def test_a_silent_server_is_found_dead_by_its_heartbeats(tmp_path):
+    """SIGSTOP one server mid-run: its process lives on, so only the heartbeats can tell
+    (timeout 1.5 s; the deadline grows with the longest gap seen between any node's
+    heartbeats, so late ones on a loaded machine do not kill a live node). The job
+    finishes without it, as after a kill."""
+    results, done = job(tmp_path, "stop_server", "1", 3, 2, 1, "", "--heartbeat-timeout", "1.5")
+    assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
+    events = results[0]["events"]
+    assert [e["event"] for e in events] == ["server_dead", "ring"], events
+    assert events[0]["server"] == 1 and events[0]["by"] == "heartbeat", events
+    assert events[0]["silent_s"] >= 1.5, events
     assert results[0]["diff"] <= 1e-5, results[0]
     assert results[0]["applied"] == sum(r["sent"] for r in results)
 
@@ -133,6 +157,7 @@ def test_a_killed_worker_is_named_and_the_others_finish(tmp_path):
     results, done = job(tmp_path, "kill_worker")
     assert len(results) == 1, done.stderr[-3000:]  # worker 1 died at step 3
     assert results[0]["dead"] == [1] and "worker_dead: {'worker': 1" in done.stderr
+    assert "'by': 'exit'" in done.stderr, done.stderr[-3000:]  # not the heartbeats (30 s)
     assert results[0]["diff"] <= 1e-5, results[0]  # BSP went on with the live worker
 
 
@@ -156,10 +181,11 @@ def test_a_dead_worker_can_be_replaced_under_bsp(tmp_path):
     the process's exit, before its replacement registers (else the replacement is
     refused as a taken rank, and replaced again)."""
     results, done = job(tmp_path, "replaced_worker", "", 2, 2, 0, "", "--on-worker-death",
-                        "wait", "--heartbeat-timeout", "30")
+                        "wait")
     assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
     events = [e["event"] for e in results[0]["events"]]
     assert events == ["worker_dead", "worker_replaced"], events
+    assert results[0]["events"][0]["by"] == "exit", results[0]["events"]
     assert results[1]["incarnation"] == "1" and results[1]["start"] == 4, results[1]
     assert results[0]["diff"] <= 1e-5, results[0]
 

@@ -94,6 +94,7 @@ def test_reduce_copy_rejects_bad_input():
         _C._reduce_copy([a], [a, a], "bxor")
 
 
+@pytest.mark.precision  # against torch's float -> 16-bit conversion, vectorised per CPU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_16_bit_floats_round_like_torch_over_every_value(dtype):
     """Every non-NaN 16-bit pattern (subnormals, the largest finite values, infinities),

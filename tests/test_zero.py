@@ -113,6 +113,7 @@ def test_stage3_gathers_each_unit_before_forward_and_backward_and_prefetches(wor
         assert run["stats"]["max_gathered_units"] <= 4, run["stats"]
 
 
+@pytest.mark.precision
 @pytest.mark.parametrize("reduce", ["mixed_memory", "mixed_fp32_reduce"])
 @pytest.mark.parametrize("stage", STAGES)
 def test_bf16_mixed_precision_follows_the_fp32_trajectory(world, stage, reduce):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from parallel._optional import require
 from parallel.compose.checkpoint import consolidate
 
 
@@ -31,7 +32,8 @@ def save_pretrained(checkpoint: str | os.PathLike, config: Any, out: str | os.Pa
     Raises:
         ValueError: the checkpoint's names are not this config's model's (strict load).
     """
-    import transformers
+    transformers = require("transformers", "parallel.compose.save_pretrained (a HuggingFace "
+                           "checkpoint)")
 
     state = consolidate(checkpoint)
     with torch.device("meta"):

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel._optional import require
 from parallel.compose.layers import sequential_forward
 from parallel.compose.plan import ContextRequest, Layer, Plan, matching
 from parallel.compose.styles import style_of
@@ -179,8 +180,8 @@ def _accepted(fn: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]
 def attention_mask(kind: str, config: Any, request: ContextRequest) -> Any:
     """The mask transformers builds for a layer of type ``kind`` over the whole sequence
     of ``request`` without padding (None where the kernel applies causality itself)."""
-    from transformers import masking_utils
-
+    masking_utils = require("transformers.masking_utils",
+                            "parallel.models.hf (HuggingFace models' attention masks)")
     fn = getattr(masking_utils, MASKS[kind])
     # Only the shape, dtype and device are read: a stride-0 view allocates nothing.
     embeds = torch.zeros((), dtype=request.dtype, device=request.device).expand(
@@ -366,6 +367,7 @@ def hf_init(model: nn.Module) -> Callable[[str, nn.Module], None]:
 
 def _check_transformers(model: nn.Module) -> None:
     """transformers has the mask builders the context calls (4.53 and later)."""
+    require("transformers", "parallel.models.hf (HuggingFace models)")
     try:
         from transformers import masking_utils
     except ImportError as err:

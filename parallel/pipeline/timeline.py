@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from parallel._optional import available
 from parallel.pipeline.pipeline import Event
 
 
@@ -21,13 +22,11 @@ def idle_fractions(events: Sequence[Event]) -> dict[int, float]:
 
 def plot_timeline(events: Sequence[Event], path: str | os.PathLike, title: str = "") -> bool:
     """Draw ``events`` (from ``Pipeline.gather_trace``) to a PNG; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    matplotlib = available("matplotlib")
+    if matplotlib is None:
         return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     start = min(e.start for e in events)
     stages = sorted({e.stage for e in events})
     fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * len(stages)))

@@ -58,7 +58,11 @@ class Job:
         # Told when a worker process exits non-zero: its exit code is surer and sooner than
         # the heartbeat timeout, and a replacement must not register before its rank is
         # known dead (the scheduler would refuse it as "taken").
-        self.on_worker_exit: Callable[[int], None] = lambda rank: None
+        self.on_worker_exit: Callable[[int, int], None] = lambda rank, code: None
+        # Told when a server process exits while the job runs (pid, exit code): a killed
+        # server is known dead at once, not after its heartbeats' deadline.
+        self.on_server_exit: Callable[[int, int], None] = lambda pid, code: None
+        self._servers_reported: set[int] = set()
 
     def spawn_server(self) -> None:
         env = {**self.env, "PS_ROLE": "server"}
@@ -81,9 +85,14 @@ class Job:
         """Why the job cannot go on: a worker exited before the job started (the others
         would wait for it), or every worker has exited."""
         codes = [w.poll() for w in self.workers]
+        for server in self.servers:
+            code = server.poll()
+            if started and code is not None and server.pid not in self._servers_reported:
+                self._servers_reported.add(server.pid)
+                self.on_server_exit(server.pid, code)
         for rank, code in enumerate(codes):
             if started and code is not None and code != 0:
-                self.on_worker_exit(rank)
+                self.on_worker_exit(rank, code)
                 if self.cfg.on_worker_death == "wait":  # start its replacement
                     self.spawn_worker(rank)
                     codes[rank] = None
@@ -129,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler = Scheduler(cfg, restore=args.restore, spawn_server=job.spawn_server,
                               processes_gone=job.gone)
         job.on_worker_exit = scheduler.worker_exited
+        job.on_server_exit = scheduler.server_exited
         try:
             for _ in range(cfg.servers):
                 job.spawn_server()

@@ -9,7 +9,13 @@ import time
 from typing import Any
 
 import torch
-import zmq
+
+from parallel._optional import missing
+
+try:
+    import zmq
+except ModuleNotFoundError as err:
+    raise missing("zmq", "parallel.ps (the parameter server's ZeroMQ transport)", err) from err
 
 from parallel.ps import wire
 from parallel.ps.config import address

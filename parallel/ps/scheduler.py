@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import zmq
+
+from parallel._optional import missing
+
+try:
+    import zmq
+except ModuleNotFoundError as err:
+    raise missing("zmq", "parallel.ps (the parameter server's ZeroMQ transport)", err) from err
 
 from parallel.ps import wire
 from parallel.ps.config import JobConfig, address
@@ -36,6 +42,12 @@ class Node:
 
 
 CHECKPOINT_FORMAT = "pycomm.ps/1"
+POLL_S = 0.1  # the loop's wait for a message
+# A node is dead when silent longer than the heartbeat timeout, or than MISSES times the
+# longest gap yet seen between any node's heartbeats, whichever is longer: on a loaded
+# machine (more processes than cores) heartbeats come late, and the deadline follows.
+MISSES = 4
+DRAIN = 1000  # messages read per loop at most, before liveness is judged
 
 
 def read_job_checkpoint(path: str, cfg: JobConfig) -> dict[str, Any]:
@@ -89,14 +101,16 @@ class Scheduler:
         self.stats_wait: dict[str, Any] | None = None
         self.events: list[dict[str, Any]] = []
         self.restore = read_job_checkpoint(restore, cfg) if restore else {}
+        self.longest_gap = 0.0  # the longest silence of a node that then spoke (seconds)
+        self._last_watch: float | None = None
 
     def run(self) -> int:
         """Serve until every live worker is done: 0; 1 if no worker is left alive; 2 if the
         launcher's processes are gone."""
         try:
             while True:
-                if self.sock.poll(100):
-                    self._receive(self.sock.recv_multipart())
+                if self.sock.poll(int(POLL_S * 1000)):
+                    self._receive_queued()
                 self._watch()
                 gone = self.dead_workers if self.cfg.on_worker_death == "continue" else []
                 if self.started and len(self.done) + len(gone) == self.cfg.workers:
@@ -114,6 +128,16 @@ class Scheduler:
             self.ctx.term()
 
     # -- messages ----------------------------------------------------------------------------
+
+    def _receive_queued(self) -> None:
+        """Every message already here (up to DRAIN), not one: after this process was
+        descheduled, the heartbeats that came meanwhile count before silence is judged."""
+        for _ in range(DRAIN):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._receive(frames)
 
     def _receive(self, frames: list[bytes]) -> None:
         who = frames[0]
@@ -133,9 +157,12 @@ class Scheduler:
         handler(who, header)
 
     def _heard(self, name: str) -> None:
+        now = time.monotonic()
         for node in [*self.servers.values(), *self.workers.values()]:
             if node.name == name:
-                node.last_seen = time.monotonic()
+                if self.started:
+                    self.longest_gap = max(self.longest_gap, now - node.last_seen)
+                node.last_seen = now
 
     def _on_register(self, who: bytes, header: dict[str, Any]) -> None:
         if header.get("role") == "server":
@@ -191,33 +218,58 @@ class Scheduler:
 
     # -- liveness ----------------------------------------------------------------------------
 
+    def deadline(self) -> float:
+        """Seconds of silence after which a node is dead (see MISSES)."""
+        return max(self.cfg.heartbeat_timeout_s, MISSES * self.longest_gap)
+
     def _watch(self) -> None:
         if not self.started:
             return
         now = time.monotonic()
-        late = self.cfg.heartbeat_timeout_s
+        # Time this process did not run (a loop takes POLL_S) is no node's silence.
+        stalled = now - self._last_watch - POLL_S if self._last_watch is not None else 0.0
+        self._last_watch = now
+        if stalled > 0.05:
+            for node in [*self.servers.values(), *self.workers.values()]:
+                node.last_seen += stalled
+        late = self.deadline()
         for sid, node in list(self.servers.items()):
             if now - node.last_seen > late and sid not in self.dead_servers:
-                self.dead_servers.append(sid)
-                self._event("server_dead", server=sid, pid=node.pid)
-                self._next_change()
+                self._server_died(sid, node, by="heartbeat",
+                                  silent_s=round(now - node.last_seen, 2))
         for rank, node in list(self.workers.items()):
             if (now - node.last_seen > late and rank not in self.dead_workers
                     and rank not in self.done):
-                self._worker_died(rank, node)
+                self._worker_died(rank, node, by="heartbeat",
+                                  silent_s=round(now - node.last_seen, 2))
 
-    def worker_exited(self, rank: int) -> None:
+    def worker_exited(self, rank: int, code: int | None = None) -> None:
         """The launcher saw this worker's process exit with an error: dead now, without
         waiting for its heartbeats to stop."""
         node = self.workers.get(rank)
         if node is not None and rank not in self.dead_workers and rank not in self.done:
-            self._worker_died(rank, node)
+            self._worker_died(rank, node, by="exit", code=code)
 
-    def _worker_died(self, rank: int, node: Node) -> None:
+    def server_exited(self, pid: int, code: int | None = None) -> None:
+        """The launcher saw a server process exit while the job runs: dead now (its
+        heartbeats would tell only after the deadline)."""
+        for sid, node in list(self.servers.items()):
+            if node.pid == pid and sid not in self.dead_servers:
+                self._server_died(sid, node, by="exit", code=code)
+
+    def _server_died(self, sid: int, node: Node, **how: Any) -> None:
+        self.dead_servers.append(sid)
+        self._event("server_dead", server=sid, pid=node.pid, **how)
+        self._next_change()
+
+    def _worker_died(self, rank: int, node: Node, **how: Any) -> None:
         """Name it; then either go on without it (its steps no longer awaited), or wait
-        for a replacement of the same rank (the servers forget its unfinished step)."""
+        for a replacement of the same rank (the servers forget its unfinished step).
+        ``how``: ``by`` ("exit": the launcher saw the process end; "heartbeat": silent
+        past the deadline) and the exit code or the silence."""
         self.dead_workers.append(rank)
-        self._event("worker_dead", worker=rank, pid=node.pid, policy=self.cfg.on_worker_death)
+        self._event("worker_dead", worker=rank, pid=node.pid, policy=self.cfg.on_worker_death,
+                    **how)
         live = [w for w in self.workers if w not in self.dead_workers]
         for s in self._live_servers():
             if self.cfg.on_worker_death == "wait":

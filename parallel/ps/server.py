@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import zmq
+
+from parallel._optional import missing
+
+try:
+    import zmq
+except ModuleNotFoundError as err:
+    raise missing("zmq", "parallel.ps (the parameter server's ZeroMQ transport)", err) from err
 
 from parallel.ps import snapshot, wire
 from parallel.ps.config import JobConfig, address

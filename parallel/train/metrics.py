@@ -26,12 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallel._optional import available, note
 from parallel.train.plot import loss_curve
 
-try:  # optional (pip install pycomm[bench]): without it, no bar, the lines still go out
-    from tqdm import tqdm
-except ImportError:  # pragma: no cover - the test environment has tqdm
-    tqdm = None
+# optional (pip install 'pycomm[bench]'): without it, no bar, the lines still go out
+_tqdm = available("tqdm")
+tqdm = _tqdm.tqdm if _tqdm is not None else None
 
 
 def peak_rss_mb() -> float:
@@ -104,4 +104,4 @@ class Metrics:
             self.bar.close()
         if self.plot:
             drawn = loss_curve(self.history, Path(self.plot), title)
-            self.say(f"loss curve -> {self.plot}" if drawn else "no matplotlib: no plot")
+            self.say(f"loss curve -> {self.plot}" if drawn else note("matplotlib", "plot"))

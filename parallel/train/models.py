@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel._optional import require
 from parallel.models import GPT, GPTConfig
 
 NAMED = ("gpt", "llama", "qwen2", "mistral", "gpt2")
@@ -18,12 +19,7 @@ VOCAB = 256  # bytes
 
 
 def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as err:
-        raise ImportError("train: HuggingFace models need transformers: pip install "
-                          "'pycomm[hf]' (or pip install transformers)") from err
-    return transformers
+    return require("transformers", "parallel.train's HuggingFace models")
 
 
 def hf_config(cfg: Any) -> Any:

@@ -6,13 +6,14 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from parallel._optional import available
+
 
 def loss_curve(records: list[dict[str, Any]], path: Path, title: str) -> bool:
     """Draw the train and val losses of ``records`` (metrics lines) into the PNG ``path``;
     False without matplotlib (an optional dependency)."""
-    try:
-        import matplotlib
-    except ImportError:  # pragma: no cover - the test environment has matplotlib
+    matplotlib = available("matplotlib")
+    if matplotlib is None:  # pragma: no cover - the test environment has matplotlib
         return False
 
     matplotlib.use("Agg")  # no display: ranks and CI have none
