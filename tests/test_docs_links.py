@@ -13,6 +13,12 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *DOCS]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+# Reference-style definitions: "[name]: target" on a line of its own.
+REFERENCE = re.compile(r"(?m)^ {0,3}\[[^\]]+\]:\s*(\S+)")
+
+
+def _targets(text: str) -> list[str]:
+    return LINK.findall(text) + REFERENCE.findall(text)
 REPO_URL = "https://github.com/pycomm/pycomm"
 # An absolute link to a file of the repository: blob/ (a page), raw/ (an image), tree/ (a
 # folder), on main.
@@ -38,7 +44,7 @@ def _anchors(page: Path) -> set[str]:
 
 def relative_links(page: Path) -> list[str]:
     """Targets of the page's relative links (into the repository, from the page)."""
-    targets = LINK.findall(_prose(page.read_text()))
+    targets = _targets(_prose(page.read_text()))
     return [t for t in targets if not re.match(r"[a-z]+:", t)]
 
 
@@ -46,7 +52,7 @@ def repo_links(page: Path) -> list[tuple[str, Path, str]]:
     """(target, the checkout's file, #fragment) of every link of the page to a file of the
     repository: relative ones from the page's folder, absolute ones from the root."""
     out = []
-    for target in LINK.findall(_prose(page.read_text())):
+    for target in _targets(_prose(page.read_text())):
         absolute = REPO_FILE.fullmatch(target)
         if absolute:
             base, rel = ROOT, absolute.group(1)
