@@ -34,6 +34,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "mpi4py": ("mpi4py", "mpi"),
     "deepspeed": ("deepspeed", "deepspeed"),
     "cupy": ("cupy-cuda12x", "cupy"),
+    "ray": ("ray", "ray"),
 }
 
 

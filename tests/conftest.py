@@ -119,12 +119,15 @@ def _live_children(parents: set[int]) -> dict[int, str]:
 
 
 def _pool_pids() -> set[int]:
-    """Ranks of open RankPools (module-scoped fixtures keep them across tests)."""
+    """Ranks of open RankPools and workers of open pathways clusters (module-scoped
+    fixtures keep them across tests)."""
     try:
         from pycomm.testing import live_rank_pids
     except ImportError:
         return set()
-    return live_rank_pids()
+    from parallel.pathways.cluster import live_worker_pids
+
+    return live_rank_pids() | live_worker_pids()
 
 
 def _leftover_processes() -> dict[int, str]:

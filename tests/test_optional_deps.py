@@ -112,6 +112,8 @@ SITES = [
          "from parallel._optional import note; print(note('matplotlib', 'plot'))  # note",
          soft="no plot: matplotlib is not installed (pip install 'pycomm[bench]', or pip "
               "install matplotlib)"),
+    Site("parallel/pathways/ray_launch.py", "ray", "import parallel.pathways.ray_launch"),
+    Site("bench/ray_dispatch.py", "ray", "import bench.ray_dispatch"),
 ]
 
 

@@ -1,0 +1,36 @@
+"""Pathways (Barham et al., MLSys 2022): one controller over islands of workers.
+
+The controller is the user's own Python process. It asks islands (the ranks of one host:
+pycomm's shared memory inside, gloo between) for virtual meshes, and calls functions on
+them; every call returns futures at once, the outputs stay on the workers and move
+worker to worker, and reach the controller only when it asks. Each island's scheduler
+gives every function of every controller one order (gang scheduling), so programs that
+share workers never deadlock, and clients share an island by weight.
+
+Example::
+
+    import torch, torch.distributed as dist
+    from parallel import pathways as pw
+
+    @pw.function(out=pw.spec((4,), torch.float64))
+    def summed(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x, group=ctx.group())
+        return x
+
+    with pw.Cluster([2, 2]) as cluster, cluster.client() as client:
+        mesh = client.mesh(island=0, shape=(2,), names=("dp",))
+        y = summed(mesh, torch.ones(4, dtype=torch.float64))   # returns at once
+        print(y.result(0))                                      # tensor([2., 2., 2., 2.])
+"""
+
+from parallel.pathways.client import Client, ClusterAddress, Function, Mesh, function
+from parallel.pathways.cluster import Cluster
+from parallel.pathways.futures import Future, PathwaysError, Shard
+from parallel.pathways.launch import Launcher, LocalLauncher, WorkerSpec
+from parallel.pathways.mesh_context import MeshContext
+from parallel.pathways.protocol import Spec, spec
+
+__all__ = ["Client", "Cluster", "ClusterAddress", "Function", "Future", "Launcher",
+           "LocalLauncher", "Mesh", "MeshContext", "PathwaysError", "Shard", "Spec",
+           "WorkerSpec", "function", "spec"]

@@ -1,0 +1,386 @@
+"""One island's scheduler: a single order for every function from every controller.
+
+Pathways' gang scheduling. Every node (one function on one mesh) of every connected
+client passes through here, and each worker receives its nodes in the one order this
+scheduler decides, so two programs whose meshes share workers run their collectives in
+the same order on every shared worker and cannot deadlock each other. Clients share the
+island by weight: stride scheduling, each node charged its expected time (the running
+mean of that function's measured time on this island) over its client's weight, so a
+client of weight 2 gets twice the island's time of one of weight 1.
+
+A window bounds the nodes in flight per worker: enough that a worker always has the next
+nodes (and has posted their receives), few enough that the order between clients is
+still decided here, not by who submitted first.
+
+With ``policy="off"`` there is no order: each node goes to each worker as it comes, in
+the order its client sent it (the baseline that shows why the order is needed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import pickle
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from parallel.pathways.fair_share import FairShare
+from parallel.pathways.protocol import Lit, Node, listen, no_delay, put, take
+
+DEFAULT_COST_S = 1e-3  # a function's expected time before it was ever measured
+
+
+@dataclass
+class _Client:
+    conn: Connection
+    busy_s: float = 0.0  # measured time of its nodes on this island
+
+
+@dataclass
+class _InFlight:
+    client: int
+    label: str
+    pending: set[int]
+    start: float = float("inf")
+    end: float = 0.0
+    failed: bool = False
+
+
+class IslandScheduler:
+    """The scheduler of island ``island`` (``size`` workers), serving on a free port."""
+
+    def __init__(self, island: int, size: int, authkey: bytes, policy: str = "gang",
+                 window: int = 16):
+        if policy not in ("gang", "off"):
+            raise ValueError(f"scheduler policy {policy!r}: 'gang' or 'off'")
+        self.island, self.size, self.policy, self.window = island, size, policy, window
+        self._listener = listen(authkey)
+        self.address: tuple[str, int] = self._listener.address
+        self._wake_r, self._wake_w = _pipe()
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._new: queue.SimpleQueue[Connection] = queue.SimpleQueue()
+        self._reset_state()
+        self._stopping = False
+        self.epoch = 0
+        self._threads = [threading.Thread(target=self._accept, daemon=True, name="pw-accept"),
+                         threading.Thread(target=self._loop, daemon=True, name="pw-sched")]
+        for t in self._threads:
+            t.start()
+
+    def _reset_state(self) -> None:
+        self.workers: dict[int, Connection] = {}
+        self.pids: dict[int, int] = {}
+        self.dead: dict[int, str] = {}
+        self.clients: dict[int, _Client] = getattr(self, "clients", {})
+        self.queues: FairShare[Node] = getattr(self, "queues", FairShare())
+        self.in_flight: dict[tuple[int, int], _InFlight] = {}
+        self.load = [0] * self.size  # nodes in flight per worker
+        self.meshes: dict[int, tuple[int, ...]] = {}
+        self._mesh_ids = itertools.count()
+        self._ready = threading.Event()
+        self.cost: dict[str, float] = {}
+
+    # -- from other threads
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        self._calls.put(fn)
+        self._wake_w.send_bytes(b"!")
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """True once every worker of the island has said hello."""
+        return self._ready.wait(timeout_s)
+
+    def reset(self, epoch: int) -> None:
+        """The island restarts: fail what was in flight, forget the workers."""
+        self.call_soon(lambda: self._reset(epoch))
+
+    def relink(self, island: int, epoch: int) -> None:
+        """Island ``island`` restarted: have this island's workers link to its new ones."""
+        self.call_soon(lambda: self._on_relink(island, epoch))
+
+    def stop(self) -> None:
+        self.call_soon(self._stop)
+        for t in self._threads[1:]:
+            t.join(10.0)
+
+    # -- the loop
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = no_delay(self._listener.accept())
+            except OSError:
+                return
+            self._new.put(conn)
+            self._wake_w.send_bytes(b"!")
+
+    def _loop(self) -> None:
+        pending: list[Connection] = []  # connections not yet introduced
+        while not self._stopping:
+            conns = [*self.workers.values(), *(c.conn for c in self.clients.values()),
+                     *pending, self._wake_r]
+            for ready in wait(conns):
+                assert isinstance(ready, Connection)
+                if ready is self._wake_r:
+                    self._drain_wake(pending)
+                    continue
+                self._read(ready, pending)
+            self._schedule()
+        self._listener.close()
+
+    def _read(self, conn: Connection, pending: list[Connection]) -> None:
+        """Every message ``conn`` has ready (one wait() per burst, not per message)."""
+        try:
+            while True:
+                message = take(conn)
+                if conn in pending:
+                    pending.remove(conn)
+                    self._introduce(conn, message)
+                else:
+                    self._dispatch(conn, message)
+                if not conn.poll(0):
+                    return
+        except (EOFError, OSError):
+            self._lost(conn, pending)
+
+    def _drain_wake(self, pending: list[Connection]) -> None:
+        while self._wake_r.poll():
+            self._wake_r.recv_bytes()
+        while not self._new.empty():
+            pending.append(self._new.get())
+        while not self._calls.empty():
+            self._calls.get()()
+
+    def _introduce(self, conn: Connection, message: tuple[Any, ...]) -> None:
+        if message[0] == "hello":  # a worker
+            _, rank, pid = message
+            self.workers[rank], self.pids[rank] = conn, pid
+            if len(self.workers) == self.size:
+                self._ready.set()
+        elif message[0] == "client":
+            _, client, weight = message
+            self.clients[client] = _Client(conn)
+            self.queues.add_client(client, float(weight))
+            put(conn, ("welcome", self.island, self.size, self.epoch, self.policy))
+
+    def _dispatch(self, conn: Connection, message: tuple[Any, ...]) -> None:
+        handler = getattr(self, f"_on_{message[0]}")
+        handler(*message[1:])
+
+    # -- clients' messages
+    def _on_submit(self, client: int, nodes: list[Node]) -> None:
+        for node in nodes:
+            if self.policy == "off":
+                self._start(node)
+            else:
+                self._enqueue(client, node)
+
+    def _on_direct(self, client: int, node: Node, rank: int) -> None:
+        """Policy off: one worker's part of a node, sent when its client chose."""
+        self._track(node)
+        self._to_worker(node, rank, ("run", node))
+
+    def _on_mesh(self, client: int, node_id: int, shape: tuple[int, ...],
+                 names: tuple[str, ...], ranks: tuple[int, ...] | None) -> None:
+        chosen = ranks if ranks is not None else self._least_loaded(_prod(shape))
+        bad = [r for r in chosen if not 0 <= r < self.size]
+        if bad or len(set(chosen)) != len(chosen) or len(chosen) != _prod(shape):
+            reason = (f"ranks {list(chosen)} for shape {tuple(shape)} on island {self.island} "
+                      f"of {self.size} workers")
+            put(self.clients[client].conn, ("mesh", node_id, None, reason, self.epoch))
+            return
+        mesh = next(self._mesh_ids)
+        self.meshes[mesh] = tuple(chosen)
+        put(self.clients[client].conn, ("mesh", node_id, mesh, tuple(chosen), self.epoch))
+        everyone = tuple(range(self.size))  # every worker makes every group (mesh_context)
+        built = Node(client, node_id, mesh, everyone, None,
+                     [[Lit(tuple(chosen)), Lit(tuple(shape)), Lit(tuple(names))]] * self.size,
+                     kind="mesh", label="mesh")
+        self._on_submit(client, [built])
+
+    def _on_drop(self, client: int, node_id: int, mesh: int) -> None:
+        ranks = self.meshes.pop(mesh, None)
+        if ranks is not None:
+            everyone = tuple(range(self.size))
+            self._on_submit(client, [Node(client, node_id, mesh, everyone, None,
+                                          [[]] * self.size, kind="drop", label="drop")])
+
+    def _on_send(self, client: int, rank: int, order: Any) -> None:
+        self._to_rank(rank, ("send", order))
+
+    def _on_fetch(self, client: int, request: int, rank: int, key: Any) -> None:
+        if rank in self.dead:
+            put(self.clients[client].conn, ("value", request, None, self.dead[rank]))
+        else:
+            self._to_rank(rank, ("fetch", client, request, key))
+
+    def _on_release(self, client: int, rank: int, keys: list[Any]) -> None:
+        self._to_rank(rank, ("release", keys))
+
+    def _on_relink(self, island: int, epoch: int) -> None:
+        for rank in list(self.workers):
+            self._to_rank(rank, ("relink", island, epoch))
+
+    def _on_bye(self, client: int) -> None:
+        state = self.clients.pop(client, None)
+        self.queues.remove_client(client)
+        if state is not None:
+            state.conn.close()
+
+    # -- workers' messages
+    def _on_done(self, client: int, node: int, rank: int, start: float, end: float) -> None:
+        state = self._finish(client, node, rank)
+        if state is None:
+            return
+        state.start, state.end = min(state.start, start), max(state.end, end)
+        if not state.pending:
+            del self.in_flight[(client, node)]
+            seconds = state.end - state.start
+            self.cost[state.label] = 0.8 * self.cost.get(state.label, seconds) + 0.2 * seconds
+            if client in self.clients:
+                self.clients[client].busy_s += seconds
+                if not state.failed:
+                    self._tell(client, ("done", node, state.start, state.end))
+
+    def _on_failed(self, client: int, node: int, rank: int, error: str) -> None:
+        state = self._finish(client, node, rank)
+        if state is None:
+            return
+        if not state.failed:
+            state.failed = True
+            self._tell(client, ("failed", node, error))
+        if not state.pending:
+            del self.in_flight[(client, node)]
+
+    def _on_value(self, client: int, request: int, value: Any, error: str | None) -> None:
+        self._tell(client, ("value", request, value, error))
+
+    def _finish(self, client: int, node: int, rank: int) -> _InFlight | None:
+        state = self.in_flight.get((client, node))
+        if state is None or rank not in state.pending:
+            return None
+        state.pending.discard(rank)
+        self.load[rank] -= 1
+        return state
+
+    # -- ordering
+    def _enqueue(self, client: int, node: Node) -> None:
+        self.queues.push(client, node)
+
+    def _schedule(self) -> None:
+        while (picked := self.queues.pop(
+                self._room, lambda n: self.cost.get(n.label, DEFAULT_COST_S))) is not None:
+            self._start(picked[1])
+
+    def _room(self, node: Node) -> bool:
+        return all(r in self.dead or self.load[r] < self.window for r in node.ranks)
+
+    def _start(self, node: Node) -> None:
+        dead = [r for r in node.ranks if r in self.dead]
+        if dead:
+            self._tell(node.client, ("failed", node.node, self.dead[dead[0]]))
+            return
+        self._track(node)
+        message = pickle.dumps(("run", node), protocol=pickle.HIGHEST_PROTOCOL)  # once
+        for rank in node.ranks:
+            self._to_worker(node, rank, message)
+
+    def _track(self, node: Node) -> None:
+        key = (node.client, node.node)
+        if key not in self.in_flight:
+            self.in_flight[key] = _InFlight(node.client, node.label, set(node.ranks))
+            for rank in node.ranks:
+                self.load[rank] += 1
+
+    def _least_loaded(self, n: int) -> tuple[int, ...]:
+        use = [0] * self.size
+        for ranks in self.meshes.values():
+            for r in ranks:
+                use[r] += 1
+        return tuple(sorted(sorted(range(self.size), key=lambda r: (use[r], r))[:n]))
+
+    # -- failures
+    def _lost(self, conn: Connection, pending: list[Connection]) -> None:
+        if conn in pending:
+            pending.remove(conn)
+            return
+        for rank, worker in list(self.workers.items()):
+            if worker is conn:
+                del self.workers[rank]
+                self._worker_died(rank)
+        for cid, c in list(self.clients.items()):
+            if c.conn is conn:
+                del self.clients[cid]
+                self.queues.remove_client(cid)
+
+    def _worker_died(self, rank: int) -> None:
+        error = (f"island {self.island} rank {rank} (pid {self.pids.get(rank, '?')}) died "
+                 f"(its connection to the island's scheduler closed)")
+        self.dead[rank] = error
+        for (client, node), state in list(self.in_flight.items()):
+            if rank in state.pending:
+                self._on_failed(client, node, rank, error)
+        for cid in self.clients:
+            self._tell(cid, ("died", rank, error))
+
+    def _reset(self, epoch: int) -> None:
+        error = f"island {self.island} was restarted (epoch {epoch})"
+        for (client, node), state in self.in_flight.items():
+            if not state.failed:
+                self._tell(client, ("failed", node, error))
+        for cid, queued in self.queues.drain():
+            self._tell(cid, ("failed", queued.node, error))
+        for conn in self.workers.values():
+            conn.close()
+        self._reset_state()
+        self.epoch = epoch
+        for cid in self.clients:
+            self._tell(cid, ("epoch", epoch))
+
+    def _stop(self) -> None:
+        for rank in list(self.workers):
+            self._to_rank(rank, ("stop",))
+        self._stopping = True
+
+    # -- sending
+    def _to_worker(self, node: Node, rank: int, message: tuple[Any, ...] | bytes) -> None:
+        if not self._to_rank(rank, message):
+            self._on_failed(node.client, node.node, rank, self.dead.get(
+                rank, f"island {self.island} rank {rank} is not connected"))
+
+    def _to_rank(self, rank: int, message: tuple[Any, ...] | bytes) -> bool:
+        conn = self.workers.get(rank)
+        if conn is None:
+            return False
+        try:
+            if isinstance(message, bytes):
+                conn.send_bytes(message)  # pickled already, for every rank alike
+            else:
+                put(conn, message)
+            return True
+        except OSError:
+            return False
+
+    def _tell(self, client: int, message: tuple[Any, ...]) -> None:
+        state = self.clients.get(client)
+        if state is not None:
+            with contextlib.suppress(OSError):
+                put(state.conn, message)
+
+    def shares(self) -> dict[int, float]:
+        """Each client's measured time on this island so far (seconds)."""
+        return {cid: c.busy_s for cid, c in self.clients.items()}
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _pipe() -> tuple[Connection, Connection]:
+    from multiprocessing import Pipe
+    return Pipe(duplex=False)

@@ -1,0 +1,411 @@
+"""parallel.pathways: one controller, islands of workers, futures, gang scheduling.
+
+One cluster of two islands (two workers each) serves most cases; the cases that break a
+cluster (a deadlock with the scheduler off, a killed worker) or need another shape (a
+four-worker island for dp x tp) have their own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _pathways_fns as fns
+import pytest
+import torch
+
+from parallel import pathways as pw
+from parallel.pathways.fair_share import FairShare
+from parallel.pathways.mesh_context import _slice, _unravel
+from parallel.pathways.protocol import transfer_tag
+
+pytestmark = pytest.mark.usefixtures("require_pycomm")
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}", "OMP_NUM_THREADS": "1"}
+F64 = torch.float64
+V8 = pw.spec((8,), F64)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with pw.Cluster([2, 2], timeout_s=60, env=ENV) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def four():
+    """One island of four workers (a dp x tp mesh)."""
+    with pw.Cluster([4], timeout_s=120, env=ENV) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster):
+    with cluster.client(timeout_s=60) as c:
+        yield c
+
+
+# --- pure parts ---------------------------------------------------------------------
+
+
+def test_stride_order_gives_shares_by_weight():
+    share: FairShare[str] = FairShare()
+    share.add_client(0, 1.0)
+    share.add_client(1, 2.0)
+    for i in range(30):
+        share.push(0, f"a{i}")
+        share.push(1, f"b{i}")
+    order = [share.pop(lambda _: True, lambda _: 1.0) for _ in range(30)]
+    clients = [c for c, _ in order if c is not None]  # type: ignore[misc]
+    assert clients.count(1) == 20 and clients.count(0) == 10
+    # each client's own items keep their order
+    assert [i for c, i in order if c == 0] == [f"a{k}" for k in range(10)]  # type: ignore[misc]
+
+
+def test_a_client_back_from_idle_is_not_owed_its_idle_time():
+    share: FairShare[int] = FairShare()
+    share.add_client(0, 1.0)
+    share.add_client(1, 1.0)
+    for i in range(10):
+        share.push(0, i)
+    for _ in range(10):
+        share.pop(lambda _: True, lambda _: 1.0)
+    for i in range(4):
+        share.push(0, i)
+        share.push(1, i)
+    order = [share.pop(lambda _: True, lambda _: 1.0)[0] for _ in range(8)]  # type: ignore[index]
+    assert order.count(1) == 4 and order[:4].count(1) <= 3, order
+
+
+def test_weights_must_be_positive():
+    with pytest.raises(ValueError, match="weight must be positive"):
+        FairShare().add_client(3, 0.0)
+
+
+def test_transfer_tags_are_distinct_positive_pairs():
+    tags = {transfer_tag(c, s) for c in range(1024) for s in (0, 1, 2, (1 << 20) - 1)}
+    assert len(tags) == 1024 * 4
+    assert all(t >= 0 and t + 1 < 2**31 and t % 2 == 0 for t in tags)
+
+
+def test_mesh_coordinates_and_slices():
+    assert _unravel(5, (2, 3)) == (1, 2)
+    grid = torch.arange(6).view(2, 3)
+    assert _slice(grid, 0, {"dp": 1, "tp": 2}) == (2, 5)
+    assert _slice(grid, 1, {"dp": 1, "tp": 2}) == (3, 4, 5)
+
+
+def test_address_round_trips(cluster):
+    text = str(cluster.address)
+    assert pw.ClusterAddress.parse(text) == cluster.address
+    with pytest.raises(ValueError, match="not a pathways address"):
+        pw.ClusterAddress.parse("tcp://x")
+
+
+# --- calls and futures --------------------------------------------------------------
+
+
+def test_a_call_returns_before_its_function_runs(client):
+    mesh = client.mesh(0, (2,))
+    t0 = time.perf_counter()
+    slow = client.call(fns.sleep_then, mesh, 1, 0.5)
+    returned = time.perf_counter() - t0
+    assert not slow.done() and returned < 0.25, returned
+    assert slow.result() == [1, 1]
+
+
+def test_collectives_on_a_mesh_equal_the_float64_reference(client):
+    mesh = client.mesh(1, (2,), names=("dp",))
+    parts = client.call(fns.rank_value, mesh, 0.5, 8, out=V8)
+    total = client.call(fns.summed, mesh, parts, out=V8)
+    want = sum(0.5 + i + torch.arange(8, dtype=F64) / 7 for i in range(2))
+    for shard in total.result():
+        torch.testing.assert_close(shard, want, rtol=0, atol=0)
+    assert [d["coords"] for d in client.call(fns.describe, mesh).result()] == [
+        {"dp": 0}, {"dp": 1}]
+
+
+def test_futures_move_worker_to_worker_in_and_between_islands(client):
+    a, b = client.mesh(0, (2,)), client.mesh(1, (2,))
+    x = client.call(fns.rank_value, a, 1.0, 8, out=V8)
+    crossed = client.call(fns.plus, b, x, 10.0, out=V8)  # gloo pairs, posted early
+    back = client.call(fns.summed, a, crossed, out=V8)  # and back
+    untyped = client.call(fns.plus, b, back, 1.0)  # no spec: size sent first
+    want = [1.0 + i + torch.arange(8, dtype=F64) / 7 for i in range(2)]
+    for got, w in zip(crossed.result(), want, strict=True):
+        torch.testing.assert_close(got, w + 10, rtol=0, atol=0)
+    torch.testing.assert_close(untyped.result(1), sum(want) + 21, rtol=0, atol=0)
+
+
+def test_objects_that_are_not_tensors_travel_pickled(client):
+    a, b = client.mesh(0, (2,)), client.mesh(1, (2,))
+    obj = client.call(fns.as_object, a, torch.ones(3))
+    assert client.call(fns.from_object, b, obj).result() == [9.0, 10.0]
+
+
+def test_a_shard_goes_to_every_rank_and_mismatched_meshes_are_refused(client):
+    two, one = client.mesh(0, (2,)), client.mesh(1, (1,))
+    x = client.call(fns.rank_value, two, 0.0, 8, out=V8)
+    with pytest.raises(ValueError, match=r"sharded over 2 ranks \(2,\), the mesh has 1"):
+        client.call(fns.plus, one, x, 1.0)
+    got = client.call(fns.plus, one, x.shard(1), 1.0, out=V8).result(0)
+    torch.testing.assert_close(got, 2.0 + torch.arange(8, dtype=F64) / 7)
+
+
+def test_a_two_dimensional_mesh_has_a_group_per_dimension(four):
+    with four.client() as client:
+        mesh = client.mesh(0, (2, 2), names=("dp", "tp"))
+        x = client.call(fns.rank_value, mesh, 0.0, 8, out=V8)
+        tp = client.call(fns.dim_sum, mesh, x, "tp", out=V8).result()
+        for index, got in enumerate(tp):
+            row = index // 2 * 2
+            torch.testing.assert_close(got, sum(i + torch.arange(8, dtype=F64) / 7
+                                                for i in (row, row + 1)), rtol=0, atol=0)
+        assert {d["dm"] for d in client.call(fns.describe, mesh).result()} == {(2, 2)}
+
+
+def test_parallel_dispatch_runs_a_chain_back_to_back(cluster):
+    """The chain's nodes start right after their predecessors end when the chain was
+    sent whole; sequential dispatch pays a controller round trip between them."""
+    gaps = {}
+    for mode in ("parallel", "sequential"):
+        with cluster.client(dispatch=mode) as client:
+            mesh = client.mesh(0, (2,))
+            x = client.call(fns.rank_value, mesh, 0.0, 8, out=V8)
+            chain = [x]
+            for _ in range(40):
+                chain.append(client.call(fns.summed, mesh, chain[-1], out=V8))
+            got = chain[-1].result(0)
+            times = client.timings(chain[1:])
+            gaps[mode] = sorted(b[0] - a[1] for a, b in itertools.pairwise(times))[20]
+            want = (2**40) * sum(i + torch.arange(8, dtype=F64) / 7 for i in range(2)) / 2
+            torch.testing.assert_close(got, want)
+    assert gaps["parallel"] < gaps["sequential"], gaps
+
+
+def test_a_program_is_sent_in_one_message(client):
+    mesh = client.mesh(1, (2,))
+    with client.program():
+        x = client.call(fns.rank_value, mesh, 0.0, 8, out=V8)
+        y = client.call(fns.summed, mesh, x, out=V8)
+        assert not y.done()
+    torch.testing.assert_close(y.result(0), sum(i + torch.arange(8, dtype=F64) / 7
+                                                for i in range(2)))
+
+
+# --- errors -------------------------------------------------------------------------
+
+
+def test_a_failing_function_names_island_rank_and_function_and_fails_its_dependents(client):
+    mesh = client.mesh(0, (2,))
+    bad = client.call(fns.fails, mesh, torch.ones(8, dtype=F64), out=V8)
+    after = client.call(fns.summed, client.mesh(1, (2,)), bad, out=V8)
+    with pytest.raises(pw.PathwaysError, match=r"island 0 rank 1: fails \(node \d+ of client "
+                       r"\d+\) raised ValueError: rank-one refuses"):
+        bad.wait()
+    err = after.exception()
+    assert err is not None and "failed" in str(err), err
+    # no rank of island 1 ran `summed` (rank 0 had its input): both are free at once
+    t0 = time.monotonic()
+    for m in (mesh, client.mesh(1, (2,))):
+        assert client.call(fns.summed, m, torch.ones(8, dtype=F64), out=V8).result(0)[0] == 2
+    assert time.monotonic() - t0 < 10  # not the 60 s timeout of a rank left waiting
+
+
+def test_an_output_that_is_not_its_spec_is_named(client):
+    mesh = client.mesh(0, (1,))
+    with pytest.raises(pw.PathwaysError, match=r"declared float64\[8\], returned float32\[3\]"):
+        client.call(fns.wrong_shape, mesh, out=V8).wait()
+
+
+def test_what_cannot_be_sent_is_refused_at_the_call(client):
+    mesh = client.mesh(0, (1,))
+    with pytest.raises(TypeError, match="cannot be sent to the workers"):
+        client.call(lambda ctx: 1, mesh)
+    with pytest.raises(ValueError, match=r"cannot place ranks \[0, 5\]"):
+        client.mesh(0, (2,), ranks=[0, 5])
+    with pytest.raises(ValueError, match="2 names"):
+        client.mesh(0, (2,), names=("a", "b"))
+
+
+# --- gang scheduling and shares ------------------------------------------------------
+
+
+def _two_clients_in_opposite_orders(cluster: pw.Cluster
+                                    ) -> tuple[list[pw.Future], list[pw.Client]]:
+    """Two clients, one all-reduce each on the same two workers, that reach the workers
+    in opposite orders: worker 0 gets client 0's first, worker 1 client 1's (with the
+    scheduler on, its order wins whatever the order of arrival)."""
+    clients = [cluster.client(timeout_s=60) for _ in range(2)]
+    meshes = [c.mesh(0, (2,), ranks=[0, 1]) for c in clients]
+    out = []
+    for i, c in enumerate(clients):
+        c.hold_parts = True
+        out.append(c.call(fns.summed, meshes[i], torch.full((8,), i + 1.0, dtype=F64),
+                          out=V8))
+    if clients[0].held_parts:  # policy off: client 0 -> worker 0, client 1 -> worker 1 ...
+        for c, part in ((clients[0], 0), (clients[1], 1), (clients[0], 1), (clients[1], 0)):
+            c.send_part(part)
+            time.sleep(0.2)  # each part at the workers before the next leaves
+    for f in out:
+        f.exception(timeout=60)
+    return out, clients
+
+
+def test_without_the_scheduler_two_programs_deadlock_and_the_watchdog_names_it():
+    with pw.Cluster([2], timeout_s=6, env=ENV, policy="off") as off:
+        t0 = time.monotonic()
+        out, clients = _two_clients_in_opposite_orders(off)
+        # Worker 0 waits in client 0's all-reduce for worker 1, which waits in client 1's
+        # for worker 0, until the first timeout breaks the cycle (the other may then
+        # complete late): client 0's fails, naming the rank that never came.
+        err = str(out[0].exception())
+        assert ("all_reduce" in err and "timed out after 6" in err
+                and "rank(s) [1] did not arrive" in err), err
+        assert time.monotonic() - t0 >= 5.5
+        for c in clients:
+            c.close()
+
+
+def test_with_the_scheduler_the_same_programs_finish(cluster):
+    out, clients = _two_clients_in_opposite_orders(cluster)
+    for i, f in enumerate(out):
+        for shard in f.result():
+            torch.testing.assert_close(shard, torch.full((8,), 2 * (i + 1.0), dtype=F64))
+    for c in clients:
+        c.close()
+        with pytest.raises(pw.PathwaysError, match="client is closed"):
+            c.mesh(0, (1,))
+
+
+def test_two_clients_share_an_island_by_weight(cluster):
+    """Weights 1 and 2, the same work: the heavier client gets 2/3 of the island while
+    both have work there (measured from the workers' clocks)."""
+    light, heavy = cluster.client(weight=1.0), cluster.client(weight=2.0)
+    work = {}
+    for c in (light, heavy):
+        mesh = c.mesh(1, (2,), ranks=[0, 1])
+        work[c] = [c.call(fns.spin, mesh, torch.ones(8, dtype=F64), 0.01, out=V8)
+                   for _ in range(120)]
+    for fs in work.values():
+        fs[-1].wait()
+    both = (max(min(s for s, _ in c.timings(fs)) for c, fs in work.items()),
+            min(max(e for _, e in c.timings(fs)) for c, fs in work.items()))
+    busy = {c: sum(max(0.0, min(e, both[1]) - max(s, both[0])) for s, e in c.timings(fs))
+            for c, fs in work.items()}
+    ratio = busy[heavy] / busy[light]
+    assert 1.8 <= ratio <= 2.2, (ratio, busy)
+    light.close()
+    heavy.close()
+
+
+# --- programs of the papers ---------------------------------------------------------
+
+
+def _one_process_gpipe(micro: int, steps: int, lr: float, batches) -> list[list[float]]:
+    layers = torch.nn.Sequential(*fns.gpt_layers())
+    opt = torch.optim.SGD(layers.parameters(), lr=lr)
+    losses = []
+    for xs, ys in batches[:steps]:
+        step = []
+        for x, y in zip(xs, ys, strict=True):
+            loss = fns.gpt_loss(layers(x), y)
+            (loss / micro).backward()
+            step.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(step)
+    return losses
+
+
+def test_gpipe_with_stages_on_two_islands_equals_one_process(client):
+    from parallel.models.gpt import synthetic_batch
+    from parallel.pathways.pipeline import IslandPipeline
+
+    micro, steps, lr, rows = 4, 3, 0.1, 2
+    batches = []
+    for s in range(steps):
+        xs, ys = synthetic_batch(fns.GPT_CFG, micro * rows, seed=100 + s)
+        batches.append((list(xs.split(rows)), list(ys.split(rows))))
+    act = pw.spec((rows, fns.GPT_CFG.block_size, fns.GPT_CFG.n_embd))
+    pipe = IslandPipeline(client, [client.mesh(0, (1,)), client.mesh(1, (1,))],
+                          fns.gpt_stage, fns.gpt_loss, lr, activation=act)
+    futures = [pipe.step(xs, ys) for xs, ys in batches]  # every step dispatched at once
+    got = [[f.result(0) for f in step] for step in futures]
+    want = _one_process_gpipe(micro, steps, lr, batches)
+    flat = [loss for step in got for loss in step]
+    assert flat == pytest.approx([loss for step in want for loss in step], rel=1e-6)
+    assert got[-1] != got[0]
+
+
+def test_the_trainer_through_the_controller_is_python_m_parallel_train(four, tmp_path):
+    """The project's GPT on a dp2 x tp2 mesh of one island, each step one call, every
+    step dispatched at once: the losses of the same layout under python -m parallel.train."""
+    from parallel.pathways.train import pw_train
+    from parallel.train.config import parse
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for path in sorted((ROOT / "parallel" / "compose").glob("*.py")):
+        (corpus / path.name).write_bytes(path.read_bytes())
+    flags = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
+             "--batch-size", "4", "--steps", "4", "--warmup-steps", "2", "--no-progress",
+             "--dp", "2", "--tp", "2", "--data", str(corpus), "--eval-every", "0"]
+    metrics = tmp_path / "m.jsonl"
+    done = subprocess.run([sys.executable, "-m", "parallel.train", *flags, "--metrics",
+                           str(metrics)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **ENV, "PYCOMM_TIMEOUT_S": "120"}, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    want = [r for r in map(json.loads, metrics.read_text().splitlines())
+            if r["kind"] == "train"]
+    with four.client() as client:
+        mesh = client.mesh(0, (2, 2), names=("dp", "tp"))
+        got = pw_train(client, mesh, parse(flags))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-6), (g, w)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), (g, w)
+
+
+def test_the_trainer_refuses_a_mesh_that_is_not_its_island(four):
+    from parallel.pathways.train import pw_train
+    from parallel.train.config import parse
+
+    with four.client() as client:
+        mesh = client.mesh(0, (2,), names=("dp",))
+        with pytest.raises(pw.PathwaysError, match=r"must be the whole island \(4 workers"):
+            pw_train(client, mesh, parse(["--dp", "2", "--steps", "1"]))
+
+
+# --- failure ------------------------------------------------------------------------
+
+
+def test_a_killed_worker_is_named_the_other_island_goes_on_and_the_island_restarts():
+    with pw.Cluster([2, 2], timeout_s=30, env=ENV) as c, c.client(timeout_s=60) as client:
+        a, b = client.mesh(0, (2,)), client.mesh(1, (2,))
+        x = torch.ones(8, dtype=F64)
+        chains = {m.island: [client.call(fns.spin, m, x, 0.05, out=V8)] for m in (a, b)}
+        for _ in range(12):
+            for m in (a, b):
+                chains[m.island].append(client.call(fns.spin, m, chains[m.island][-1], 0.05,
+                                                    out=V8))
+        time.sleep(0.3)
+        pid = c.kill(0, 1)
+        t0 = time.monotonic()
+        err = chains[0][-1].exception(timeout=30)
+        assert err is not None and f"island 0 rank 1 (pid {pid}) died" in str(err), err
+        assert time.monotonic() - t0 < 30
+        torch.testing.assert_close(chains[1][-1].result(0), torch.full((8,), 2.0**13, dtype=F64))
+        c.restart(0)
+        with pytest.raises(pw.PathwaysError, match="lost when the island restarted"):
+            client.call(fns.summed, a, x, out=V8)
+        a = client.mesh(0, (2,))
+        y = client.call(fns.summed, a, x, out=V8)
+        z = client.call(fns.plus, b, y, 1.0, out=V8)  # the links to the new island
+        torch.testing.assert_close(z.result(1), torch.full((8,), 3.0, dtype=F64))
