@@ -35,6 +35,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "deepspeed": ("deepspeed", "deepspeed"),
     "cupy": ("cupy-cuda12x", "cupy"),
     "ray": ("ray", "ray"),
+    "cloudpickle": ("cloudpickle", "pathways"),
 }
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel import pathways as pw
 from parallel.models.gpt import GPT, GPTConfig, lm_loss
 
 F64 = torch.float64
@@ -19,6 +20,12 @@ def summed(ctx: Any, x: torch.Tensor) -> torch.Tensor:
     x = x.clone()
     dist.all_reduce(x, group=ctx.group())
     return x
+
+
+@pw.function(out=pw.spec((8,), F64))
+def doubled(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    """A declared function: ``doubled(mesh, x)`` from the controller."""
+    return summed(ctx, x)
 
 
 def rank_value(ctx: Any, base: float, n: int) -> torch.Tensor:
@@ -67,6 +74,12 @@ def fails(ctx: Any, x: Any) -> Any:
     if ctx.index == 1:
         raise ValueError("rank-one refuses")
     return x
+
+
+def fails_then_sum(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    """Rank 1 raises; rank 0 goes into the all-reduce and waits there for it."""
+    fails(ctx, x)
+    return summed(ctx, x)
 
 
 def wrong_shape(ctx: Any) -> torch.Tensor:

@@ -36,6 +36,7 @@ ALLOWED: dict[str, str] = {
     "objdump": r"^no objdump\b",
     "a torch API (older torch)": r"^no torch API\b",
     "transformers (the [hf] extra)": r"^no transformers\b",
+    "Ray (the [ray] extra)": r"^no Ray\b",
     # pytest-benchmark's own skips, only when asked for on the command line
     "--benchmark-only / --benchmark-skip": r"\(--benchmark-(only|skip) active\)",
 }

@@ -127,7 +127,19 @@ def _pool_pids() -> set[int]:
         return set()
     from parallel.pathways.cluster import live_worker_pids
 
-    return live_rank_pids() | live_worker_pids()
+    return live_rank_pids() | live_worker_pids() | _ray_pids()
+
+
+def _ray_pids() -> set[int]:
+    """The processes of the local Ray instance a test session started (its GCS, raylet
+    and monitors live as long as the session's Ray fixture)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return set()
+    node = ray._private.worker._global_node
+    return {p.process.pid for infos in node.all_processes.values() for p in infos}
 
 
 def _leftover_processes() -> dict[int, str]:

@@ -114,6 +114,10 @@ SITES = [
               "install matplotlib)"),
     Site("parallel/pathways/ray_launch.py", "ray", "import parallel.pathways.ray_launch"),
     Site("bench/ray_dispatch.py", "ray", "import bench.ray_dispatch"),
+    Site("parallel/pathways/functions.py", "cloudpickle",  # a lambda: only by value
+         "import pytest; from parallel.pathways.functions import sendable; "
+         "e = pytest.raises(TypeError, sendable, lambda c: 1); "
+         "print('pycomm[pathways]' in str(e.value))", soft="True"),
 ]
 
 

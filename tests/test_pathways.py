@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,9 +33,36 @@ F64 = torch.float64
 V8 = pw.spec((8,), F64)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with pw.Cluster([2, 2], timeout_s=60, env=ENV) as c:
+LAUNCHERS = ["local", "ray"]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray instance for the session (the same tests run on Ray's launcher)."""
+    try:
+        import ray
+    except ModuleNotFoundError:
+        pytest.skip("no Ray: pip install 'pycomm[ray]'")
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": ENV})
+    yield ray
+    ray.shutdown()
+
+
+def _launcher(kind: str, request: pytest.FixtureRequest, sizes: list[int]) -> object:
+    if kind == "local":
+        return None
+    request.getfixturevalue("ray_session")
+    from parallel.pathways.ray_launch import RayLauncher
+
+    return RayLauncher(sizes, cpus_per_worker=0.5)
+
+
+@pytest.fixture(scope="module", params=LAUNCHERS)
+def cluster(request):
+    """Two islands of two workers, started by each launcher in turn."""
+    launcher = _launcher(request.param, request, [2, 2])
+    with pw.Cluster([2, 2], launcher=launcher, timeout_s=60, env=ENV) as c:  # type: ignore[arg-type]
         yield c
 
 
@@ -131,6 +159,13 @@ def test_collectives_on_a_mesh_equal_the_float64_reference(client):
         {"dp": 0}, {"dp": 1}]
 
 
+def test_a_declared_function_is_called_on_a_mesh(client):
+    mesh = client.mesh(1, (2,))
+    y = fns.doubled(mesh, torch.ones(8, dtype=F64))
+    assert y.spec == V8
+    torch.testing.assert_close(y.result(1), torch.full((8,), 2.0, dtype=F64))
+
+
 def test_futures_move_worker_to_worker_in_and_between_islands(client):
     a, b = client.mesh(0, (2,)), client.mesh(1, (2,))
     x = client.call(fns.rank_value, a, 1.0, 8, out=V8)
@@ -213,9 +248,48 @@ def test_a_failing_function_names_island_rank_and_function_and_fails_its_depende
     assert err is not None and "failed" in str(err), err
     # no rank of island 1 ran `summed` (rank 0 had its input): both are free at once
     t0 = time.monotonic()
-    for m in (mesh, client.mesh(1, (2,))):
-        assert client.call(fns.summed, m, torch.ones(8, dtype=F64), out=V8).result(0)[0] == 2
+    other = client.mesh(1, (2,))
+    assert client.call(fns.summed, other, torch.ones(8, dtype=F64), out=V8).result(0)[0] == 2
     assert time.monotonic() - t0 < 10  # not the 60 s timeout of a rank left waiting
+    # the mesh a function failed on is aborted (its collectives' order is lost): refused
+    with pytest.raises(pw.PathwaysError, match=r"was aborted after node \d+ failed"):
+        client.call(fns.summed, mesh, torch.ones(8, dtype=F64), out=V8).wait()
+    mesh.release()
+    fresh = client.mesh(0, (2,))
+    assert client.call(fns.summed, fresh, torch.ones(8, dtype=F64), out=V8).result(0)[0] == 2
+
+
+def test_a_function_that_raises_while_its_peer_waits_in_a_collective_frees_it(client):
+    """Rank 1 raises before the all-reduce rank 0 is waiting in: the mesh is aborted, and
+    rank 0's wait ends at once with the abort, not at the timeout (60 s)."""
+    mesh = client.mesh(0, (2,))
+    t0 = time.monotonic()
+    bad = client.call(fns.fails_then_sum, mesh, torch.ones(8, dtype=F64), out=V8)
+    err = bad.exception()
+    assert err is not None and "rank-one refuses" in str(err), err
+    assert client.call(fns.summed, mesh, torch.ones(8, dtype=F64)).exception() is not None
+    assert time.monotonic() - t0 < 20
+
+
+def test_functions_from_a_script_travel_by_value(client):
+    mesh = client.mesh(1, (2,))
+    assert client.call(lambda ctx, k: k + ctx.index, mesh, 40).result() == [40, 41]
+
+    def local(ctx, x):
+        return x * 3
+    assert client.call(local, mesh, 2).result(1) == 6
+
+
+def test_futures_inside_containers_and_released_meshes_are_refused(client):
+    mesh = client.mesh(0, (1,))
+    x = client.call(fns.plus, mesh, 1.0, 1.0)
+    with pytest.raises(TypeError, match="future inside a container"):
+        client.call(fns.plus, mesh, [x], 1.0)
+    with pytest.raises(TypeError, match="future inside a container"):
+        client.call(fns.plus, mesh, 1.0, k=x)
+    mesh.release()
+    with pytest.raises(pw.PathwaysError, match="was released"):
+        client.call(fns.plus, mesh, 1.0, 1.0)
 
 
 def test_an_output_that_is_not_its_spec_is_named(client):
@@ -226,8 +300,9 @@ def test_an_output_that_is_not_its_spec_is_named(client):
 
 def test_what_cannot_be_sent_is_refused_at_the_call(client):
     mesh = client.mesh(0, (1,))
+    lock = threading.Lock()
     with pytest.raises(TypeError, match="cannot be sent to the workers"):
-        client.call(lambda ctx: 1, mesh)
+        client.call(lambda ctx: lock, mesh)  # a lambda by value, but its lock is not
     with pytest.raises(ValueError, match=r"cannot place ranks \[0, 5\]"):
         client.mesh(0, (2,), ranks=[0, 5])
     with pytest.raises(ValueError, match="2 names"):
@@ -246,12 +321,12 @@ def _two_clients_in_opposite_orders(cluster: pw.Cluster
     meshes = [c.mesh(0, (2,), ranks=[0, 1]) for c in clients]
     out = []
     for i, c in enumerate(clients):
-        c.hold_parts = True
+        c._hold_parts = True
         out.append(c.call(fns.summed, meshes[i], torch.full((8,), i + 1.0, dtype=F64),
                           out=V8))
-    if clients[0].held_parts:  # policy off: client 0 -> worker 0, client 1 -> worker 1 ...
+    if clients[0]._held_parts:  # policy off: client 0 -> worker 0, client 1 -> worker 1 ...
         for c, part in ((clients[0], 0), (clients[1], 1), (clients[0], 1), (clients[1], 0)):
-            c.send_part(part)
+            c._send_part(part)
             time.sleep(0.2)  # each part at the workers before the next leaves
     for f in out:
         f.exception(timeout=60)
@@ -386,8 +461,12 @@ def test_the_trainer_refuses_a_mesh_that_is_not_its_island(four):
 # --- failure ------------------------------------------------------------------------
 
 
-def test_a_killed_worker_is_named_the_other_island_goes_on_and_the_island_restarts():
-    with pw.Cluster([2, 2], timeout_s=30, env=ENV) as c, c.client(timeout_s=60) as client:
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_killed_worker_is_named_the_other_island_goes_on_and_the_island_restarts(
+        launcher, request):
+    started = _launcher(launcher, request, [2, 2])
+    with (pw.Cluster([2, 2], launcher=started, timeout_s=30, env=ENV) as c,  # type: ignore[arg-type]
+          c.client(timeout_s=60) as client):
         a, b = client.mesh(0, (2,)), client.mesh(1, (2,))
         x = torch.ones(8, dtype=F64)
         chains = {m.island: [client.call(fns.spin, m, x, 0.05, out=V8)] for m in (a, b)}

@@ -18,14 +18,21 @@ Example::
         dist.all_reduce(x, group=ctx.group())
         return x
 
-    with pw.Cluster([2, 2]) as cluster, cluster.client() as client:
-        mesh = client.mesh(island=0, shape=(2,), names=("dp",))
-        y = summed(mesh, torch.ones(4, dtype=torch.float64))   # returns at once
-        print(y.result(0))                                      # tensor([2., 2., 2., 2.])
+    pw.init(islands=[2, 2])                  # or pw.init(address) of a running cluster
+    mesh = pw.mesh(island=0, shape=(2,), names=("dp",))
+    y = summed(mesh, torch.ones(4, dtype=torch.float64))   # returns at once
+    print(y.result(0))                                      # tensor([2., 2., 2., 2.])
+    pw.shutdown()
+
+``pw.Cluster`` and ``pw.Client`` are the same without a process-wide default (several
+clusters, several clients, a second controller attached by ``str(cluster.address)``).
 """
 
-from parallel.pathways.client import Client, ClusterAddress, Function, Mesh, function
+from parallel.pathways.address import ClusterAddress
+from parallel.pathways.client import Client, Mesh
 from parallel.pathways.cluster import Cluster
+from parallel.pathways.default import client, init, mesh, shutdown
+from parallel.pathways.functions import Function, function
 from parallel.pathways.futures import Future, PathwaysError, Shard
 from parallel.pathways.launch import Launcher, LocalLauncher, WorkerSpec
 from parallel.pathways.mesh_context import MeshContext
@@ -33,4 +40,4 @@ from parallel.pathways.protocol import Spec, spec
 
 __all__ = ["Client", "Cluster", "ClusterAddress", "Function", "Future", "Launcher",
            "LocalLauncher", "Mesh", "MeshContext", "PathwaysError", "Shard", "Spec",
-           "WorkerSpec", "function", "spec"]
+           "WorkerSpec", "client", "function", "init", "mesh", "shutdown", "spec"]

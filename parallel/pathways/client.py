@@ -17,6 +17,7 @@ import datetime
 import itertools
 import pickle
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as _Reply
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from parallel.pathways.address import ClusterAddress
+from parallel.pathways.functions import sendable
 from parallel.pathways.futures import Future, PathwaysError, Shard
 from parallel.pathways.protocol import (
     Arg,
@@ -41,63 +44,6 @@ from parallel.pathways.protocol import (
 )
 
 
-@dataclass(frozen=True)
-class ClusterAddress:
-    """Where a cluster's store and island schedulers listen, and its key."""
-
-    store: tuple[str, int]
-    schedulers: tuple[tuple[str, int], ...]
-    sizes: tuple[int, ...]
-    authkey: str  # hex
-
-    def __str__(self) -> str:
-        s = ",".join(f"{h}:{p}" for h, p in self.schedulers)
-        return (f"pw://{self.store[0]}:{self.store[1]}/{s}/"
-                f"{','.join(map(str, self.sizes))}/{self.authkey}")
-
-    @classmethod
-    def parse(cls, text: str) -> ClusterAddress:
-        """The address ``str(address)`` printed (for a controller in another process)."""
-        if not text.startswith("pw://"):
-            raise ValueError(f"not a pathways address: {text!r}")
-        store, schedulers, sizes, key = text.removeprefix("pw://").split("/")
-        return cls(_host_port(store), tuple(_host_port(s) for s in schedulers.split(",")),
-                   tuple(int(n) for n in sizes.split(",")), key)
-
-
-def _host_port(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    return host, int(port)
-
-
-class Function:
-    """A function to run SPMD on a mesh: ``f(mesh, *args)`` returns its futures.
-
-    ``out`` declares the outputs: None (one output of any kind), a :class:`Spec` (one
-    tensor shard of that shape and dtype), or a tuple of those (several outputs).
-    """
-
-    def __init__(self, fn: Callable[..., Any], out: Any = None):
-        self.fn, self.out = fn, out
-        self.__name__ = getattr(fn, "__name__", "function")
-        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
-        self.__module__ = getattr(fn, "__module__", "__main__")
-        self.__doc__ = fn.__doc__
-
-    def __call__(self, mesh: Mesh, *args: Any, **kwargs: Any) -> Any:
-        return mesh.client.call(self.fn, mesh, *args, out=self.out, **kwargs)
-
-
-def function(fn: Callable[..., Any] | None = None, *, out: Any = None) -> Any:
-    """Decorator: ``@pw.function(out=pw.spec((8,)))`` makes ``fn(ctx, ...)`` callable on a
-    mesh from the controller. The function runs on every rank of the mesh with a
-    :class:`~parallel.pathways.mesh_context.MeshContext` first; it must be importable by
-    the workers (a module-level function, pickled by reference)."""
-    if fn is None:
-        return lambda f: Function(f, out)
-    return Function(fn, out)
-
-
 @dataclass
 class Mesh:
     """A virtual mesh of one island: ``size`` workers laid out as ``shape``."""
@@ -109,6 +55,7 @@ class Mesh:
     shape: tuple[int, ...]
     names: tuple[str, ...]
     epoch: int
+    released: bool = False
 
     @property
     def size(self) -> int:
@@ -119,9 +66,10 @@ class Mesh:
         self.client.release_mesh(self)
 
 
-@dataclass
+@dataclass(eq=False)
 class _NodeState:
     island: int
+    node: int
     event: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     start: float = 0.0
@@ -155,18 +103,21 @@ class Client:
                               timeout=datetime.timedelta(seconds=timeout_s))
         self.id = int(store.add("pw/clients", 1)) - 1
         self._lock = threading.RLock()
-        self._nodes: dict[tuple[int, int], _NodeState] = {}
+        self._nodes: dict[tuple[int, int], _NodeState] = {}  # not yet done
+        self._done: weakref.WeakValueDictionary[tuple[int, int], _NodeState] = (
+            weakref.WeakValueDictionary())  # done, while a future still refers to it
+        self._held: list[_NodeState] = []  # sequential dispatch: waiting for inputs
         self._replies: dict[int, _Reply[Any]] = {}
         self._meshes: dict[int, _Reply[Any]] = {}
         self._counter = itertools.count()
         self._forgotten: list[tuple[int, tuple[int, ...], Key]] = []
         self._batch: dict[int, list[Node]] | None = None
-        self._pickled: dict[Any, None] = {}
+        self._sendable: dict[Any, bytes] = {}  # each function as nodes carry it
         self.epochs = [0] * len(self.address.sizes)
         self.policies = [""] * len(self.address.sizes)
         self._conns = [self._hello(i, a, weight) for i, a in enumerate(self.address.schedulers)]
         self._closed = False
-        self.held_parts = []
+        self._held_parts = []
         for island, conn in enumerate(self._conns):
             threading.Thread(target=self._receive, args=(island, conn), daemon=True,
                              name=f"pw-client-{island}").start()
@@ -191,7 +142,7 @@ class Client:
         reply: _Reply[Any] = _Reply()
         with self._lock:
             self._meshes[node] = reply
-            self._nodes[(island, node)] = _NodeState(island)
+            self._nodes[(island, node)] = _NodeState(island, node)
         self._to(island, ("mesh", self.id, node, shape, names,
                           None if ranks is None else tuple(ranks)))
         mesh_id, chosen, epoch = reply.result(self.timeout_s)
@@ -200,9 +151,13 @@ class Client:
         return Mesh(self, island, mesh_id, chosen, shape, names, epoch)
 
     def release_mesh(self, mesh: Mesh) -> None:
+        if mesh.released or mesh.epoch != self.epochs[mesh.island]:
+            mesh.released = True  # an old epoch's mesh went with its island
+            return
+        mesh.released = True
         node = next(self._counter)
         with self._lock:
-            self._nodes[(mesh.island, node)] = _NodeState(mesh.island)
+            self._nodes[(mesh.island, node)] = _NodeState(mesh.island, node)
         self._to(mesh.island, ("drop", self.id, node, mesh.id))
 
     # -- calls
@@ -213,18 +168,19 @@ class Client:
         specs = tuple(out) if isinstance(out, tuple | list) else (out,)
         node_id = next(self._counter)
         per_rank, sends, inputs = self._arguments(mesh, args)
-        node = Node(self.id, node_id, mesh.id, mesh.ranks, fn, per_rank,
+        node = Node(self.id, node_id, mesh.id, mesh.ranks, self._sendable[fn], per_rank,
                     {k: Lit(_literal(v, k)) for k, v in kwargs.items()}, len(specs), specs,
                     label=getattr(fn, "__qualname__", "function"), agree=self.check_inputs)
-        state = _NodeState(mesh.island, inputs=inputs)
+        state = _NodeState(mesh.island, node_id, inputs=inputs)
         with self._lock:
             self._nodes[(mesh.island, node_id)] = state
             if self.dispatch == "sequential" and inputs:
                 state.held = (node, sends)
+                self._held.append(state)
                 self._release_held()
             else:
                 self._send_node(mesh.island, node, sends)
-        futures = tuple(Future(self, mesh, node_id, k, s) for k, s in enumerate(specs))
+        futures = tuple(Future(self, mesh, node_id, k, s, state) for k, s in enumerate(specs))
         self._flush_forgotten()
         return futures if isinstance(out, tuple | list) else futures[0]
 
@@ -235,13 +191,10 @@ class Client:
             raise PathwaysError(f"mesh on island {mesh.island} was lost when the island "
                                 f"restarted (epoch {mesh.epoch} -> "
                                 f"{self.epochs[mesh.island]}); ask for a new mesh")
-        if fn not in self._pickled:
-            try:
-                pickle.dumps(fn)
-            except (pickle.PicklingError, AttributeError, TypeError) as e:
-                raise TypeError(f"call: {fn!r} cannot be sent to the workers: a function "
-                                f"must be importable there (module level): {e}") from None
-            self._pickled[fn] = None
+        if fn not in self._sendable:
+            self._sendable[fn] = pickle.dumps(sendable(fn), protocol=pickle.HIGHEST_PROTOCOL)
+        if mesh.released:
+            raise PathwaysError(f"call: mesh {mesh.id} of island {mesh.island} was released")
 
     def _arguments(self, mesh: Mesh, args: tuple[Any, ...]
                    ) -> tuple[list[list[Arg]], list[tuple[int, int, SendOrder]], list[Future]]:
@@ -256,6 +209,7 @@ class Client:
                     mine.append(lit)
                 continue
             future = arg.future if isinstance(arg, Shard) else arg
+            self._check_input(i, future)
             inputs.append(future)
             if isinstance(arg, Future) and future.mesh.size != mesh.size:
                 raise ValueError(
@@ -274,25 +228,33 @@ class Client:
                                                         future.spec)))
         return per_rank, sends, inputs
 
+    def _check_input(self, i: int, future: Future) -> None:
+        if future.client is not self:
+            raise ValueError(f"call: argument {i} is another client's future (client "
+                             f"{future.client.id}); only a client's own futures are inputs")
+        if future.mesh.epoch != self.epochs[future.mesh.island]:
+            raise PathwaysError(f"call: argument {i} was on island {future.mesh.island} "
+                                "before it restarted; its shards are gone")
+
     def _send_node(self, island: int, node: Node, sends: list[tuple[int, int, SendOrder]]
                    ) -> None:
         for src_island, rank, order in sends:
             self._to(src_island, ("send", self.id, rank, order))
         if self._batch is not None:
             self._batch.setdefault(island, []).append(node)
-        elif self.policies[island] == "off" and self.hold_parts:
-            self.held_parts.extend((island, node, rank) for rank in node.ranks)
+        elif self.policies[island] == "off" and self._hold_parts:
+            self._held_parts.extend((island, node, rank) for rank in node.ranks)
         else:
             self._to(island, ("submit", self.id, [node]))
 
     # Policy "off" only, a test's knob: keep each node's part for each worker until
     # send_part(), so that a test decides the order in which workers get them.
-    hold_parts = False
-    held_parts: list[tuple[int, Node, int]]
+    _hold_parts = False
+    _held_parts: list[tuple[int, Node, int]]
 
-    def send_part(self, index: int) -> None:
+    def _send_part(self, index: int) -> None:
         """Send held part ``index`` (one node's message to one worker; policy off)."""
-        island, node, rank = self.held_parts[index]
+        island, node, rank = self._held_parts[index]
         self._to(island, ("direct", self.id, node, rank))
 
     @contextlib.contextmanager
@@ -311,27 +273,31 @@ class Client:
 
     # -- sequential dispatch
     def _release_held(self) -> None:
-        for state in self._nodes.values():
-            if state.held is None:
-                continue
+        for state in list(self._held):
+            assert state.held is not None
             node, sends = state.held
             failed = [f for f in state.inputs if self._state(f).error is not None]
             if failed:
                 state.held = None
+                self._held.remove(state)
                 self._finish(state, error=f"an input failed: {self._state(failed[0]).error}")
             elif all(self._state(f).event.is_set() for f in state.inputs):
                 state.held = None
+                self._held.remove(state)
                 self._send_node(state.island, node, sends)
 
     def _state(self, future: Future) -> _NodeState:
-        return self._nodes[(future.mesh.island, future.node)]
+        return future.state
 
     # -- results
     def node_state(self, island: int, node: int) -> _NodeState:
-        return self._nodes[(island, node)]
+        state = self._nodes.get((island, node)) or self._done.get((island, node))
+        if state is None:
+            raise LookupError(f"client {self.id}: no node {node} on island {island}")
+        return state
 
     def wait_node(self, island: int, node: int, timeout: float | None) -> None:
-        state = self._nodes[(island, node)]
+        state = self.node_state(island, node)
         limit = self.timeout_s if timeout is None else timeout
         if not state.event.wait(limit):
             raise TimeoutError(f"node {node} on island {island} did not finish in {limit:g} s")
@@ -339,13 +305,18 @@ class Client:
             raise PathwaysError(state.error)
 
     def fetch(self, future: Future, position: int, timeout: float | None) -> Any:
+        self.wait_node(future.mesh.island, future.node, timeout)  # failed: raise, now
         reply: _Reply[Any] = _Reply()
         request = next(self._counter)
         with self._lock:
             self._replies[request] = reply
         rank = future.mesh.ranks[position]
         self._to(future.mesh.island, ("fetch", self.id, request, rank, future.key))
-        value, error = reply.result(self.timeout_s if timeout is None else timeout)
+        try:
+            value, error = reply.result(self.timeout_s if timeout is None else timeout)
+        finally:
+            with self._lock:
+                self._replies.pop(request, None)
         if error is not None:
             raise PathwaysError(error)
         return value
@@ -384,19 +355,24 @@ class Client:
         with self._lock:
             if what == "done":
                 _, node, start, end = message
-                state = self._nodes[(island, node)]
-                state.start, state.end = start, end
-                self._finish(state)
+                state = self._nodes.get((island, node))
+                if state is not None:
+                    state.start, state.end = start, end
+                    self._finish(state)
             elif what == "failed":
                 _, node, error = message
-                self._finish(self._nodes[(island, node)], error=error)
+                state = self._nodes.get((island, node))
+                if state is not None:
+                    self._finish(state, error=error)
             elif what == "value":
                 _, request, value, error = message
-                self._replies.pop(request).set_result((value, error))
+                reply = self._replies.pop(request, None)
+                if reply is not None:  # else: its waiter gave up
+                    reply.set_result((value, error))
             elif what == "mesh":
                 _, node, mesh_id, ranks, epoch = message
                 self._meshes.pop(node).set_result((mesh_id, ranks, epoch))
-                if mesh_id is None:  # refused: no node will run
+                if mesh_id is None and (island, node) in self._nodes:  # refused: none will run
                     self._finish(self._nodes[(island, node)], error=str(ranks))
             elif what == "epoch":
                 self.epochs[island] = message[1]
@@ -409,6 +385,9 @@ class Client:
         state.error = error
         state.inputs = []
         state.event.set()
+        key = (state.island, state.node)
+        self._nodes.pop(key, None)
+        self._done[key] = state  # kept while a future holds it
         if self.dispatch == "sequential":
             self._release_held()
 
@@ -416,7 +395,7 @@ class Client:
         if self._closed:
             return
         with self._lock:
-            for state in self._nodes.values():
+            for state in list(self._nodes.values()):
                 if state.island == island:
                     self._finish(state, error=f"island {island}'s scheduler is gone")
             for reply in self._replies.values():
@@ -447,7 +426,13 @@ class Client:
 
 
 def _literal(value: Any, where: int | str) -> Any:
+    """A literal argument, checked: nothing that only means something here."""
     if isinstance(value, Mesh | Client):
         raise TypeError(f"call: argument {where} is a {type(value).__name__}, which stays on "
                         "the controller")
+    inner = value.values() if isinstance(value, dict) else value
+    if isinstance(value, Future | Shard) or (isinstance(value, list | tuple | dict) and any(
+            isinstance(v, Future | Shard) for v in inner)):
+        raise TypeError(f"call: argument {where} holds a future inside a container (or as a "
+                        "keyword): pass futures as positional arguments of their own")
     return value

@@ -16,7 +16,8 @@ import weakref
 
 import torch.distributed as dist
 
-from parallel.pathways.client import Client, ClusterAddress
+from parallel.pathways.address import ClusterAddress
+from parallel.pathways.client import Client
 from parallel.pathways.launch import Launcher, LocalLauncher, WorkerHandle, WorkerSpec
 from parallel.pathways.scheduler import IslandScheduler
 
@@ -40,6 +41,8 @@ class Cluster:
         env: extra environment for the workers (``PYCOMM_*`` settings, say).
         host: the address the store and schedulers listen on (a host's own address when
             workers run on other hosts).
+        window: nodes in flight per worker (each island's scheduler holds the rest, to
+            order them between clients).
 
     Raises:
         RuntimeError: a worker that exits before its island is up (its exit status named).
@@ -57,7 +60,7 @@ class Cluster:
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
         self._host = host
-        self.schedulers = [IslandScheduler(i, n, self._authkey, policy, window)
+        self.schedulers = [IslandScheduler(i, n, self._authkey, policy, window, host)
                            for i, n in enumerate(self.sizes)]
         self.epochs = [0] * len(self.sizes)
         self.workers: list[list[WorkerHandle]] = [[] for _ in self.sizes]

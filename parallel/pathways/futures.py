@@ -23,9 +23,11 @@ class PathwaysError(RuntimeError):
 class Future:
     """Output ``index`` of node ``node`` of ``client``, sharded over ``mesh``."""
 
-    def __init__(self, client: Client, mesh: Mesh, node: int, index: int, spec: Spec | None):
+    def __init__(self, client: Client, mesh: Mesh, node: int, index: int, spec: Spec | None,
+                 state: Any):
         self.client, self.mesh, self.node, self.index, self.spec = (
             client, mesh, node, index, spec)
+        self.state = state  # the client's record of the node (kept alive by its futures)
 
     @property
     def key(self) -> Key:
@@ -33,7 +35,7 @@ class Future:
 
     def done(self) -> bool:
         """True once the node finished on every rank (or failed)."""
-        return self.client.node_state(self.mesh.island, self.node).event.is_set()
+        return bool(self.state.event.is_set())
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the node finished; PathwaysError if it failed."""

@@ -68,8 +68,11 @@ class MeshGroups:
         self.slots.append(slot)
         return group
 
-    def release(self) -> None:
-        self.pool.give_back(self.slots)
+    def release(self, reuse: bool = True) -> None:
+        """The mesh is gone: its groups go back to the pool, unless they may have been
+        aborted (then they stay taken, on every worker alike, and are never reused)."""
+        if reuse:
+            self.pool.give_back(self.slots)
 
 
 class MeshContext:
@@ -92,6 +95,12 @@ class MeshContext:
         self._dims = {n: groups.by_dim[d][_slice(grid, d, self.coords)]
                       for d, n in enumerate(names)}
         self._device_mesh: DeviceMesh | None = None
+        self.broken: str | None = None  # why the mesh is refused (its groups aborted)
+
+    def abort(self) -> None:
+        """Abort every group of the mesh that holds this rank (waits on them end)."""
+        for group in {id(g): g for g in (self._whole, *self._dims.values())}.values():
+            group.abort()
 
     def group(self, name: str | None = None) -> Any:
         """The group along dimension ``name``, or of the whole mesh (``None``)."""

@@ -8,6 +8,7 @@ worker, a fetch by the controller); an object released before it exists is not k
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -47,7 +48,7 @@ class Objects:
                 self._errors[key] = error
             self._lock.notify_all()
         for callback in callbacks:
-            callback(value, error)
+            _safely(callback, value, error)
 
     def when_ready(self, key: Key, callback: Callable[[Any, str | None], None]) -> None:
         """``callback(value, error)`` now if the object exists, else when it arrives."""
@@ -56,7 +57,7 @@ class Objects:
                 self._callbacks.setdefault(key, []).append(callback)
                 return
             value, error = self._values.get(key), self._errors.get(key)
-        callback(value, error)
+        _safely(callback, value, error)
 
     def get(self, key: Key, timeout_s: float) -> Any:
         """The value; ObjectError if it stands for a failure or does not come in time."""
@@ -75,11 +76,30 @@ class Objects:
         """Forget these objects (or, for one not yet made, not keep it when it comes)."""
         with self._lock:
             for key in keys:
-                found = self._values.pop(key, None) is not None
-                found = self._errors.pop(key, None) is not None or found
+                found = key in self._values or key in self._errors
+                self._values.pop(key, None)
+                self._errors.pop(key, None)
                 if not found:  # still to come: drop it on arrival
                     self._released.add(key)
+
+    def release_client(self, client: int) -> None:
+        """Forget every object of ``client`` (it left the cluster)."""
+        with self._lock:
+            for store in (self._values, self._errors):
+                for key in [k for k in store if k[0] == client]:
+                    del store[key]
+            self._released = {k for k in self._released if k[0] != client}
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._values) + len(self._errors)
+
+
+def _safely(callback: Callable[[Any, str | None], None], value: Any, error: str | None) -> None:
+    """A callback that raises (a reply that does not pickle, a peer gone) must not take
+    down the thread that stored the object."""
+    try:
+        callback(value, error)
+    except Exception as e:
+        print(f"pathways: an object's callback failed: {type(e).__name__}: {e}",
+              file=sys.stderr)

@@ -92,10 +92,13 @@ class IslandPipeline:
                  build_stage: Callable[[int, int], nn.Module],
                  loss_fn: Callable[..., torch.Tensor], lr: float,
                  activation: Spec | None = None):
+        if len(meshes) < 2:
+            raise ValueError(f"IslandPipeline: two or more stage meshes, got {len(meshes)}")
         bad = [i for i, m in enumerate(meshes) if m.size != 1]
-        if len(meshes) < 2 or bad:
-            raise ValueError(f"IslandPipeline: two or more one-worker stage meshes; stages "
-                             f"{bad} have {[meshes[i].size for i in bad]} workers")
+        if bad:
+            raise ValueError(f"IslandPipeline: one worker per stage (data parallelism inside "
+                             f"a stage is not built here); stages {bad} have "
+                             f"{[meshes[i].size for i in bad]} workers")
         self.client, self.meshes, self.loss_fn, self.activation = (
             client, meshes, loss_fn, activation)
         n = len(meshes)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import pickle
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client as _connect
 from multiprocessing.connection import Connection, Listener
@@ -89,7 +88,7 @@ class Node:
     node: int
     mesh: int
     ranks: tuple[int, ...]  # the mesh's ranks of the island, in mesh order
-    fn: Callable[..., Any] | None  # None: a built-in (kind)
+    fn: bytes | None  # the function, pickled (by reference or by value); None: built-in
     args: list[list[Arg]]  # per mesh position
     kwargs: dict[str, Arg] = field(default_factory=dict)  # literals only: the same everywhere
     n_out: int = 1

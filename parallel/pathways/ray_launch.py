@@ -131,7 +131,8 @@ class RayLauncher:
         if island not in self._groups:
             size = self.island_sizes[island]
             pg = ray.util.placement_group([{"CPU": self.cpus_per_worker}] * size,
-                                          strategy="STRICT_PACK", name=f"pathways-{island}")
+                                          strategy="STRICT_PACK",
+                                          name=f"pathways-{os.getpid()}-{id(self):x}-{island}")
             try:
                 ray.get(pg.ready(), timeout=self.start_timeout)
             except ray.exceptions.GetTimeoutError:

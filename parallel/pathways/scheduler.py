@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import pickle
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class _InFlight:
     client: int
     label: str
     pending: set[int]
+    mesh: int = -1
     start: float = float("inf")
     end: float = 0.0
     failed: bool = False
@@ -54,11 +56,13 @@ class IslandScheduler:
     """The scheduler of island ``island`` (``size`` workers), serving on a free port."""
 
     def __init__(self, island: int, size: int, authkey: bytes, policy: str = "gang",
-                 window: int = 16):
+                 window: int = 16, host: str = "127.0.0.1"):
         if policy not in ("gang", "off"):
             raise ValueError(f"scheduler policy {policy!r}: 'gang' or 'off'")
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"scheduler window {window!r}: nodes in flight per worker, >= 1")
         self.island, self.size, self.policy, self.window = island, size, policy, window
-        self._listener = listen(authkey)
+        self._listener = listen(authkey, host)
         self.address: tuple[str, int] = self._listener.address
         self._wake_r, self._wake_w = _pipe()
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -80,8 +84,11 @@ class IslandScheduler:
         self.in_flight: dict[tuple[int, int], _InFlight] = {}
         self.load = [0] * self.size  # nodes in flight per worker
         self.meshes: dict[int, tuple[int, ...]] = {}
-        self._mesh_ids = itertools.count()
-        self._ready = threading.Event()
+        self._mesh_ids = getattr(self, "_mesh_ids", itertools.count())  # unique across epochs
+        self.mesh_owner: dict[int, int] = {}
+        self.broken_meshes: set[int] = set()  # a function failed on them: no group reuse
+        if not hasattr(self, "_ready"):
+            self._ready = threading.Event()
         self.cost: dict[str, float] = {}
 
     # -- from other threads
@@ -95,6 +102,7 @@ class IslandScheduler:
 
     def reset(self, epoch: int) -> None:
         """The island restarts: fail what was in flight, forget the workers."""
+        self._ready = threading.Event()  # now: a wait_ready() after this sees the new one
         self.call_soon(lambda: self._reset(epoch))
 
     def relink(self, island: int, epoch: int) -> None:
@@ -166,8 +174,14 @@ class IslandScheduler:
             put(conn, ("welcome", self.island, self.size, self.epoch, self.policy))
 
     def _dispatch(self, conn: Connection, message: tuple[Any, ...]) -> None:
-        handler = getattr(self, f"_on_{message[0]}")
-        handler(*message[1:])
+        """One message to its handler; a message that is not understood is dropped with
+        a line on stderr, never the loop that serves every client of the island."""
+        try:
+            handler = getattr(self, f"_on_{message[0]}")
+            handler(*message[1:])
+        except Exception as e:
+            print(f"pathways island {self.island} scheduler: dropped a message "
+                  f"{str(message)[:120]}: {type(e).__name__}: {e}", file=sys.stderr)
 
     # -- clients' messages
     def _on_submit(self, client: int, nodes: list[Node]) -> None:
@@ -192,7 +206,7 @@ class IslandScheduler:
             put(self.clients[client].conn, ("mesh", node_id, None, reason, self.epoch))
             return
         mesh = next(self._mesh_ids)
-        self.meshes[mesh] = tuple(chosen)
+        self.meshes[mesh], self.mesh_owner[mesh] = tuple(chosen), client
         put(self.clients[client].conn, ("mesh", node_id, mesh, tuple(chosen), self.epoch))
         everyone = tuple(range(self.size))  # every worker makes every group (mesh_context)
         built = Node(client, node_id, mesh, everyone, None,
@@ -201,11 +215,15 @@ class IslandScheduler:
         self._on_submit(client, [built])
 
     def _on_drop(self, client: int, node_id: int, mesh: int) -> None:
-        ranks = self.meshes.pop(mesh, None)
-        if ranks is not None:
-            everyone = tuple(range(self.size))
-            self._on_submit(client, [Node(client, node_id, mesh, everyone, None,
-                                          [[]] * self.size, kind="drop", label="drop")])
+        if self.mesh_owner.get(mesh) != client:  # another client's, or an old epoch's
+            self._tell(client, ("done", node_id, 0.0, 0.0))
+            return
+        del self.meshes[mesh], self.mesh_owner[mesh]
+        everyone = tuple(range(self.size))
+        reuse = mesh not in self.broken_meshes  # a failed function may have aborted them
+        self._on_submit(client, [Node(client, node_id, mesh, everyone, None,
+                                      [[Lit(reuse)]] * self.size, kind="drop",
+                                      label="drop")])
 
     def _on_send(self, client: int, rank: int, order: Any) -> None:
         self._to_rank(rank, ("send", order))
@@ -224,6 +242,8 @@ class IslandScheduler:
             self._to_rank(rank, ("relink", island, epoch))
 
     def _on_bye(self, client: int) -> None:
+        for rank in list(self.workers):  # its objects go with it
+            self._to_rank(rank, ("forget_client", client))
         state = self.clients.pop(client, None)
         self.queues.remove_client(client)
         if state is not None:
@@ -250,6 +270,7 @@ class IslandScheduler:
             return
         if not state.failed:
             state.failed = True
+            self.broken_meshes.add(state.mesh)
             self._tell(client, ("failed", node, error))
         if not state.pending:
             del self.in_flight[(client, node)]
@@ -290,7 +311,8 @@ class IslandScheduler:
     def _track(self, node: Node) -> None:
         key = (node.client, node.node)
         if key not in self.in_flight:
-            self.in_flight[key] = _InFlight(node.client, node.label, set(node.ranks))
+            self.in_flight[key] = _InFlight(node.client, node.label, set(node.ranks),
+                                            node.mesh if node.kind == "call" else -1)
             for rank in node.ranks:
                 self.load[rank] += 1
 

@@ -40,8 +40,8 @@ class _Run:
 
 
 def _check_mesh(ctx: MeshContext, cfg: TrainConfig) -> None:
-    """The trainer's mesh is built over the island's group: the mesh must be all of it,
-    in order, and shaped as the layout."""
+    """The trainer builds its (pp, dp, tp) mesh over the island's group: the mesh must be
+    all of the island, in order, and the layout's world."""
     world = dist.get_world_size()
     if ctx.ranks != tuple(range(world)):
         raise ValueError(f"pathways train: the mesh (ranks {list(ctx.ranks)}) must be the "

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallel.pathways.functions import unwrapped
 from parallel.pathways.mesh_context import GroupPool, MeshContext, MeshGroups
 from parallel.pathways.objects import ObjectError, Objects
 from parallel.pathways.protocol import Lit, Local, Node, Recv, connect, put, take
@@ -73,6 +76,7 @@ class Worker:
         self.objects = Objects()
         self.meshes: dict[int, MeshContext] = {}  # the meshes this worker is in
         self.mesh_groups: dict[int, MeshGroups] = {}  # every mesh of the island
+        self._functions: dict[bytes, Any] = {}
         self.pool = GroupPool()
         self._nodes: queue.SimpleQueue[tuple[Node, dict[int, PendingRecv]] | None] = (
             queue.SimpleQueue())
@@ -113,8 +117,12 @@ class Worker:
         try:
             while True:
                 message = take(self.conn)
-                if not self._handle(message):
-                    break
+                try:
+                    if not self._handle(message):
+                        break
+                except Exception as e:  # one bad message must not stop the worker
+                    print(f"pathways island {self.s.island} rank {self.s.rank}: dropped "
+                          f"{str(message)[:120]}: {type(e).__name__}: {e}", file=sys.stderr)
         except (EOFError, OSError):
             pass  # the scheduler is gone: nothing more will come
         self._nodes.put(None)
@@ -128,8 +136,10 @@ class Worker:
             self.transfers.send_when_ready(message[1])
         elif what == "fetch":
             _, client, request, key = message
-            self.objects.when_ready(key, lambda value, error: self.tell(
-                "value", client, request, value, error))
+            self.objects.when_ready(key, lambda value, error: self._reply(
+                client, request, value, error))
+        elif what == "forget_client":
+            self.objects.release_client(message[1])
         elif what == "release":
             self.objects.release(message[1])
         elif what == "relink":
@@ -138,6 +148,14 @@ class Worker:
         elif what == "stop":
             return False
         return True
+
+    def _reply(self, client: int, request: int, value: Any, error: str | None) -> None:
+        try:
+            self.tell("value", client, request, value, error)
+        except Exception as e:  # the value does not pickle: say so instead
+            self.tell("value", client, request, None,
+                      f"island {self.s.island} rank {self.s.rank}: the value cannot be sent "
+                      f"to the controller: {type(e).__name__}: {e}")
 
     def _post_receives(self, node: Node) -> dict[int, PendingRecv]:
         if node.kind != "call":
@@ -157,7 +175,10 @@ class Worker:
         try:
             outputs = self._call(node, pending)
         except Exception as e:
-            error = self._describe(node, e)
+            cause = e.__cause__ if isinstance(e, _FunctionRaised) else e
+            error = self._describe(node, cause or e)
+            if isinstance(e, _FunctionRaised):
+                self._abort_mesh(node, error)
             for key in node.output_keys():
                 self.objects.fail(key, error)
             self.tell("failed", node.client, node.node, self.s.rank, error)
@@ -175,14 +196,41 @@ class Worker:
             return [None]
         if node.kind == "drop":
             self.meshes.pop(node.mesh, None)
-            self.mesh_groups.pop(node.mesh).release()
+            self.mesh_groups.pop(node.mesh).release(reuse=bool(node.args[0][0].value))  # type: ignore[union-attr]
             return [None]
-        ctx = self.meshes[node.mesh]
+        ctx = self.meshes.get(node.mesh)
+        if ctx is None:
+            raise LookupError(f"mesh {node.mesh} is not on this worker (released?)")
+        if ctx.broken:
+            raise RuntimeError(ctx.broken)
+        fn = self._function(node.fn)
         args = self._inputs(ctx, node, node.args[ctx.index], pending)
         kwargs = {k: self._resolve(a, None) for k, a in node.kwargs.items()}
-        assert node.fn is not None
-        result = node.fn(ctx, *args, **kwargs)
+        try:
+            result = fn(ctx, *args, **kwargs)
+        except Exception as e:
+            raise _FunctionRaised() from e
         return _outputs(node, result)
+
+    def _function(self, blob: bytes | None) -> Any:
+        """The node's function (unpickled here, so that one the worker cannot import
+        fails its node, naming why, instead of the message that carried it)."""
+        assert blob is not None
+        fn = self._functions.get(blob)
+        if fn is None:
+            fn = self._functions[blob] = unwrapped(pickle.loads(blob))
+        return fn
+
+    def _abort_mesh(self, node: Node, error: str) -> None:
+        """A function raised here: the other ranks may be waiting in its collectives, or
+        would pair this rank's next collective with one of this function's. Abort the
+        mesh's groups (the others' waits end now, with the abort's message) and refuse
+        the mesh from now on, as NCCL's users abort a communicator after an error."""
+        ctx = self.meshes[node.mesh]
+        if ctx.size() > 1 and not ctx.broken:
+            ctx.broken = (f"mesh {node.mesh} of island {self.s.island} was aborted after "
+                          f"node {node.node} failed ({error[:300]}); ask for a new mesh")
+            ctx.abort()
 
     def _inputs(self, ctx: MeshContext, node: Node, args: list[Any],
                 pending: dict[int, PendingRecv]) -> list[Any]:
@@ -196,8 +244,9 @@ class Worker:
         for i, arg in enumerate(args):
             try:
                 values.append(self._resolve(arg, pending.get(i)))
-            except ObjectError as e:
-                failure = failure or e
+            except Exception as e:  # a failed input, a transfer's timeout, a bad pickle
+                failure = failure or (e if isinstance(e, ObjectError) else ObjectError(
+                    f"argument {i}: {type(e).__name__}: {e}"))
         if node.agree and ctx.size() > 1 and any(not isinstance(a, Lit) for a in args):
             flag = torch.tensor([ctx.index + 1 if failure else 0], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.group())
@@ -223,6 +272,10 @@ class Worker:
         frames = traceback.extract_tb(e.__traceback__)
         at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
         return f"{where}: {what} raised {type(e).__name__}: {e}{at}"
+
+
+class _FunctionRaised(Exception):
+    """The node's own function raised (its cause): not an input, not an output check."""
 
 
 def _outputs(node: Node, result: Any) -> list[Any]:
