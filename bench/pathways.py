@@ -59,6 +59,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-ray", action="store_true", help="leave Ray's column out")
     p.add_argument("--out", default="bench/results/pathways")
     p.add_argument("--one-job", default="", help=argparse.SUPPRESS)  # a job's JSON path
+    p.add_argument("--summarize", action="store_true", help="only the tables of the jobs "
+                   "already in --out (job*.json)")
     return p.parse_args(argv)
 
 
@@ -184,12 +186,23 @@ def summarize(jobs: list[dict]) -> tuple[list[str], list[dict]]:
     for r in rows:
         lines.append(f"{r['compute_us']:>7g}us {_cell(r['spmd'], '.0f'):>16} "
                      f"{_cell(r['aa']):>19}" + "".join(f" {_cell(r[m]):>19}" for m in MODES))
-    within = [r["compute_us"] for r in rows if r["parallel"][0] >= WITHIN]
-    smallest = min((c for c in within if all(
-        r["parallel"][0] >= WITHIN for r in rows if r["compute_us"] >= c)), default=None)
-    lines.append(f"smallest compute with parallel dispatch within 5% of SPMD: "
-                 f"{'none measured' if smallest is None else f'{smallest:g} us'}")
+    for mode in MODES:
+        smallest = min((r["compute_us"] for r in rows if all(
+            q[mode][0] >= WITHIN for q in rows if q["compute_us"] >= r["compute_us"])),
+            default=None)
+        lines.append(f"smallest compute from which {mode} is within 5% of SPMD: "
+                     f"{'none measured' if smallest is None else f'{smallest:g} us'}")
     return lines, rows
+
+
+def summary_of(out: Path, jobs: list[dict]) -> list[str]:
+    """The tables of ``jobs``, also written to ``out/summary.json``."""
+    lines, rows = summarize(jobs)
+    lines += dispatch_lines(jobs)
+    lines += [f"c2c per job: {[j['c2c'] for j in jobs]}",
+              f"load per job (1/5/15 min): {[j['load'] for j in jobs]}"]
+    (out / "summary.json").write_text(json.dumps({"rows": rows, "lines": lines}, indent=1))
+    return lines
 
 
 def _cell(v: tuple[float, float, float], fmt: str = ".3f") -> str:
@@ -212,6 +225,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.summarize:
+        jobs = [json.loads(p.read_text()) for p in sorted(out.glob("job*.json"))]
+        print("\n".join(summary_of(out, jobs)))
+        return
     jobs = []
     for k in range(a.jobs):
         path = out / f"job{k + 1}.json"
@@ -219,12 +236,7 @@ def main(argv: list[str] | None = None) -> None:
                "--one-job", str(path)]
         subprocess.run(cmd, check=True, env=_env(), cwd=ROOT)
         jobs.append(json.loads(path.read_text()))
-    lines, rows = summarize(jobs)
-    lines += dispatch_lines(jobs)
-    lines += [f"c2c per job: {[j['c2c'] for j in jobs]}",
-              f"load per job (1/5/15 min): {[j['load'] for j in jobs]}"]
-    (out / "summary.json").write_text(json.dumps({"rows": rows, "lines": lines}, indent=1))
-    print("\n".join(lines))
+    print("\n".join(summary_of(out, jobs)))
 
 
 if __name__ == "__main__":
