@@ -8,7 +8,7 @@
    timeout names it) and on (both finish, exact), and a 1:2 share by weight;
 4. a worker killed mid-program: the error, how soon, and the other island's program.
 
-The functions the workers run are the test suite's (``tests/_pathways_fns.py``)::
+The programs are ``bench/_pathways_programs.py`` (the tests assert on the same)::
 
     python -m bench.pathways_programs --out bench/results/pathways/programs.json
 """
@@ -23,37 +23,22 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from bench import _pathways_programs as programs
+from parallel import pathways as pw
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-ENV = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}", "OMP_NUM_THREADS": "1"}
-
-import _pathways_fns as fns  # noqa: E402
-import test_pathways as tp  # noqa: E402
-
-from parallel import pathways as pw  # noqa: E402
+ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def gpipe(client: pw.Client) -> dict:
-    from parallel.models.gpt import synthetic_batch
-    from parallel.pathways.pipeline import IslandPipeline
-
-    micro, steps, lr, rows = 4, 5, 0.1, 2
-    batches = []
-    for s in range(steps):
-        xs, ys = synthetic_batch(fns.GPT_CFG, micro * rows, seed=100 + s)
-        batches.append((list(xs.split(rows)), list(ys.split(rows))))
-    act = pw.spec((rows, fns.GPT_CFG.block_size, fns.GPT_CFG.n_embd))
-    pipe = IslandPipeline(client, [client.mesh(0, (1,)), client.mesh(1, (1,))],
-                          fns.gpt_stage, fns.gpt_loss, lr, activation=act)
+    micro = 4
     t0 = time.perf_counter()
-    futures = [pipe.step(xs, ys) for xs, ys in batches]
-    got = [sum(f.result(0) for f in step) / micro for step in futures]
+    got, want = programs.gpipe_on_two_islands(client, micro=micro, steps=5)
     seconds = time.perf_counter() - t0
-    want = [sum(s) / micro for s in tp._one_process_gpipe(micro, steps, lr, batches)]
-    return {"pathways": got, "one_process": want, "seconds": seconds,
-            "max_abs_diff": max(abs(g - w) for g, w in zip(got, want, strict=True))}
+    got_mean, want_mean = ([sum(s) / micro for s in losses] for losses in (got, want))
+    return {"pathways": got_mean, "one_process": want_mean, "seconds": seconds,
+            "max_abs_diff": max(abs(g - w) for gs, ws in zip(got, want, strict=True)
+                                for g, w in zip(gs, ws, strict=True))}
 
 
 def trainer(four: pw.Cluster) -> dict:
@@ -86,56 +71,28 @@ def trainer(four: pw.Cluster) -> dict:
 def tenancy(cluster: pw.Cluster) -> dict:
     with pw.Cluster([2], timeout_s=6, env=ENV, policy="off") as off:
         t0 = time.monotonic()
-        out, clients = tp._two_clients_in_opposite_orders(off)
+        out, clients = programs.two_clients_in_opposite_orders(off)
         off_result = {"errors": [str(f.exception()) for f in out],
                       "seconds": time.monotonic() - t0}
         for c in clients:
             c.close()
     t0 = time.monotonic()
-    out, clients = tp._two_clients_in_opposite_orders(cluster)
+    out, clients = programs.two_clients_in_opposite_orders(cluster)
     on = {"results": [float(f.result(0)[0]) for f in out], "seconds": time.monotonic() - t0}
     for c in clients:
         c.close()
-    light, heavy = cluster.client(weight=1.0), cluster.client(weight=2.0)
-    work = {}
-    for c in (light, heavy):
-        mesh = c.mesh(1, (2,), ranks=[0, 1])
-        work[c] = [c.call(fns.spin, mesh, torch.ones(8, dtype=torch.float64), 0.01,
-                          out=tp.V8) for _ in range(120)]
-    for fs in work.values():
-        fs[-1].wait()
-    both = (max(min(s for s, _ in c.timings(fs)) for c, fs in work.items()),
-            min(max(e for _, e in c.timings(fs)) for c, fs in work.items()))
-    busy = {c: sum(max(0.0, min(e, both[1]) - max(s, both[0])) for s, e in c.timings(fs))
-            for c, fs in work.items()}
-    share = {"weights": [1, 2], "busy_s": [busy[light], busy[heavy]],
-             "ratio": busy[heavy] / busy[light], "window_s": both[1] - both[0]}
-    light.close()
-    heavy.close()
-    return {"off": off_result, "on": on, "share": share}
+    return {"off": off_result, "on": on, "share": programs.weighted_share(cluster)}
 
 
 def killed() -> dict:
     with pw.Cluster([2, 2], timeout_s=30, env=ENV) as c, c.client(timeout_s=60) as client:
-        a, b = client.mesh(0, (2,)), client.mesh(1, (2,))
-        x = torch.ones(8, dtype=torch.float64)
-        chains = {m.island: [client.call(fns.spin, m, x, 0.05, out=tp.V8)] for m in (a, b)}
-        for _ in range(12):
-            for m in (a, b):
-                chains[m.island].append(client.call(fns.spin, m, chains[m.island][-1], 0.05,
-                                                    out=tp.V8))
-        time.sleep(0.3)
-        pid = c.kill(0, 1)
-        t0 = time.monotonic()
-        err = str(chains[0][-1].exception())
-        named_after = time.monotonic() - t0
-        other = float(chains[1][-1].result(0)[0])
+        seen = programs.killed_worker(c, client)
         t1 = time.monotonic()
         c.restart(0)
         restart_s = time.monotonic() - t1
-    return {"pid": pid, "error": err, "named_after_s": named_after,
-            "other_island_result": other, "other_island_expected": 2.0 ** 13,
-            "restart_s": restart_s}
+    return {"pid": seen["pid"], "error": seen["error"], "named_after_s": seen["named_after_s"],
+            "other_island_result": float(seen["other"][0]),
+            "other_island_expected": 2.0 ** 13, "restart_s": restart_s}
 
 
 def main() -> None:

@@ -7,19 +7,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from bench._pathways_steps import (  # noqa: F401  (the tests' and the benchmarks' own)
+    GPT_CFG,
+    gpt_layers,
+    gpt_loss,
+    gpt_stage,
+    spin,
+    summed,
+)
 from parallel import pathways as pw
-from parallel.models.gpt import GPT, GPTConfig, lm_loss
 
 F64 = torch.float64
-
-
-def summed(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-    """The all-reduce of ``x`` over the whole mesh."""
-    x = x.clone()
-    dist.all_reduce(x, group=ctx.group())
-    return x
 
 
 @pw.function(out=pw.spec((8,), F64))
@@ -62,14 +61,6 @@ def sleep_then(ctx: Any, x: Any, seconds: float) -> Any:
     return x
 
 
-def spin(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
-    """Busy for ``seconds`` (a compute of adjustable length), then an all-reduce."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-    return summed(ctx, x)
-
-
 def fails(ctx: Any, x: Any) -> Any:
     if ctx.index == 1:
         raise ValueError("rank-one refuses")
@@ -86,23 +77,3 @@ def wrong_shape(ctx: Any) -> torch.Tensor:
     return torch.zeros(3)
 
 
-# --- GPT in two pipeline stages (GPipe over islands) ---------------------------------
-
-GPT_CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
-SEED = 7
-
-
-def gpt_layers() -> list[nn.Module]:
-    torch.manual_seed(SEED)
-    model = GPT(GPT_CFG)
-    return [model.embed, *model.blocks, nn.Sequential(model.ln_f, model.lm_head)]
-
-
-def gpt_stage(stage: int, n_stages: int) -> nn.Module:
-    layers = gpt_layers()
-    per = -(-len(layers) // n_stages)
-    return nn.Sequential(*layers[stage * per:(stage + 1) * per])
-
-
-def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return lm_loss(logits, targets)

@@ -20,6 +20,7 @@ import _pathways_fns as fns
 import pytest
 import torch
 
+from bench import _pathways_programs as programs
 from parallel import pathways as pw
 from parallel.pathways.fair_share import FairShare
 from parallel.pathways.mesh_context import _slice, _unravel
@@ -157,6 +158,21 @@ def test_collectives_on_a_mesh_equal_the_float64_reference(client):
         torch.testing.assert_close(shard, want, rtol=0, atol=0)
     assert [d["coords"] for d in client.call(fns.describe, mesh).result()] == [
         {"dp": 0}, {"dp": 1}]
+
+
+def test_the_default_client_attaches_by_address(cluster):
+    with pytest.raises(RuntimeError, match=r"call pathways\.init"):
+        pw.mesh(0, (1,))
+    client = pw.init(str(cluster.address))
+    try:
+        with pytest.raises(RuntimeError, match="init\\(\\) was called already"):
+            pw.init(str(cluster.address))
+        assert fns.doubled(pw.mesh(0, (2,)), torch.ones(8, dtype=F64)).result(0)[0] == 2
+        assert pw.client() is client
+    finally:
+        pw.shutdown()
+    with pytest.raises(ValueError, match="address of a cluster, or islands"):
+        pw.init()
 
 
 def test_a_declared_function_is_called_on_a_mesh(client):
@@ -307,36 +323,19 @@ def test_what_cannot_be_sent_is_refused_at_the_call(client):
         client.mesh(0, (2,), ranks=[0, 5])
     with pytest.raises(ValueError, match="2 names"):
         client.mesh(0, (2,), names=("a", "b"))
+    with pytest.raises(ValueError, match=r"shape \(2, 0\): every dimension a positive int"):
+        client.mesh(0, (2, 0))
+    with pytest.raises(ValueError, match=r"cannot place ranks \[0, 1\] for shape \(8,\)"):
+        client.mesh(0, (8,))
 
 
 # --- gang scheduling and shares ------------------------------------------------------
 
 
-def _two_clients_in_opposite_orders(cluster: pw.Cluster
-                                    ) -> tuple[list[pw.Future], list[pw.Client]]:
-    """Two clients, one all-reduce each on the same two workers, that reach the workers
-    in opposite orders: worker 0 gets client 0's first, worker 1 client 1's (with the
-    scheduler on, its order wins whatever the order of arrival)."""
-    clients = [cluster.client(timeout_s=60) for _ in range(2)]
-    meshes = [c.mesh(0, (2,), ranks=[0, 1]) for c in clients]
-    out = []
-    for i, c in enumerate(clients):
-        c._hold_parts = True
-        out.append(c.call(fns.summed, meshes[i], torch.full((8,), i + 1.0, dtype=F64),
-                          out=V8))
-    if clients[0]._held_parts:  # policy off: client 0 -> worker 0, client 1 -> worker 1 ...
-        for c, part in ((clients[0], 0), (clients[1], 1), (clients[0], 1), (clients[1], 0)):
-            c._send_part(part)
-            time.sleep(0.2)  # each part at the workers before the next leaves
-    for f in out:
-        f.exception(timeout=60)
-    return out, clients
-
-
 def test_without_the_scheduler_two_programs_deadlock_and_the_watchdog_names_it():
     with pw.Cluster([2], timeout_s=6, env=ENV, policy="off") as off:
         t0 = time.monotonic()
-        out, clients = _two_clients_in_opposite_orders(off)
+        out, clients = programs.two_clients_in_opposite_orders(off)
         # Worker 0 waits in client 0's all-reduce for worker 1, which waits in client 1's
         # for worker 0, until the first timeout breaks the cycle (the other may then
         # complete late): client 0's fails, naming the rank that never came.
@@ -349,7 +348,7 @@ def test_without_the_scheduler_two_programs_deadlock_and_the_watchdog_names_it()
 
 
 def test_with_the_scheduler_the_same_programs_finish(cluster):
-    out, clients = _two_clients_in_opposite_orders(cluster)
+    out, clients = programs.two_clients_in_opposite_orders(cluster)
     for i, f in enumerate(out):
         for shard in f.result():
             torch.testing.assert_close(shard, torch.full((8,), 2 * (i + 1.0), dtype=F64))
@@ -362,58 +361,15 @@ def test_with_the_scheduler_the_same_programs_finish(cluster):
 def test_two_clients_share_an_island_by_weight(cluster):
     """Weights 1 and 2, the same work: the heavier client gets 2/3 of the island while
     both have work there (measured from the workers' clocks)."""
-    light, heavy = cluster.client(weight=1.0), cluster.client(weight=2.0)
-    work = {}
-    for c in (light, heavy):
-        mesh = c.mesh(1, (2,), ranks=[0, 1])
-        work[c] = [c.call(fns.spin, mesh, torch.ones(8, dtype=F64), 0.01, out=V8)
-                   for _ in range(120)]
-    for fs in work.values():
-        fs[-1].wait()
-    both = (max(min(s for s, _ in c.timings(fs)) for c, fs in work.items()),
-            min(max(e for _, e in c.timings(fs)) for c, fs in work.items()))
-    busy = {c: sum(max(0.0, min(e, both[1]) - max(s, both[0])) for s, e in c.timings(fs))
-            for c, fs in work.items()}
-    ratio = busy[heavy] / busy[light]
-    assert 1.8 <= ratio <= 2.2, (ratio, busy)
-    light.close()
-    heavy.close()
+    share = programs.weighted_share(cluster)
+    assert 1.8 <= share["ratio"] <= 2.2, share
 
 
 # --- programs of the papers ---------------------------------------------------------
 
 
-def _one_process_gpipe(micro: int, steps: int, lr: float, batches) -> list[list[float]]:
-    layers = torch.nn.Sequential(*fns.gpt_layers())
-    opt = torch.optim.SGD(layers.parameters(), lr=lr)
-    losses = []
-    for xs, ys in batches[:steps]:
-        step = []
-        for x, y in zip(xs, ys, strict=True):
-            loss = fns.gpt_loss(layers(x), y)
-            (loss / micro).backward()
-            step.append(float(loss.detach()))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(step)
-    return losses
-
-
 def test_gpipe_with_stages_on_two_islands_equals_one_process(client):
-    from parallel.models.gpt import synthetic_batch
-    from parallel.pathways.pipeline import IslandPipeline
-
-    micro, steps, lr, rows = 4, 3, 0.1, 2
-    batches = []
-    for s in range(steps):
-        xs, ys = synthetic_batch(fns.GPT_CFG, micro * rows, seed=100 + s)
-        batches.append((list(xs.split(rows)), list(ys.split(rows))))
-    act = pw.spec((rows, fns.GPT_CFG.block_size, fns.GPT_CFG.n_embd))
-    pipe = IslandPipeline(client, [client.mesh(0, (1,)), client.mesh(1, (1,))],
-                          fns.gpt_stage, fns.gpt_loss, lr, activation=act)
-    futures = [pipe.step(xs, ys) for xs, ys in batches]  # every step dispatched at once
-    got = [[f.result(0) for f in step] for step in futures]
-    want = _one_process_gpipe(micro, steps, lr, batches)
+    got, want = programs.gpipe_on_two_islands(client, micro=4, steps=3)
     flat = [loss for step in got for loss in step]
     assert flat == pytest.approx([loss for step in want for loss in step], rel=1e-6)
     assert got[-1] != got[0]
@@ -467,20 +423,12 @@ def test_a_killed_worker_is_named_the_other_island_goes_on_and_the_island_restar
     started = _launcher(launcher, request, [2, 2])
     with (pw.Cluster([2, 2], launcher=started, timeout_s=30, env=ENV) as c,  # type: ignore[arg-type]
           c.client(timeout_s=60) as client):
-        a, b = client.mesh(0, (2,)), client.mesh(1, (2,))
+        seen = programs.killed_worker(c, client)
+        assert f"island 0 rank 1 (pid {seen['pid']}) died" in seen["error"], seen
+        assert seen["named_after_s"] < 30
+        torch.testing.assert_close(seen["other"], torch.full((8,), 2.0**13, dtype=F64))
+        a, b = seen["meshes"]
         x = torch.ones(8, dtype=F64)
-        chains = {m.island: [client.call(fns.spin, m, x, 0.05, out=V8)] for m in (a, b)}
-        for _ in range(12):
-            for m in (a, b):
-                chains[m.island].append(client.call(fns.spin, m, chains[m.island][-1], 0.05,
-                                                    out=V8))
-        time.sleep(0.3)
-        pid = c.kill(0, 1)
-        t0 = time.monotonic()
-        err = chains[0][-1].exception(timeout=30)
-        assert err is not None and f"island 0 rank 1 (pid {pid}) died" in str(err), err
-        assert time.monotonic() - t0 < 30
-        torch.testing.assert_close(chains[1][-1].result(0), torch.full((8,), 2.0**13, dtype=F64))
         c.restart(0)
         with pytest.raises(pw.PathwaysError, match="lost when the island restarted"):
             client.call(fns.summed, a, x, out=V8)

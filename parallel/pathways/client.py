@@ -133,6 +133,8 @@ class Client:
              names: tuple[str, ...] | None = None, ranks: list[int] | None = None) -> Mesh:
         """A virtual mesh of ``island``: the least-used workers, or ``ranks``."""
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
+            raise ValueError(f"mesh: shape {shape}: every dimension a positive int")
         names = names or tuple(f"d{i}" for i in range(len(shape)))
         if len(names) != len(shape):
             raise ValueError(f"mesh: {len(names)} names {names} for {len(shape)} dimensions")
