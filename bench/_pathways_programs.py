@@ -3,7 +3,12 @@ and keeps what they measured) and tests/test_pathways.py (which asserts on them)
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +17,7 @@ from bench import _pathways_steps as fns
 from parallel import pathways as pw
 
 F64 = torch.float64
+ROOT = Path(__file__).resolve().parents[1]
 V8 = pw.spec((8,), F64)
 
 
@@ -118,3 +124,32 @@ def killed_worker(cluster: pw.Cluster, client: pw.Client) -> dict[str, Any]:
     named_after = time.monotonic() - t0
     return {"pid": pid, "error": error, "named_after_s": named_after,
             "other": chains[1][-1].result(0), "meshes": (a, b)}
+
+
+def trainer_against_parallel_train(four: pw.Cluster, folder: Path, steps: int,
+                                   env: dict[str, str]) -> tuple[list[dict], list[dict]]:
+    """The project's GPT on a dp2 x tp2 mesh of one island, each step one call: its step
+    records, and those of the same layout under ``python -m parallel.train``."""
+    from parallel.pathways.train import pw_train
+    from parallel.train.config import parse
+
+    corpus = folder / "corpus"
+    corpus.mkdir()
+    for path in sorted((ROOT / "parallel" / "compose").glob("*.py")):
+        (corpus / path.name).write_bytes(path.read_bytes())
+    flags = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
+             "--batch-size", "4", "--steps", str(steps), "--warmup-steps", "2",
+             "--no-progress", "--dp", "2", "--tp", "2", "--data", str(corpus),
+             "--eval-every", "0"]
+    metrics = folder / "m.jsonl"
+    done = subprocess.run([sys.executable, "-m", "parallel.train", *flags, "--metrics",
+                           str(metrics)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env, "PYCOMM_TIMEOUT_S": "120"}, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"python -m parallel.train: exit {done.returncode}\n"
+                           + done.stdout[-3000:] + done.stderr[-3000:])
+    want = [r for r in map(json.loads, metrics.read_text().splitlines())
+            if r["kind"] == "train"]
+    with four.client() as client:
+        got = pw_train(client, client.mesh(0, (2, 2), names=("dp", "tp")), parse(flags))
+    return got, want

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,30 +40,11 @@ def gpipe(client: pw.Client) -> dict:
 
 
 def trainer(four: pw.Cluster) -> dict:
-    import subprocess
-
-    from parallel.pathways.train import pw_train
-    from parallel.train.config import parse
-
     with tempfile.TemporaryDirectory() as tmp:
-        corpus = Path(tmp) / "corpus"
-        corpus.mkdir()
-        for path in sorted((ROOT / "parallel" / "compose").glob("*.py")):
-            (corpus / path.name).write_bytes(path.read_bytes())
-        flags = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
-                 "--batch-size", "4", "--steps", "6", "--warmup-steps", "2", "--no-progress",
-                 "--dp", "2", "--tp", "2", "--data", str(corpus), "--eval-every", "0"]
-        metrics = Path(tmp) / "m.jsonl"
-        subprocess.run([sys.executable, "-m", "parallel.train", *flags, "--metrics",
-                        str(metrics)], cwd=ROOT, check=True, capture_output=True,
-                       env={**os.environ, **ENV})
-        want = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines())
-                if r["kind"] == "train"]
-        with four.client() as client:
-            got = [r["loss"] for r in pw_train(client, client.mesh(0, (2, 2), ("dp", "tp")),
-                                                   parse(flags))]
-    return {"pathways": got, "parallel_train": want,
-            "max_abs_diff": max(abs(g - w) for g, w in zip(got, want, strict=True))}
+        got, want = programs.trainer_against_parallel_train(four, Path(tmp), 6, ENV)
+    losses = [r["loss"] for r in got], [r["loss"] for r in want]
+    return {"pathways": losses[0], "parallel_train": losses[1],
+            "max_abs_diff": max(abs(g - w) for g, w in zip(*losses, strict=True))}
 
 
 def tenancy(cluster: pw.Cluster) -> dict:

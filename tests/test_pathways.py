@@ -8,10 +8,6 @@ four-worker island for dp x tp) have their own.
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -378,26 +374,7 @@ def test_gpipe_with_stages_on_two_islands_equals_one_process(client):
 def test_the_trainer_through_the_controller_is_python_m_parallel_train(four, tmp_path):
     """The project's GPT on a dp2 x tp2 mesh of one island, each step one call, every
     step dispatched at once: the losses of the same layout under python -m parallel.train."""
-    from parallel.pathways.train import pw_train
-    from parallel.train.config import parse
-
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for path in sorted((ROOT / "parallel" / "compose").glob("*.py")):
-        (corpus / path.name).write_bytes(path.read_bytes())
-    flags = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
-             "--batch-size", "4", "--steps", "4", "--warmup-steps", "2", "--no-progress",
-             "--dp", "2", "--tp", "2", "--data", str(corpus), "--eval-every", "0"]
-    metrics = tmp_path / "m.jsonl"
-    done = subprocess.run([sys.executable, "-m", "parallel.train", *flags, "--metrics",
-                           str(metrics)], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **ENV, "PYCOMM_TIMEOUT_S": "120"}, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    want = [r for r in map(json.loads, metrics.read_text().splitlines())
-            if r["kind"] == "train"]
-    with four.client() as client:
-        mesh = client.mesh(0, (2, 2), names=("dp", "tp"))
-        got = pw_train(client, mesh, parse(flags))
+    got, want = programs.trainer_against_parallel_train(four, tmp_path, 4, ENV)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
     for g, w in zip(got, want, strict=True):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6), (g, w)
