@@ -23,7 +23,10 @@ def slow_callback_then_ops(slow_s: dict[int, float]) -> tuple[str, str]:
     """An op whose future callback is slow on some ranks, then an op queued behind it
     (B) and one issued after (D). Returns B's and D's outcomes."""
     r = dist.get_rank()
-    a = torch.ones(10)
+    # 16 MB: the op is still moving when the callback is attached on every rank. A small
+    # one could be complete by then on the rank that came second, and torch then runs
+    # the callback at once on the caller's thread: nothing would hold the group's order.
+    a = torch.ones(1 << 22)
     w = dist.all_reduce(a, async_op=True)
 
     def slow(fut):
