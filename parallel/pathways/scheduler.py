@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import pickle
 import queue
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -38,7 +40,6 @@ DEFAULT_COST_S = 1e-3  # a function's expected time before it was ever measured
 @dataclass
 class _Client:
     conn: Connection
-    busy_s: float = 0.0  # measured time of its nodes on this island
 
 
 @dataclass
@@ -64,7 +65,7 @@ class IslandScheduler:
         self.island, self.size, self.policy, self.window = island, size, policy, window
         self._listener = listen(authkey, host)
         self.address: tuple[str, int] = self._listener.address
-        self._wake_r, self._wake_w = _pipe()
+        self._wake_r, self._wake_w = Pipe(duplex=False)
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._new: queue.SimpleQueue[Connection] = queue.SimpleQueue()
         self._reset_state()
@@ -198,9 +199,9 @@ class IslandScheduler:
 
     def _on_mesh(self, client: int, node_id: int, shape: tuple[int, ...],
                  names: tuple[str, ...], ranks: tuple[int, ...] | None) -> None:
-        chosen = ranks if ranks is not None else self._least_loaded(_prod(shape))
+        chosen = ranks if ranks is not None else self._least_loaded(math.prod(shape))
         bad = [r for r in chosen if not 0 <= r < self.size]
-        if bad or len(set(chosen)) != len(chosen) or len(chosen) != _prod(shape):
+        if bad or len(set(chosen)) != len(chosen) or len(chosen) != math.prod(shape):
             reason = (f"ranks {list(chosen)} for shape {tuple(shape)} on island {self.island} "
                       f"of {self.size} workers")
             put(self.clients[client].conn, ("mesh", node_id, None, reason, self.epoch))
@@ -259,10 +260,8 @@ class IslandScheduler:
             del self.in_flight[(client, node)]
             seconds = state.end - state.start
             self.cost[state.label] = 0.8 * self.cost.get(state.label, seconds) + 0.2 * seconds
-            if client in self.clients:
-                self.clients[client].busy_s += seconds
-                if not state.failed:
-                    self._tell(client, ("done", node, state.start, state.end))
+            if not state.failed:  # (a failure was told already)
+                self._tell(client, ("done", node, state.start, state.end))
 
     def _on_failed(self, client: int, node: int, rank: int, error: str) -> None:
         state = self._finish(client, node, rank)
@@ -390,19 +389,3 @@ class IslandScheduler:
         if state is not None:
             with contextlib.suppress(OSError):
                 put(state.conn, message)
-
-    def shares(self) -> dict[int, float]:
-        """Each client's measured time on this island so far (seconds)."""
-        return {cid: c.busy_s for cid, c in self.clients.items()}
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _pipe() -> tuple[Connection, Connection]:
-    from multiprocessing import Pipe
-    return Pipe(duplex=False)

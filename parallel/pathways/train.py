@@ -26,8 +26,8 @@ from parallel.compose.parallelize import ParallelModel
 from parallel.pathways.client import Client, Mesh
 from parallel.pathways.mesh_context import MeshContext
 from parallel.train.config import TrainConfig
-from parallel.train.data import Corpus, load_corpus, train_batch, val_batches
-from parallel.train.loop import build, seed_step, validate
+from parallel.train.data import Corpus, load_corpus, train_batch
+from parallel.train.loop import build, seed_step
 
 
 @dataclass
@@ -65,13 +65,6 @@ def train_step(ctx: MeshContext, run: _Run, step: int) -> dict[str, Any]:
     tokens, targets = train_batch(run.corpus, cfg.seed, step, cfg.batch_size, cfg.block_size)
     r = run.engine.train_step(tokens, targets)
     return {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr}
-
-
-def evaluate(ctx: MeshContext, run: _Run) -> float:
-    cfg = run.cfg
-    held_out = val_batches(run.corpus, cfg.seed, cfg.eval_batches, cfg.batch_size,
-                           cfg.block_size)
-    return validate(run.engine, held_out)
 
 
 def pw_train(client: Client, mesh: Mesh, cfg: TrainConfig) -> list[dict[str, Any]]:
