@@ -1,1 +1,1 @@
-"""Benchmarks: pycomm against its peers, side by side in one run (see BENCHMARKS.md)."""
+"""Benchmarks: pycomm against its peers, side by side in one run (docs/benchmarks.md)."""

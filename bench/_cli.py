@@ -59,6 +59,17 @@ def _backends(args: argparse.Namespace, notes: list[str]) -> list[str]:
     return out
 
 
+def _with_gloo_variants(backends: list[str]) -> list[str]:
+    """--tuned: gloo's variants (bench._gloo.VARIANTS) right after gloo, once."""
+    from bench._gloo import VARIANTS
+
+    if "gloo" not in backends:
+        return backends
+    at = backends.index("gloo") + 1
+    extra = [v for v in VARIANTS if v not in backends]
+    return backends[:at] + extra + backends[at:]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags as nccl-tests: -b -e -f -n -w -c -d, plus the backends and ops to compare."""
     p = argparse.ArgumentParser(
@@ -166,6 +177,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "and which won",
     )
     p.add_argument(
+        "--tuned",
+        action="store_true",
+        help="every peer at its best: each job runs pinned (--bind core) and unpinned "
+        "(--bind none), Open MPI with and without single copy (as --mpi-tuned), gloo with "
+        "its variants (bench._gloo: worker threads, devices, interface) beside torch's "
+        "default; each backend's best per size counts, named with what won (bench._best)",
+    )
+    p.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        help="K competing processes per CPU for the whole job, each pinned to its CPU "
+        "(--load-kind: cpu, a busy loop; mem, streaming copies of 64 MiB): a rank shares "
+        "its core as it does beside compute threads and other jobs (bench._load)",
+    )
+    p.add_argument("--load-kind", choices=["cpu", "mem"], default="cpu",
+                   help="what the --load processes do (cpu)")
+    p.add_argument(
         "--local-size",
         type=int,
         default=None,
@@ -184,7 +213,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         os.environ["PYCOMM_LOCAL_SIZE"] = str(args.local_size)  # inherited by the ranks
         args.notes.append(f"pycomm on simulated islands of {args.local_size} ranks "
                           "(PYCOMM_LOCAL_SIZE): shared memory inside, gloo between")
+    if args.load < 0:
+        p.error(f"--load must be 0 or more, got {args.load}")
     chosen = _backends(args, args.notes)
+    if args.tuned:
+        chosen = _with_gloo_variants(chosen)
+        args.mpi_tuned = args.mpi_tuned or "mpi" in chosen
     if args.aa and chosen:
         chosen.append(chosen[0])
     args.backends = _labels(chosen)

@@ -23,7 +23,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import _best, _load
+
 NOCMA = "mpi-nocma"
+UNPINNED = "@unpinned"
 NOCMA_MCA = "--mca btl_vader_single_copy_mechanism none"
 BEST_MPI = "mpi-best"
 
@@ -43,7 +46,13 @@ def _strip(argv: list[str], flag: str, takes_value: bool) -> list[str]:
 
 def _variants(argv: list[str], args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(suffix, argv) of the runs each job makes."""
-    base = _strip(_strip(_strip(argv, "--jobs", True), "--out", True), "--mpi-tuned", False)
+    base = argv
+    for flag, takes in (("--jobs", True), ("--out", True), ("--mpi-tuned", False),
+                        ("--tuned", False), ("--load", True), ("--load-kind", True)):
+        base = _strip(base, flag, takes)
+    if args.tuned:  # the children get the variants spelled out, not --tuned
+        labels = [b for b in args.backends if "#" not in b]
+        base = _strip(base, "--backends", True) + ["--backends", ",".join(labels)]
     runs = [("", base)]
     if args.mpi_tuned:
         first = args.backends[0].split("#")[0]
@@ -51,26 +60,35 @@ def _variants(argv: list[str], args: argparse.Namespace) -> list[tuple[str, list
                        False)
         tuned += ["--backends", f"{first},mpi", "--mpirun-args", f"{args.mpirun_args} {NOCMA_MCA}"]
         runs.append((".nocma", tuned))
+    if args.tuned:
+        runs = [(suffix + pin, _strip(run, "--bind", True) + ["--bind", mode])
+                for suffix, run in runs for pin, mode in (("", "core"), (UNPINNED, "none"))]
     return runs
 
 
 def run_jobs(argv: list[str], args: argparse.Namespace) -> int:
-    """Run the jobs one after another, then print and write the summary; the exit
-    status is the first failing job's, else 0."""
+    """Run the jobs one after another (each under --load's competing processes), then
+    print and write the summary; the exit status is the first failing job's, else 0."""
     failed = 0
     jobs: list[list[dict]] = []
+    files: list[list[str]] = []
     for k in range(1, args.jobs + 1):
-        docs = []
-        for suffix, run_argv in _variants(argv, args):
-            out = args.out.with_name(f"{args.out.stem}.job{k}{suffix}.json")
-            cmd = [sys.executable, "-m", "bench.collectives", *run_argv, "--out", str(out)]
-            print(f"# job {k}/{args.jobs}{suffix}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-            rc = subprocess.run(cmd, check=False).returncode
-            failed = failed or rc
-            if out.exists():
-                docs.append(_load(out, suffix))
+        docs, names = [], []
+        with _load.competing(args.load, args.load_kind):
+            for suffix, run_argv in _variants(argv, args):
+                out = args.out.with_name(f"{args.out.stem}.job{k}{suffix}.json")
+                cmd = [sys.executable, "-m", "bench.collectives", *run_argv, "--out", str(out)]
+                print(f"# job {k}/{args.jobs}{suffix}: {shlex.join(cmd)}", file=sys.stderr,
+                      flush=True)
+                rc = subprocess.run(cmd, check=False).returncode
+                failed = failed or rc
+                if out.exists():
+                    docs.append(_load_run(out, suffix, args))
+                    names.append(out.name)
         jobs.append(docs)
+        files.append(names)
     summary = summarize(jobs)
+    summary["runs"] = files  # each job's raw files, beside the summary
     for line in format_summary(summary):
         print(line)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -79,17 +97,32 @@ def run_jobs(argv: list[str], args: argparse.Namespace) -> int:
     return failed
 
 
-def _load(path: Path, suffix: str) -> dict:
-    """One run's JSON; in the no-CMA run, mpi is renamed mpi-nocma."""
-    return _load_doc(json.loads(path.read_text()), suffix)
+def _load_run(path: Path, suffix: str, args: argparse.Namespace) -> dict:
+    """One run's JSON, its backends relabelled by the run that made them, and the job's
+    load recorded in it."""
+    doc = _load_doc(json.loads(path.read_text()), suffix)
+    doc["meta"]["load"] = {"per_cpu": args.load, "kind": args.load_kind if args.load else None}
+    path.write_text(json.dumps(doc, indent=1))  # the raw file says what it is by itself
+    return doc
+
+
+def relabel(label: str, suffix: str) -> str:
+    """A backend's label in a run: mpi is mpi-nocma in the no-CMA run, and every label of
+    an unpinned run ends in @unpinned."""
+    if ".nocma" in suffix and label == "mpi":
+        label = NOCMA
+    if suffix.endswith(UNPINNED) and not label.endswith(UNPINNED):
+        label += UNPINNED
+    return label
 
 
 def _load_doc(doc: dict, suffix: str) -> dict:
-    if suffix == ".nocma":
-        for row in doc["results"]:
-            if row["backend"] == "mpi":
-                row["backend"] = NOCMA
-        doc["meta"]["backends"] = [NOCMA if b == "mpi" else b for b in doc["meta"]["backends"]]
+    if doc["meta"].get("relabelled"):
+        return doc
+    for row in doc["results"]:
+        row["backend"] = relabel(row["backend"], suffix)
+    doc["meta"]["backends"] = [relabel(b, suffix) for b in doc["meta"]["backends"]]
+    doc["meta"]["relabelled"] = suffix or "main"
     return doc
 
 
@@ -118,7 +151,7 @@ def summarize(jobs: list[list[dict]]) -> dict:
                     times.setdefault((r["op"], r["backend"], r["bytes"]), []).append(r["time_us"])
             for key, v in _ratios(doc, first).items():
                 ratios.setdefault(key, []).append(v)
-        for op, per in docs[0]["memcpy"].get("limit_busbw", {}).items():
+        for op, per in docs[0].get("limit", {}).get("limit_busbw", {}).items():
             for n, v in per.items():
                 limits.setdefault((op, int(n)), []).append(v)
     wins = _add_best_mpi(jobs, first, times, ratios)
@@ -135,6 +168,8 @@ def summarize(jobs: list[list[dict]]) -> dict:
                 for docs in jobs for d in docs],
         "wrong": sum(d["meta"].get("wrong", 0) for docs in jobs for d in docs),
         "mpi_best_won_by": {"|".join(map(str, k)): v for k, v in wins.items()},
+        "best": _best.summarize(jobs, _best.family(first)),
+        "load": jobs[0][0]["meta"].get("load"),
     }
 
 
@@ -206,6 +241,11 @@ def format_summary(s: dict) -> list[str]:
             lines.append(f"  {n:>10} " + "".join(f"| {c:>22} " for c in cells)
                          + "".join(f"| {c:>22} " for c in rat)
                          + (f"| {lim[0]:6.2f}" if lim else ""))
+    if s.get("best"):
+        from bench import tables
+
+        lines.append("# every backend at its best (bench._best), as markdown:")
+        lines += [f"#   {line}" for op in ops for line in tables.table(s, op)]
     lines.append(f"# Out of bounds values : {s['wrong']} {'OK' if s['wrong'] == 0 else 'FAILED'}")
     return lines
 

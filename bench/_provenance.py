@@ -115,7 +115,8 @@ def collect(placements: list[dict], argv: list[str]) -> dict:
     """Rank 0's provenance record (placements gathered from every rank)."""
     return {"versions": versions(), "host": socket.gethostname(), "cpu": cpu_model(),
             "commit": git_commit(), "argv": [sys.executable, "-m", "bench.collectives", *argv],
-            "started": now(), "env": environment(), "placement": placements}
+            "started": now(), "loadavg": list(os.getloadavg()), "env": environment(),
+            "placement": placements}
 
 
 def write_report(report: dict, out: str | None) -> None:

@@ -43,46 +43,6 @@ def summarize(
     }
 
 
-def memcpy_limit(nbytes: int, per_rank: list[list[float]]) -> float:
-    """GB/s of one rank's copy when all copy at once: median of the slowest rank's time."""
-    slowest = [max(it) for it in zip(*per_rank, strict=True)]
-    return nbytes / statistics.median(slowest) / GB
-
-
-def traffic_per_rank(op: str, nbytes: int, world: int) -> float:
-    """Bytes a rank must read plus write for one op of S = ``nbytes``, in the best
-    single-copy schedule over shared memory: every input byte read once from where it
-    lies, every output byte written once, the reduction work split evenly.
-
-    - all_reduce: read its 1/w of every rank's input (S) and write its reduced chunk
-      (S/w); then read the others' reduced chunks and write them into its output
-      (2 (w-1)/w S). Total S (3 - 1/w).
-    - reduce_scatter (S = input): read its chunk of every input (S), write S/w.
-    - reduce: as reduce_scatter, the chunks written into the root's output.
-    - all_gather (S = output), all_to_all: read and write S (the own part copied too).
-    - broadcast: a non-root reads and writes S.
-    """
-    s, w = float(nbytes), world
-    model = {
-        "all_reduce": s * (3 - 1 / w),
-        "reduce_scatter": s * (1 + 1 / w),
-        "reduce": s * (1 + 1 / w),
-        "all_gather": 2 * s,
-        "all_to_all": 2 * s,
-        "broadcast": 2 * s,
-    }
-    return model[op]
-
-
-def limit_busbw(op: str, nbytes: int, world: int, copy_gbs: float) -> float:
-    """The busbw an op of this size would reach if its traffic (traffic_per_rank) moved
-    at the copy speed measured at this size with every rank copying at once.
-
-    ``copy_gbs`` counts the bytes copied (a copy reads and writes each: 2 per byte)."""
-    seconds = traffic_per_rank(op, nbytes, world) / (2 * copy_gbs * GB)
-    return nbytes / seconds / GB * busbw_factor(op, world)
-
-
 def _cells(row: dict | None) -> str:
     """time(us) algbw busbw #wrong for one backend, or a dash row when it is missing."""
     if row is None:
@@ -144,7 +104,7 @@ def average_busbw(rows: list[dict], backend: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def write_json(path: Path, meta: dict, rows: list[dict], memcpy: dict) -> None:
+def write_json(path: Path, meta: dict, rows: list[dict], limit: dict) -> None:
     """Machine-readable results beside the table (one object: meta, rows, averages)."""
     ops = sorted({r["op"] for r in rows})
     avg = {
@@ -153,7 +113,7 @@ def write_json(path: Path, meta: dict, rows: list[dict], memcpy: dict) -> None:
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: str(v) if isinstance(v, Path) else v for k, v in meta.items()}
-    doc = {"meta": meta, "results": rows, "avg_busbw": avg, "memcpy": memcpy}
+    doc = {"meta": meta, "results": rows, "avg_busbw": avg, "limit": limit}
     path.write_text(json.dumps(doc, indent=1))
 
 
@@ -192,7 +152,7 @@ def write_plot(
         if limits.get(op):
             pts = sorted(limits[op].items())
             bw_ax.plot([n for n, _ in pts], [v for _, v in pts], color="grey", linestyle="--",
-                       label="limit (least traffic at copy speed)")
+                       label="limit (least traffic at measured rates)")
         bw_ax.set(xscale="log", xlabel="size (bytes)", ylabel="busbw (GB/s)")
         bw_ax.set_title(f"{op}, {world} ranks: bus bandwidth")
         lat_ax.set(xscale="log", yscale="log", xlabel="size (bytes)", ylabel="time (µs)")

@@ -79,7 +79,7 @@ def make_buffers(
 ) -> Buffers:
     """Allocate a case with ``alloc`` (torch.empty, or pycomm.empty for arena buffers).
 
-    ``count`` is S in elements (see BENCHMARKS.md). ``work`` is always a fresh
+    ``count`` is S in elements (nccl-tests' S: docs/benchmarks.md). ``work`` is always a fresh
     allocation, so a backend that is faster on its own memory gets it for every op.
     """
     in_count = count // world if op == "all_gather" else count
@@ -308,27 +308,6 @@ class _Checker:
         comm.barrier()
         run()
         self.count(bufs)
-
-
-def time_memcpy(nbytes: int, iters: int, group) -> list[float]:
-    """Seconds per copy of ``nbytes`` with every rank copying at once: the copy
-    bandwidth the per-op limits are made of (bench._report.limit_busbw)."""
-    src = torch.ones(max(1, nbytes // 4))
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(iters + 1):  # the first copy faults the pages in
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        dst.copy_(src)
-        if i:
-            times.append(time.perf_counter() - start)
-    return times
-
-
-def time_copies(sizes: list[int], iters: int, group) -> dict[int, list[float]]:
-    """:func:`time_memcpy` at every size of the sweep: a copy's speed depends on the
-    cache level its bytes fit in, so each size gets its own limit."""
-    return {n: time_memcpy(n, iters, group) for n in sizes}
 
 
 def time_dispatch_floor(group_world, calls: int = 20000) -> float | None:

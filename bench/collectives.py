@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from bench import _c2c, _deepspeed, _mpi, _provenance, _report
+from bench import _c2c, _deepspeed, _gloo, _limit, _mpi, _provenance, _report
 from bench._cli import DTYPES, parse_args
 from bench._launch import bind_rank, launch
 from bench._timing import (
@@ -30,7 +30,6 @@ from bench._timing import (
     OpComm,
     TorchComm,
     time_case,
-    time_copies,
     time_dispatch_floor,
     total_count,
 )
@@ -67,6 +66,8 @@ def _available(backend: str) -> str:
         except ImportError:
             return "this torch has no fake backend (torch.testing._internal.distributed.fake_pg)"
         return ""
+    if backend in _gloo.VARIANTS:
+        backend = "gloo"
     if backend.startswith("pycomm"):
         try:
             import pycomm  # noqa: F401  (registers the backend)
@@ -98,6 +99,8 @@ def _comm(backend: str):
         return ApiComm(dist.new_group(backend="pycomm"))
     if backend == "torch-floor":
         return FloorComm(dist.new_group(backend=_floor_aligner()))
+    if backend in _gloo.VARIANTS:
+        return _gloo.GlooComm(backend)
     if backend == "deepspeed":
         return _deepspeed.DeepSpeedComm()
     if backend == "deepspeed-api":
@@ -162,17 +165,22 @@ def report(args: argparse.Namespace, backends: list[str], gathered: list, skippe
            cannot: dict, info: dict) -> int:
     """Rank 0: summarise every rank's timings, print the tables, write JSON and the plot.
 
-    ``gathered[r]`` is rank r's (case results, copy times per size, dispatch floor in µs
-    or None) as sent by :func:`worker`. Returns the number of wrong elements (all ranks,
-    all cases): the exit status follows it, as nccl-tests' does.
+    ``gathered[r]`` is rank r's (case results, local pass times per size, dispatch floor in
+    µs or None, rank 0's one-core rates or None) as sent by :func:`worker`. Returns the
+    number of wrong elements (all ranks, all cases): the exit status follows it, as
+    nccl-tests' does.
     """
     world = len(gathered)
     rows = [
         _report.summarize(*key, args.datatype, args.redop, [g[0][k][1] for g in gathered], world)
         for k, (key, _) in enumerate(gathered[0][0])
     ]
-    copy_gbs = {n: _report.memcpy_limit(n, [g[1][n] for g in gathered]) for n in args.sizes}
-    limits = {op: {r["bytes"]: _report.limit_busbw(op, r["bytes"], world, copy_gbs[size])
+    local = {n: _limit.local_gbs(n, [g[1][n] for g in gathered]) for n in gathered[0][1]}
+    cache = local[_limit.MIN_TIMED_BYTES]
+    handoff = _limit.best_handoff([info.get("c2c_before"), info.get("c2c_after")])
+    per_core = _limit.ranks_per_core(world, len(info.get("cpus", [])))
+    limits = {op: {r["bytes"]: _limit.limit_busbw(op, r["bytes"], world, local[size], cache,
+                                                   handoff, per_core)
                    for r, size in _rows_with_sweep_size(rows, op, args.sizes)}
               for op in args.ops}
     for line in _provenance.header_lines(info):
@@ -196,8 +204,9 @@ def report(args: argparse.Namespace, backends: list[str], gathered: list, skippe
         f"# {world} ranks, {args.datatype}, -n {args.iters} -w {args.warmup_iters} "
         f"-c {args.check}; backends {','.join(backends)} interleaved per size in one job "
         f"(order alternating)\n# {timing}; algbw = S/t, busbw = algbw * factor, GB = 1e9; "
-        "limit = the busbw if the op's least traffic per rank moved at the copy speed "
-        "measured at that size with every rank copying"
+        "limit = the busbw if the op's least traffic per rank moved at the rates measured "
+        "in this job: its tensor's bytes at the local rate at that size, the bytes it "
+        "stages at the cache rate, the peers' bytes at the c2c handoff rate (bench._limit)"
     )
     for op in args.ops:
         mine = [r for r in rows if r["op"] == op]
@@ -225,9 +234,11 @@ def report(args: argparse.Namespace, backends: list[str], gathered: list, skippe
         "wrong": wrong,
     }
     limit_rows = {op: {str(n): v for n, v in per.items()} for op, per in limits.items()}
-    _report.write_json(args.out, meta, rows, {"gbs_per_rank": {str(n): g for n, g in
-                                                               copy_gbs.items()},
-                                              "limit_busbw": limit_rows})
+    _report.write_json(args.out, meta, rows, {
+        "local_gbs": {str(n): g for n, g in local.items()}, "cache_gbs": cache,
+        "local_gbs_one_core": {str(n): g for n, g in (gathered[0][3] or {}).items()},
+        "handoff_gbs": handoff,
+        "ranks_per_core": per_core, "limit_busbw": limit_rows})
     plot = args.out.with_suffix(".png")
     wrote = _report.write_plot(plot, rows, backends, limits, world)
     print(f"# wrote {args.out}" + (f" and {plot}" if wrote else f" ({note('matplotlib', 'plot')})"))
@@ -281,10 +292,11 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     if rank == 0:
         info["c2c_after"] = _c2c_reading(cpus)
     dist.barrier()
-    copies = time_copies(args.sizes, args.iters, dist.group.WORLD)
+    passes = _limit.time_locals(args.sizes, args.iters, dist.group.WORLD)
+    alone = _limit.time_one_core(args.sizes, args.iters, dist.group.WORLD)
     floor = time_dispatch_floor(dist.group.WORLD) if args.sizes[0] <= 4096 else None
     gathered = [None] * world if rank == 0 else None
-    dist.gather_object((results, copies, floor), gathered, dst=0)
+    dist.gather_object((results, passes, floor, alone), gathered, dst=0)
     wrong = 0
     if rank == 0 and groups:
         wrong = report(args, list(groups), gathered, skipped, cannot, info)
@@ -304,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if "pycomm-registered" in (b.split("#")[0] for b in args.backends):
         _registered_alloc()  # fail here, once, rather than on every rank
-    if args.jobs > 1 or args.mpi_tuned:
+    if args.jobs > 1 or args.mpi_tuned or args.tuned or args.load:
         from bench._jobs import run_jobs
 
         raise SystemExit(run_jobs(argv, args))

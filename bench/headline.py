@@ -2,6 +2,7 @@
 the median over one or more fresh `python -m bench.collectives` jobs.
 
     python -m bench.headline [JSON ...] --out docs/headline.png
+    python -m bench.headline --summary bench/results/i30/mpirun-2r-fp32-barrier.json
 
 Each JSON is one job's `bench/results/collectives.json` (copy it aside between jobs).
 With several, every point is the median across the jobs and its error bar spans their
@@ -16,11 +17,14 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench import _best
 from bench._report import LATENCY_MAX
+from bench._timing import busbw_factor
 from parallel._optional import available, note
 
 DEFAULT_JSON = Path("bench/results/collectives.json")
 DEFAULT_OUT = Path("docs/headline.png")
+README_SUMMARY = Path("bench/results/i30/mpirun-2r-fp32-barrier.json")
 
 # one backend's curve: (bytes, median, min, max) per size, sizes ascending
 Curve = list[tuple[int, float, float, float]]
@@ -64,6 +68,26 @@ def load(paths: Sequence[Path]) -> tuple[dict, list[list[dict]]]:
                     " a headline median mixes only jobs of the same ranks and dtype"
                 )
     return first, [doc["results"] for doc in docs]
+
+
+def best_rows(docs: Sequence[dict]) -> list[dict]:
+    """One job's rows, one per backend family at its best setting (bench._best)."""
+    world = docs[0]["meta"]["nproc"]
+    return [{"op": op, "backend": fam, "bytes": n, "time_us": t,
+             "busbw": n / (t * 1e-6) / 1e9 * busbw_factor(op, world)}
+            for (op, fam, n), (t, _) in _best.best_of_job(list(docs)).items()
+            if "#" not in fam]
+
+
+def load_summary(path: Path) -> tuple[dict, list[list[dict]]]:
+    """A ``--jobs`` summary's meta and, per job, its best-of-family rows, read from the
+    raw files the summary lists (committed beside it)."""
+    summary = json.loads(Path(path).read_text())
+    if not summary.get("runs"):
+        raise ValueError(f"{path}: no 'runs' (a summary written before they were listed)")
+    jobs = [[json.loads((Path(path).parent / name).read_text()) for name in names]
+            for names in summary["runs"]]
+    return summary["meta"], [best_rows(docs) for docs in jobs]
 
 
 def title(meta: dict, jobs: int, op: str) -> str:
@@ -120,12 +144,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="*", type=Path, default=[DEFAULT_JSON],
                     help=f"bench.collectives JSON files, one per job (default {DEFAULT_JSON})")
+    ap.add_argument("--summary", type=Path, default=None,
+                    help="a --jobs summary: plot every backend at its best setting per job, "
+                    "from the raw files it lists (the README's figure: "
+                    f"{README_SUMMARY})")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"PNG (default {DEFAULT_OUT})")
     ap.add_argument("--op", default="all_reduce", help="the collective to plot")
     ap.add_argument("--backends", default="", help="comma list of the backends to draw "
                     "(default: every one; e.g. leave out an A/A column such as pycomm#2)")
     args = ap.parse_args(argv)
-    meta, runs = load(args.json)
+    meta, runs = load_summary(args.summary) if args.summary else load(args.json)
     if args.backends:
         keep = set(args.backends.split(","))
         runs = [[r for r in rows if r["backend"] in keep] for rows in runs]

@@ -1,7 +1,7 @@
 """Strategies composed by hand, as a user of Megatron or DeepSpeed would: each scenario
 runs on the ranks of a pool and returns how far the result is from one process built
-from the same weights (0 when correct). The defects they pin down are the review's
-(../shared/reviews/parallel_review.md, composition_repro.py)."""
+from the same weights (0 when correct). Each pins down a defect an outside review of the composition
+layer found (a strategy left a module whole, or untied tied weights)."""
 
 from __future__ import annotations
 

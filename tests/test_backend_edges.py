@@ -4,7 +4,7 @@ arithmetic wraps are refused; a rank that fails or dies during init fails every 
 once and a signal there leaves no segment; fork; and the errors for empty ops, groups
 this rank is not in, and a rank that exits without destroy_process_group.
 
-Each case failed on the code before it (the reviews in shared/reviews/backend/)."""
+Each case failed on the code before it (an outside review of the backend's edges)."""
 
 from __future__ import annotations
 

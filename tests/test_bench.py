@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench import _mpi, _report, _timing
+from bench import _limit, _mpi, _report, _timing
 from bench._cli import parse_args, parse_size, sizes
 from bench.collectives import main
 
 # Faster than any CPU's caches, let alone its memory (a core's L1 moves ~0.2 TB/s): no
-# rank moves an op's least traffic (bench._report.traffic_per_rank) faster than this.
+# rank moves an op's least traffic (bench._limit.least_bytes) faster than this.
 MAX_BYTES_PER_S = 1e12
 MIN_COLLECTIVE_S = 20e-9  # a result seen by another process: one core-to-core cache line
 
@@ -38,7 +38,7 @@ def check_rows(doc: dict) -> None:
         assert r["busbw"] == pytest.approx(
             r["algbw"] * _timing.busbw_factor(r["op"], world), rel=1e-9), where
         floor_s = max(MIN_COLLECTIVE_S,
-                      _report.traffic_per_rank(r["op"], r["bytes"], world) / MAX_BYTES_PER_S)
+                      _limit.least_bytes(r["op"], r["bytes"], world) / MAX_BYTES_PER_S)
         assert min(r["times_us"]) * 1e-6 >= floor_s, f"faster than {floor_s:.2g} s: {where}"
 
 
@@ -198,7 +198,7 @@ def test_time_grows_with_size(tmp_path):
         small, large = (min(r["times_us"]) for r in sorted(
             (r for r in doc["results"] if r["backend"] == b), key=lambda r: r["bytes"]))
         assert large > small, (b, small, large)
-        assert large * 1e-6 > _report.traffic_per_rank("all_reduce", 4 << 20, 2) / MAX_BYTES_PER_S
+        assert large * 1e-6 > _limit.least_bytes("all_reduce", 4 << 20, 2) / MAX_BYTES_PER_S
 
 
 def test_registered_goes_right_after_pycomm():

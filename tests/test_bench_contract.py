@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from bench import _jobs, _report, _timing
+from bench import _jobs, _limit, _timing
 from bench.collectives import main
 from pycomm.testing import free_port
 
@@ -91,13 +91,22 @@ def test_back_to_back_and_checked_modes_are_right_on_two_ranks(tmp_path):
         assert len(rows) == 6 and all(r["wrong"] == 0 for r in rows), rows
 
 
-def test_limit_is_the_least_traffic_at_copy_speed():
-    # all_reduce at 2 ranks: 2.5 S per rank; at a copy speed of 10 GB/s (20 GB/s of
-    # reads plus writes) S = 1e6 B takes 125 us: busbw 8 GB/s (factor 1 at 2 ranks).
-    assert _report.traffic_per_rank("all_reduce", 1_000_000, 2) == 2_500_000
-    assert _report.limit_busbw("all_reduce", 1_000_000, 2, 10.0) == pytest.approx(8.0)
-    # all_gather moves S in and out whatever the world: busbw = 10 * (w-1)/w
-    assert _report.limit_busbw("all_gather", 1 << 20, 4, 10.0) == pytest.approx(7.5)
+def test_limit_is_the_least_traffic_at_the_measured_rates():
+    # all_reduce at 2 ranks: 2 S of its own tensor, S staged and S read from the other
+    # core. S = 1e6 B: 2e6 B at 20 GB/s (100 us) + 1e6 B at 50 GB/s (20 us) + 1e6 B at
+    # 10 GB/s (100 us) = 220 us: busbw 1e6 / 220e-6 = 4.545 GB/s (factor 1 at 2 ranks).
+    assert _limit.least_traffic("all_reduce", 1_000_000, 2) == (2_000_000, 1_000_000)
+    assert _limit.least_bytes("all_reduce", 1_000_000, 2) == 4_000_000
+    assert _limit.limit_busbw("all_reduce", 1_000_000, 2, 20.0, 50.0, 10.0) == pytest.approx(
+        1 / 0.22)
+    # 4 ranks on 2 cores share the handoff: its 100 us becomes 200 us
+    assert _limit.limit_busbw("all_reduce", 1_000_000, 2, 20.0, 50.0, 10.0, 2) == pytest.approx(
+        1 / 0.32)
+    # no second CPU (no reading): the peer bytes at the cache rate
+    s = 1 << 20
+    t = (s / 4 + s) / 10e9 + 2 * (0.75 * s) / 40e9
+    assert _limit.limit_busbw("all_gather", s, 4, 10.0, 40.0, None) == pytest.approx(
+        s / t / 1e9 * 0.75)
 
 
 def _doc(times: dict[str, float], backends: list[str], wrong: int = 0) -> dict:

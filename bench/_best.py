@@ -1,0 +1,107 @@
+"""Every backend at its best: per job and size, the fastest of each backend's settings.
+
+A job's runs (bench._jobs) label each column by what made it: ``gloo-1t`` (a gloo
+variant, bench._gloo), ``mpi-nocma`` (Open MPI with single copy off), ``...@unpinned``
+(the run with ``--bind none``). A *family* is a backend whatever its settings: ``gloo``
+takes the best of gloo and its variants pinned and unpinned, ``mpi`` of Open MPI with
+and without CMA, pinned and unpinned; every pycomm entry (``pycomm``, ``pycomm-api``,
+...) is its own family, pinned or unpinned, as is the A/A column (``pycomm#2``).
+
+Per job (both settings met the same machine within seconds) and size, a family's best
+time and the label that won; the *best peer* is the fastest non-pycomm family. Ratios
+are taken per job and then summarised over the jobs as [median, min, max, n].
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from bench._timing import busbw_factor
+
+PEERS = ("gloo", "mpi", "deepspeed")
+NOT_COMPARED = ("torch-floor",)  # no communication: a floor, not a peer
+
+
+def family(label: str) -> str:
+    """The backend a column measures, whatever its settings (module docstring)."""
+    base = label.split("@")[0]
+    if "#" in base:
+        return base
+    for peer in PEERS:
+        if base == peer or base.startswith(peer + "-"):
+            return peer
+    return base
+
+
+def is_peer(fam: str) -> bool:
+    return fam in PEERS
+
+
+def best_of_job(docs: list[dict]) -> dict[tuple[str, str, int], tuple[float, str]]:
+    """{(op, family, bytes): (best time in µs, the label that won)} over a job's runs."""
+    best: dict[tuple[str, str, int], tuple[float, str]] = {}
+    for doc in docs:
+        for r in doc["results"]:
+            if family(r["backend"]) in NOT_COMPARED:
+                continue
+            key = (r["op"], family(r["backend"]), r["bytes"])
+            if key not in best or r["time_us"] < best[key][0]:
+                best[key] = (r["time_us"], r["backend"])
+    return best
+
+
+def best_peer(best: dict, op: str, nbytes: int) -> tuple[float, str] | None:
+    """The fastest peer family at this op and size in one job: (µs, label)."""
+    peers = [v for (o, f, n), v in best.items() if o == op and n == nbytes and is_peer(f)]
+    return min(peers) if peers else None
+
+
+def _spread(values: list[float]) -> list[float]:
+    return [statistics.median(values), min(values), max(values), len(values)]
+
+
+def _job_limit(docs: list[dict]) -> dict[tuple[str, int], float]:
+    """The job's limit busbw per (op, bytes): the main run's (it ran with every rank)."""
+    limits = docs[0].get("limit", {}).get("limit_busbw", {})
+    return {(op, int(n)): v for op, per in limits.items() for n, v in per.items()}
+
+
+def summarize(jobs: list[list[dict]], first: str) -> dict:
+    """Over the jobs: each family's best time, who won it, every pycomm family's ratio to
+    the best peer, the A/A ratio (``first#2`` over ``first``) and pycomm's fraction of the
+    limit busbw (first family, busbw of its best over the job's limit)."""
+    fam_times: dict[str, list[float]] = {}
+    won: dict[str, dict[str, int]] = {}
+    vs_peer: dict[str, list[float]] = {}
+    peer_won: dict[str, dict[str, int]] = {}
+    aa: dict[str, list[float]] = {}
+    fraction: dict[str, list[float]] = {}
+    for docs in jobs:
+        best, limits = best_of_job(docs), _job_limit(docs)
+        world = docs[0]["meta"]["nproc"]
+        for (op, fam, n), (t, label) in best.items():
+            key = f"{op}|{fam}|{n}"
+            fam_times.setdefault(key, []).append(t)
+            won.setdefault(key, {}).setdefault(label, 0)
+            won[key][label] += 1
+            peer = best_peer(best, op, n)
+            if peer is not None and not is_peer(fam):
+                vs_peer.setdefault(key, []).append(t / peer[0])
+                if fam == first:
+                    pk = f"{op}|{n}"
+                    peer_won.setdefault(pk, {}).setdefault(peer[1], 0)
+                    peer_won[pk][peer[1]] += 1
+            if fam == first and (op, f"{first}#2", n) in best:
+                aa.setdefault(f"{op}|{n}", []).append(best[(op, f"{first}#2", n)][0] / t)
+            if fam == first and (op, n) in limits:
+                busbw = n / (t * 1e-6) / 1e9 * busbw_factor(op, world)
+                fraction.setdefault(f"{op}|{n}", []).append(busbw / limits[(op, n)])
+    return {
+        "best_us": {k: _spread(v) for k, v in fam_times.items()},
+        "best_won_by": won,
+        "vs_best_peer": {k: _spread(v) for k, v in vs_peer.items()},
+        "best_peer_won_by": peer_won,
+        "aa": {k: _spread(v) for k, v in aa.items()},
+        "limit_fraction": {k: _spread(v) for k, v in fraction.items()},
+    }
+

@@ -1,0 +1,112 @@
+"""The figures the README quotes, computed from committed summaries only.
+
+    python -m bench.quotes          # every quote, as the README must spell it
+
+Each quote is a phrase the README contains word for word; tests/test_readme_figures.py
+recomputes them from ``bench/results/i30/`` and fails when the README says anything else.
+To change a figure, rerun the benchmark, commit its results and paste the new phrase.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "i30"
+
+DASH, TIMES = "\u2013", "\u00d7"  # the README's typography
+
+
+def _summary(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("MB", 20), ("KB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def _per_size(s: dict, key: str, fam: str, op: str = "all_reduce") -> dict[int, list[float]]:
+    """{bytes: [median, min, max, n]} of one family's entry of ``s['best'][key]``."""
+    prefix = f"{op}|{fam}|"
+    return {int(k.split("|")[2]): v for k, v in s["best"][key].items() if k.startswith(prefix)}
+
+
+def speedup_over(name: str, peer: str, fam: str = "pycomm") -> str:
+    """'A-Bx': the peer's best time over pycomm's, per size (medians over the jobs)."""
+    s = _summary(name)
+    mine, theirs = _per_size(s, "best_us", fam), _per_size(s, "best_us", peer)
+    ratios = [theirs[n][0] / mine[n][0] for n in mine if n in theirs]
+    return f"{min(ratios):.0f}{DASH}{max(ratios):.0f}{TIMES}"
+
+
+def ahead_from(name: str, fam: str) -> str:
+    """'at or ahead of the best peer from SIZE to 64 MB (a-bx its time)': the smallest
+    size from which every larger size's median ratio to the best peer is at most 1."""
+    ratios = _per_size(_summary(name), "vs_best_peer", fam)
+    sizes = sorted(ratios)
+    start = None
+    for n in reversed(sizes):
+        if ratios[n][0] > 1.0:
+            break
+        start = n
+    if start is None:
+        return "behind the best peer at the largest size"
+    held = [ratios[n][0] for n in sizes if n >= start]
+    return (f"at or ahead of the best peer from {_size(start)} to {_size(sizes[-1])} "
+            f"({min(held):.2f}{DASH}{max(held):.2f}{TIMES} its time)")
+
+
+def behind_below(name: str, fam: str) -> str:
+    """'within a-bx of the best peer below SIZE' for the sizes before ahead_from's."""
+    ratios = _per_size(_summary(name), "vs_best_peer", fam)
+    sizes = sorted(ratios)
+    ahead = [n for n in sizes if all(ratios[m][0] <= 1.0 for m in sizes if m >= n)]
+    below = [ratios[n][0] for n in sizes if not ahead or n < ahead[0]]
+    if not below:
+        return "ahead at every size"
+    edge = _size(ahead[0]) if ahead else "the largest size"
+    return f"{min(below):.2f}{DASH}{max(below):.2f}{TIMES} the best peer's time below {edge}"
+
+
+def limit_fraction(name: str, nbytes: int = 64 << 20) -> str:
+    """'N% of the limit at SIZE' (median over the jobs, with its range)."""
+    v = _summary(name)["best"]["limit_fraction"][f"all_reduce|{nbytes}"]
+    return f"{v[0]:.0%} of this machine's limit at {_size(nbytes)} ({v[1]:.0%}{DASH}{v[2]:.0%})"
+
+
+def loaded_worst(names: list[str], fam: str = "pycomm-api") -> str:
+    """'at most Rx the best peer's time under load': the largest median ratio over the
+    loaded summaries and sizes."""
+    worst = max(v[0] for name in names
+                for v in _per_size(_summary(name), "vs_best_peer", fam).values())
+    return f"{worst:.2f}{TIMES} the best peer's time"
+
+
+LOADED = [f"loaded-2r-fp32-{kind}{k}" for kind in ("cpu", "mem") for k in (1, 2, 4)]
+QUOTES: dict[str, Callable[[], str]] = {
+    "gloo speedup, 2 ranks": lambda: speedup_over("mpirun-2r-fp32-barrier", "gloo"),
+    "pycomm-api ahead, 2 ranks": lambda: ahead_from("mpirun-2r-fp32-barrier", "pycomm-api"),
+    "pycomm-api below, 2 ranks": lambda: behind_below("mpirun-2r-fp32-barrier", "pycomm-api"),
+    "pycomm-api ahead, 4 ranks": lambda: ahead_from("mpirun-4r-fp32-barrier", "pycomm-api"),
+    "limit, 2 ranks": lambda: limit_fraction("mpirun-2r-fp32-barrier"),
+    "loaded": lambda: loaded_worst(LOADED),
+}
+
+
+def all_quotes() -> dict[str, str]:
+    return {name: make() for name, make in QUOTES.items()}
+
+
+def main() -> None:
+    for name, text in all_quotes().items():
+        print(f"{name}: {text}")
+    print(f"# from {RESULTS.relative_to(ROOT)}: medians over each summary's jobs")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Markdown tables of a ``--jobs`` summary, every backend at its best (bench._best).
+
+    python -m bench.tables bench/results/i30/mpirun-2r-fp32-barrier.json [...]
+
+One table per summary and op: each family's best time (median [min-max] over the jobs,
+and which setting won most often), every pycomm entry's ratio to the best peer (below 1:
+pycomm faster), the A/A ratio (the job's noise floor), the limit busbw and pycomm's
+fraction of it (bench._limit). The README's figures and bench/README.md's tables come
+from here, from committed summaries only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench import _best
+
+SHORT = {"@unpinned": " unpinned"}
+
+DASH, TIMES = "\u2013", "\u00d7"  # the README's typography
+
+
+def _num(v: float) -> str:
+    return f"{v:.2f}" if v < 100 else f"{v:.0f}"
+
+
+def _cell(v: list[float] | None) -> str:
+    return "-" if v is None else f"{_num(v[0])} ({_num(v[1])}{DASH}{_num(v[2])})"
+
+
+def _winner(counts: dict[str, int] | None) -> str:
+    if not counts:
+        return ""
+    label = max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+    for k, v in SHORT.items():
+        label = label.replace(k, v)
+    return label
+
+
+def families(s: dict, op: str) -> list[str]:
+    """The families measured for ``op``, pycomm first, then the peers, A/A last."""
+    seen = {k.split("|")[1] for k in s["best"]["best_us"] if k.startswith(op + "|")}
+    mine = [f for f in seen if not _best.is_peer(f) and "#" not in f]
+    mine.sort(key=lambda f: (f != s["first"], f))
+    peers = [p for p in _best.PEERS if p in seen]
+    return mine + peers
+
+
+def sizes(s: dict, op: str) -> list[int]:
+    return sorted({int(k.split("|")[2]) for k in s["best"]["best_us"] if k.startswith(op + "|")})
+
+
+def table(s: dict, op: str) -> list[str]:
+    """One markdown table for ``op`` of summary ``s``."""
+    b, fams = s["best"], families(s, op)
+    mine = [f for f in fams if not _best.is_peer(f)]
+    head = ([f"{f} µs" for f in fams] + ["best peer (won)"]
+            + [f"{f} / best peer" for f in mine] + ["A/A", "limit busbw GB/s",
+                                                    f"{s['first']} / limit"])
+    lines = ["| size | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+    for n in sizes(s, op):
+        cells = []
+        for f in fams:
+            key = f"{op}|{f}|{n}"
+            won = _winner(b["best_won_by"].get(key)) if _best.is_peer(f) else ""
+            cells.append(_cell(b["best_us"].get(key)) + (f" {won}" if won else ""))
+        cells.append(_winner(b["best_peer_won_by"].get(f"{op}|{n}")))
+        cells += [_cell(b["vs_best_peer"].get(f"{op}|{f}|{n}")) for f in mine]
+        cells.append(_cell(b["aa"].get(f"{op}|{n}")))
+        lim = s["limit_busbw"].get(f"{op}|{n}")
+        cells.append(_num(lim[0]) if lim else "-")
+        cells.append(_cell(b["limit_fraction"].get(f"{op}|{n}")))
+        lines.append(f"| {_size(n)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("MB", 20), ("KB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def describe(s: dict) -> str:
+    """The line above a table: what ran, how it was timed, the machine's state."""
+    meta = s["meta"]
+    c2c = [r for pair in s["c2c"] for r in pair if r]
+    rt = [r["round_trip_ns"] for r in c2c]
+    states = sorted({r["state"] for r in c2c})
+    load = s.get("load") or {}
+    loaded = (f"load {load['per_cpu']} {load['kind']} process(es) per CPU"
+              if load.get("per_cpu") else "no added load")
+    prov = meta.get("provenance") or {}
+    return (f"{meta['nproc']} ranks, {meta['datatype']}, timing {meta.get('timing', 'barrier')}, "
+            f"{s['jobs']} fresh jobs, {loaded}; commit {prov.get('commit', '?')}; c2c round "
+            f"trip {min(rt, default=0):.0f}{DASH}{max(rt, default=0):.0f} ns "
+            f"({', '.join(states)}); "
+            f"load average {_loadavg(prov)}; #wrong {s['wrong']}")
+
+
+def _loadavg(prov: dict) -> str:
+    la = prov.get("loadavg")
+    return "?" if la is None else (" ".join(f"{v:.2f}" for v in la) if isinstance(la, list)
+                                   else str(la))
+
+
+def render(path: Path) -> list[str]:
+    s = json.loads(Path(path).read_text())
+    ops = sorted({k.split("|")[0] for k in s["best"]["best_us"]})
+    out = [f"#### {Path(path).stem}", "", describe(s), ""]
+    for op in ops:
+        if len(ops) > 1:
+            out += [f"{op}:", ""]
+        out += table(s, op) + [""]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.tables", description=__doc__.split("\n")[0])
+    p.add_argument("summaries", nargs="+", type=Path)
+    args = p.parse_args(argv)
+    for path in args.summaries:
+        print("\n".join(render(path)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Every peer at its best (--tuned), under competing load (--load), and the limit model."""
+
+import json
+import os
+
+import pytest
+
+from bench import _best, _gloo, _load
+from bench.collectives import main
+
+TINY = ["-b", "1K", "-e", "16K", "-f", "16", "-n", "2", "-w", "1", "--quiet"]
+
+
+def _row(backend, t, op="all_reduce", n=1024):
+    return {"op": op, "backend": backend, "bytes": n, "time_us": t}
+
+
+def _job(rows_by_run):
+    return [{"meta": {"nproc": 2}, "results": rows} for rows in rows_by_run]
+
+
+def test_families_take_every_setting_of_a_backend():
+    assert _best.family("gloo-1t@unpinned") == "gloo"
+    assert _best.family("mpi-nocma") == "mpi"
+    assert _best.family("deepspeed-api") == "deepspeed"
+    assert _best.family("pycomm-api@unpinned") == "pycomm-api"
+    assert _best.family("pycomm#2@unpinned") == "pycomm#2"
+    assert _best.family("torch-floor") == "torch-floor"
+
+
+def test_best_of_a_job_and_the_best_peer_name_what_won():
+    job = _job([[_row("pycomm", 4.0), _row("gloo", 300.0), _row("mpi", 3.0)],
+                [_row("pycomm@unpinned", 5.0), _row("gloo-1t@unpinned", 200.0),
+                 _row("mpi-nocma@unpinned", 2.0), _row("torch-floor", 0.5)]])
+    best = _best.best_of_job(job)
+    assert best[("all_reduce", "gloo", 1024)] == (200.0, "gloo-1t@unpinned")
+    assert best[("all_reduce", "pycomm", 1024)] == (4.0, "pycomm")
+    assert ("all_reduce", "torch-floor", 1024) not in best  # a floor, not a peer
+    assert _best.best_peer(best, "all_reduce", 1024) == (2.0, "mpi-nocma@unpinned")
+    s = _best.summarize([job, job, job], "pycomm")
+    assert s["vs_best_peer"]["all_reduce|pycomm|1024"][:3] == [2.0, 2.0, 2.0]
+    assert s["best_peer_won_by"]["all_reduce|1024"] == {"mpi-nocma@unpinned": 3}
+
+
+def test_competing_load_runs_pinned_and_is_gone_after():
+    with _load.competing(1, "mem") as pids:
+        assert len(pids) == len(os.sched_getaffinity(0))
+        for pid in pids:
+            assert len(os.sched_getaffinity(pid)) == 1  # pinned to its CPU
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(ValueError, match="load kind"), _load.competing(1, "disk"):
+        pass
+
+
+def test_tuned_loaded_run_times_every_setting_and_keeps_its_raw_files(tmp_path):
+    out = tmp_path / "s.json"
+    with pytest.raises(SystemExit) as done:
+        main(["--backends", "pycomm,gloo", "--ops", "all_reduce,all_gather", "--tuned",
+              "--load", "1", "--load-kind", "cpu", *TINY, "--out", str(out)])
+    assert done.value.code == 0
+    s = json.loads(out.read_text())
+    assert s["load"] == {"per_cpu": 1, "kind": "cpu"} and s["wrong"] == 0
+    [names] = s["runs"]
+    assert names == ["s.job1.json", "s.job1@unpinned.json"]
+    labels = set()
+    for name in names:
+        raw = json.loads((tmp_path / name).read_text())
+        assert raw["meta"]["wrong"] == 0 and raw["meta"]["load"]["per_cpu"] == 1
+        labels |= set(raw["meta"]["backends"])
+    assert labels == {f"{b}{pin}" for b in ("pycomm", "gloo", *_gloo.VARIANTS)
+                      for pin in ("", "@unpinned")}
+    for key, counts in s["best"]["best_won_by"].items():
+        assert set(counts) <= labels and sum(counts.values()) == 1, key
+    assert set(s["best"]["limit_fraction"]) == {f"{op}|{n}" for op in ("all_reduce", "all_gather")
+                                               for n in (1024, 16384)}
