@@ -5,6 +5,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=bench/results/i30
+mkdir -p "$OUT"
 PEERS_MPI=pycomm,pycomm-api,gloo,deepspeed,mpi
 PEERS_BF16=pycomm,pycomm-api,gloo,deepspeed   # MPI has no bfloat16 reductions
 run() {  # name, then bench.collectives flags
