@@ -215,10 +215,13 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     meta = metadata(args)  # load average before the run loads the machine
-    rows = summarize(args, run_jobs(args))
+    results = run_jobs(args)
+    rows = summarize(args, results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     flags = {k: str(v) if isinstance(v, (Path, Size)) else v for k, v in vars(args).items()}
-    args.out.write_text(json.dumps({**meta, "args": flags, "rows": rows}, indent=1))
+    # raw: per (model, layout, threads), per job, every rank's step seconds per round
+    raw = {"|".join(key): jobs for key, jobs in results.items()}
+    args.out.write_text(json.dumps({**meta, "args": flags, "rows": rows, "raw": raw}, indent=1))
     print_table(args, rows, meta)
     print(f"# wrote {args.out}", file=sys.stderr)
     return 0

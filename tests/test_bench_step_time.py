@@ -65,6 +65,8 @@ def test_every_layout_of_both_models(tmp_path: Path) -> None:
     assert doc["torch"] and doc["date"] and doc["cpu_count"] >= 1
     assert len(doc["loadavg"]) == 3
     assert set(doc["params"]) == {"gpt", "llama"} and min(doc["params"].values()) > 0
+    # the raw step times behind every row: per cell, per job, every rank's rounds
+    assert {tuple(k.split("|")) for k in doc["raw"]} == {key[:3] for key in rows}
 
 
 def test_default_threads_and_a_backend_subset(tmp_path: Path,
