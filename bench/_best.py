@@ -56,6 +56,21 @@ def best_peer(best: dict, op: str, nbytes: int) -> tuple[float, str] | None:
     return min(peers) if peers else None
 
 
+def over_floor(docs: list[dict], fam: str) -> dict[tuple[str, int], float]:
+    """{(op, bytes): µs} of ``fam`` over torch's dispatch floor (the torch-floor column)
+    inside each run of a job, the least over its runs (pinned, unpinned): what the
+    backend adds to torch's own cost per dist.all_reduce."""
+    out: dict[tuple[str, int], float] = {}
+    for doc in docs:
+        rows = {(r["op"], family(r["backend"]), r["bytes"]): r["time_us"]
+                for r in doc["results"]}
+        for (op, f, n), t in rows.items():
+            floor = rows.get((op, "torch-floor", n))
+            if f == fam and floor is not None:
+                out[(op, n)] = min(out.get((op, n), float("inf")), t - floor)
+    return out
+
+
 def _spread(values: list[float]) -> list[float]:
     return [statistics.median(values), min(values), max(values), len(values)]
 
@@ -76,7 +91,10 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
     peer_won: dict[str, dict[str, int]] = {}
     aa: dict[str, list[float]] = {}
     fraction: dict[str, list[float]] = {}
+    floor: dict[str, list[float]] = {}
     for docs in jobs:
+        for (op, n), extra in over_floor(docs, first).items():
+            floor.setdefault(f"{op}|{n}", []).append(extra)
         best, limits = best_of_job(docs), _job_limit(docs)
         world = docs[0]["meta"]["nproc"]
         for (op, fam, n), (t, label) in best.items():
@@ -103,5 +121,6 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
         "best_peer_won_by": peer_won,
         "aa": {k: _spread(v) for k, v in aa.items()},
         "limit_fraction": {k: _spread(v) for k, v in fraction.items()},
+        "over_floor_us": {k: _spread(v) for k, v in floor.items()},
     }
 

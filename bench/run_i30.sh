@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 30's tables: every peer at its best, 3 fresh jobs each, both timing modes, 2 and
-# 4 ranks, fp32 and bf16, and 2 ranks under load (K = 1, 2, 4 per CPU, cpu and mem).
+# 4 ranks, fp32 and bf16, 2 ranks under load (K = 1, 2, 4 per CPU, cpu and mem), and
+# small messages beside torch's dispatch floor.
 # Results (each job's raw JSON and the summary) go to bench/results/i30/.
 set -u
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ run() {  # name, then bench.collectives flags
     > "$OUT/$name.log" 2>&1 || echo "!! $name failed: see $OUT/$name.log"
 }
 FULL=(-b 1K -e 64M -f 4 -n 10 -w 3)
-for what in "${@:-main loaded}"; do
+for what in "${@:-main loaded small}"; do
   case $what in
     main)
       for np in 2 4; do
@@ -24,6 +25,9 @@ for what in "${@:-main loaded}"; do
         done
         run "spawn-${np}r-bf16-barrier" --nproc $np "${FULL[@]}" -d bfloat16 --backends $PEERS_BF16
       done ;;
+    small)  # below 4 KB, 200 iterations, with torch's dispatch floor timed as a column
+      run "small-2r-fp32" --nproc 2 -b 16 -e 4K -f 4 -n 200 -w 200 --timing b2b \
+        --backends pycomm,torch-floor,pycomm-api,gloo,deepspeed,mpi ;;
     loaded)
       for kind in cpu mem; do
         for k in 1 2 4; do

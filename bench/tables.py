@@ -56,9 +56,11 @@ def table(s: dict, op: str) -> list[str]:
     """One markdown table for ``op`` of summary ``s``."""
     b, fams = s["best"], families(s, op)
     mine = [f for f in fams if not _best.is_peer(f)]
+    floor = bool(b.get("over_floor_us"))
     head = ([f"{f} µs" for f in fams] + ["best peer (won)"]
             + [f"{f} / best peer" for f in mine] + ["A/A", "limit busbw GB/s",
-                                                    f"{s['first']} / limit"])
+                                                    f"{s['first']} / limit"]
+            + ([f"{s['first']} - torch floor µs"] if floor else []))
     lines = ["| size | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for n in sizes(s, op):
         cells = []
@@ -72,6 +74,8 @@ def table(s: dict, op: str) -> list[str]:
         lim = s["limit_busbw"].get(f"{op}|{n}")
         cells.append(_num(lim[0]) if lim else "-")
         cells.append(_cell(b["limit_fraction"].get(f"{op}|{n}")))
+        if floor:
+            cells.append(_cell(b["over_floor_us"].get(f"{op}|{n}")))
         lines.append(f"| {_size(n)} | " + " | ".join(cells) + " |")
     return lines
 

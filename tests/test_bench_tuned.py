@@ -75,3 +75,11 @@ def test_tuned_loaded_run_times_every_setting_and_keeps_its_raw_files(tmp_path):
         assert set(counts) <= labels and sum(counts.values()) == 1, key
     assert set(s["best"]["limit_fraction"]) == {f"{op}|{n}" for op in ("all_reduce", "all_gather")
                                                for n in (1024, 16384)}
+
+
+def test_over_floor_is_what_a_backend_adds_to_torch_in_the_same_run():
+    job = _job([[_row("pycomm", 6.0), _row("torch-floor", 4.5)],
+                [_row("pycomm@unpinned", 5.0), _row("torch-floor@unpinned", 4.5)]])
+    assert _best.over_floor(job, "pycomm") == {("all_reduce", 1024): 0.5}
+    assert _best.summarize([job] * 3, "pycomm")["over_floor_us"]["all_reduce|1024"][:3] == [
+        0.5, 0.5, 0.5]
