@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 
+from bench import _limit
 from bench._timing import busbw_factor
 
 PEERS = ("gloo", "mpi", "deepspeed")
@@ -76,9 +77,13 @@ def _spread(values: list[float]) -> list[float]:
 
 
 def _job_limit(docs: list[dict]) -> dict[tuple[str, int], float]:
-    """The job's limit busbw per (op, bytes): the main run's (it ran with every rank)."""
-    limits = docs[0].get("limit", {}).get("limit_busbw", {})
-    return {(op, int(n)): v for op, per in limits.items() for n, v in per.items()}
+    """The job's limit busbw per (op, bytes), recomputed from the main run's measured
+    rates by today's model (bench._limit)."""
+    limit = docs[0].get("limit")
+    if not limit or "local_gbs" not in limit:
+        return {}
+    cases = sorted({(r["op"], r["bytes"]) for r in docs[0]["results"]})
+    return _limit.limits_of_run(limit, cases, docs[0]["meta"]["nproc"])
 
 
 def summarize(jobs: list[list[dict]], first: str) -> dict:

@@ -97,6 +97,18 @@ def run_jobs(argv: list[str], args: argparse.Namespace) -> int:
     return failed
 
 
+def resummarize(path: Path) -> dict:
+    """A summary made again from the raw files it lists (by today's code: the limit model,
+    the best-of rules), written back in place."""
+    old = json.loads(path.read_text())
+    jobs = [[_load_doc(json.loads((path.parent / name).read_text()), "") for name in names]
+            for names in old["runs"]]
+    summary = summarize(jobs)
+    summary["runs"] = old["runs"]
+    path.write_text(json.dumps(summary, indent=1))
+    return summary
+
+
 def _load_run(path: Path, suffix: str, args: argparse.Namespace) -> dict:
     """One run's JSON, its backends relabelled by the run that made them, and the job's
     load recorded in it."""

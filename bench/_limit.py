@@ -1,27 +1,24 @@
-"""The limit column: the busbw an op could reach if every byte its schedule must move
-moved at the rate this machine sustains for that kind of byte, measured in the same job.
+"""The limit column: the busbw an op could reach if it moved only its least traffic per
+rank, each kind of byte at the best rate this machine sustained for it in the same job.
 
-Over shared memory, on ordinary (private) tensors, a rank's bytes are of three kinds:
+Over shared memory, on ordinary (private) tensors, a rank moves two kinds of bytes:
 
 - **tensor bytes** T: read its input, write its output, each byte once, in its own
-  memory: at the read-modify-write rate measured at this size with every rank running
-  (:func:`time_local`; a core's cache up to a few MiB, DRAM beyond);
-- **staged bytes** X: what a peer needs from this rank must first be written where the
-  peer can see it (a private tensor is not), once: cache-resident slots, at the local
-  rate of a cache-sized pass (MIN_TIMED_BYTES);
-- **peer bytes** X: what this rank needs from the others, read once from where they
-  staged it, at the c2c probe's core-to-core handoff rate (the better reading of the job;
-  ranks sharing a core share it).
+  memory, at the read-modify-write rate measured at this size with every rank running
+  (:func:`time_local`: a core's cache up to a few MiB, DRAM beyond);
+- **exchanged bytes** X: what it needs from the others' cores (a peer's part of its
+  chunk, a reduced chunk it gathers), at the c2c probe's core-to-core handoff rate (the
+  better reading of the job; ranks sharing a core share it). A peer must stage them
+  where this rank can see them (a private tensor is not), but those writes stay in
+  cache-resident slots and overlap the stream, as the ring's pipelining does.
 
-A core issues all three, so the least time is their sum. Each exchanged byte is staged
-once and read once: that is the ring's traffic (pycomm's schedule from
-``PYCOMM_DIRECT_BYTES``; below it the direct schedule moves as much at 2 ranks and more
-at 4, and latency rules there anyway). So ``pycomm / limit`` is how close pycomm comes to
-moving its least traffic at this machine's rates.
+The two can overlap (a core streams its tensor while lines arrive from the other), so
+the least time is the larger of T / local rate and X / handoff rate: a bound no schedule
+beats at these rates, not a model of one. ``pycomm / limit`` is how close pycomm comes.
 
 Least traffic per rank, S = the op's size (nccl-tests' S), w ranks:
 
-| op | tensor T (read + write) | exchanged X (staged here, read by a peer) |
+| op | tensor T (read + write) | exchanged X (from other cores) |
 |---|---|---|
 | all_reduce (in place) | S + S | 2 (w-1)/w S (reduce-scatter, then all-gather) |
 | reduce_scatter (S = input) | S + S/w | (w-1)/w S |
@@ -47,8 +44,7 @@ MIN_TIMED_BYTES = 1 << 20
 
 
 def least_traffic(op: str, nbytes: int, world: int) -> tuple[float, float]:
-    """(tensor bytes, exchanged bytes) of a rank for one op (module table); each
-    exchanged byte is staged once and read once by a peer."""
+    """(tensor bytes, exchanged bytes) of a rank for one op (module table)."""
     s, w = float(nbytes), world
     peers = (w - 1) / w * s
     model = {
@@ -63,22 +59,20 @@ def least_traffic(op: str, nbytes: int, world: int) -> tuple[float, float]:
 
 
 def least_bytes(op: str, nbytes: int, world: int) -> float:
-    """Every byte a rank reads or writes at least: tensor, staged and peer bytes."""
-    tensor, exchanged = least_traffic(op, nbytes, world)
-    return tensor + 2 * exchanged
+    """Every byte a rank reads or writes at least: its tensor's and those it receives."""
+    return sum(least_traffic(op, nbytes, world))
 
 
 def limit_seconds(op: str, nbytes: int, world: int, local_gbs: float, cache_gbs: float,
                   handoff_gbs: float | None, ranks_per_core: int = 1) -> float:
-    """The least time of one op: its tensor bytes at ``local_gbs`` (bytes read plus
-    written per second per rank at this size, every rank running), its staged bytes at
-    ``cache_gbs`` (the same, cache-resident) and its peer bytes at ``handoff_gbs`` shared
-    by ``ranks_per_core``. Without a handoff reading (one CPU), peer bytes at the cache
-    rate."""
+    """The least time of one op: the larger of its tensor bytes at ``local_gbs`` (bytes
+    read plus written per second per rank at this size, every rank running) and its
+    exchanged bytes at ``handoff_gbs`` shared by ``ranks_per_core``. Without a handoff
+    reading (one CPU: the ranks share its caches), the exchanged bytes at ``cache_gbs``,
+    the local rate of a cache-resident pass."""
     tensor, exchanged = least_traffic(op, nbytes, world)
     peer_gbs = handoff_gbs / ranks_per_core if handoff_gbs else cache_gbs
-    return (tensor / (local_gbs * GB) + exchanged / (cache_gbs * GB)
-            + exchanged / (peer_gbs * GB))
+    return max(tensor / (local_gbs * GB), exchanged / (peer_gbs * GB))
 
 
 def limit_busbw(op: str, nbytes: int, world: int, local_gbs: float, cache_gbs: float,
@@ -144,6 +138,22 @@ def time_one_core(sizes: list[int], iters: int, group) -> dict[int, float] | Non
                 times.append(time.perf_counter() - start)
             out[n] = 2 * timed_bytes(n) / statistics.median(times) / GB
     dist.barrier(group=group)
+    return out
+
+
+def limits_of_run(limit: dict, ops_sizes: list[tuple[str, int]], world: int
+                  ) -> dict[tuple[str, int], float]:
+    """The limit busbw at each (op, bytes) from a run's measured rates (its JSON's
+    ``limit``), by today's model: a summary recomputes it from the raw files. A row's
+    bytes may be rounded down from its sweep size; the rate timed at the smallest timed
+    size that holds it counts."""
+    local = {int(n): v for n, v in limit["local_gbs"].items()}
+    timed = sorted(local)
+    out = {}
+    for op, n in ops_sizes:
+        at = next((t for t in timed if t >= n), timed[-1])
+        out[(op, n)] = limit_busbw(op, n, world, local[at], limit["cache_gbs"],
+                                   limit.get("handoff_gbs"), limit.get("ranks_per_core", 1))
     return out
 
 

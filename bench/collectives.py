@@ -205,8 +205,8 @@ def report(args: argparse.Namespace, backends: list[str], gathered: list, skippe
         f"-c {args.check}; backends {','.join(backends)} interleaved per size in one job "
         f"(order alternating)\n# {timing}; algbw = S/t, busbw = algbw * factor, GB = 1e9; "
         "limit = the busbw if the op's least traffic per rank moved at the rates measured "
-        "in this job: its tensor's bytes at the local rate at that size, the bytes it "
-        "stages at the cache rate, the peers' bytes at the c2c handoff rate (bench._limit)"
+        "in this job: the larger of its tensor's bytes at the local rate at that size and "
+        "the bytes from other cores at the c2c handoff rate (bench._limit)"
     )
     for op in args.ops:
         mine = [r for r in rows if r["op"] == op]

@@ -124,8 +124,14 @@ def render(path: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.tables", description=__doc__.split("\n")[0])
     p.add_argument("summaries", nargs="+", type=Path)
+    p.add_argument("--rebuild", action="store_true",
+                   help="first make each summary again from the raw files it lists")
     args = p.parse_args(argv)
     for path in args.summaries:
+        if args.rebuild:
+            from bench._jobs import resummarize
+
+            resummarize(path)
         print("\n".join(render(path)))
 
 

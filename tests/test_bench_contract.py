@@ -92,21 +92,27 @@ def test_back_to_back_and_checked_modes_are_right_on_two_ranks(tmp_path):
 
 
 def test_limit_is_the_least_traffic_at_the_measured_rates():
-    # all_reduce at 2 ranks: 2 S of its own tensor, S staged and S read from the other
-    # core. S = 1e6 B: 2e6 B at 20 GB/s (100 us) + 1e6 B at 50 GB/s (20 us) + 1e6 B at
-    # 10 GB/s (100 us) = 220 us: busbw 1e6 / 220e-6 = 4.545 GB/s (factor 1 at 2 ranks).
+    # all_reduce at 2 ranks: 2 S of its own tensor and S from the other core. S = 1e6 B
+    # at 20 GB/s local (100 us) and 5 GB/s handoff (200 us): the handoff rules, busbw 5.
     assert _limit.least_traffic("all_reduce", 1_000_000, 2) == (2_000_000, 1_000_000)
-    assert _limit.least_bytes("all_reduce", 1_000_000, 2) == 4_000_000
-    assert _limit.limit_busbw("all_reduce", 1_000_000, 2, 20.0, 50.0, 10.0) == pytest.approx(
-        1 / 0.22)
-    # 4 ranks on 2 cores share the handoff: its 100 us becomes 200 us
-    assert _limit.limit_busbw("all_reduce", 1_000_000, 2, 20.0, 50.0, 10.0, 2) == pytest.approx(
-        1 / 0.32)
-    # no second CPU (no reading): the peer bytes at the cache rate
-    s = 1 << 20
-    t = (s / 4 + s) / 10e9 + 2 * (0.75 * s) / 40e9
-    assert _limit.limit_busbw("all_gather", s, 4, 10.0, 40.0, None) == pytest.approx(
-        s / t / 1e9 * 0.75)
+    assert _limit.least_bytes("all_reduce", 1_000_000, 2) == 3_000_000
+    assert _limit.limit_busbw("all_reduce", 1_000_000, 2, 20.0, 99.0, 5.0) == pytest.approx(5.0)
+    # a fast handoff: the local traffic rules (100 us), busbw 10
+    assert _limit.limit_busbw("all_reduce", 1_000_000, 2, 20.0, 99.0, 50.0) == pytest.approx(10.0)
+    # 4 ranks on 2 cores share the handoff: twice the time
+    assert _limit.limit_busbw("all_reduce", 1_000_000, 2, 20.0, 99.0, 5.0, 2) == pytest.approx(
+        2.5)
+    # no second CPU (no reading): the exchanged bytes at the cache rate
+    assert _limit.limit_busbw("all_reduce", 1_000_000, 2, 20.0, 5.0, None) == pytest.approx(5.0)
+
+
+def test_a_summary_recomputes_the_limit_from_the_raw_rates():
+    limit = {"local_gbs": {"1048576": 20.0, "4194304": 10.0}, "cache_gbs": 20.0,
+             "handoff_gbs": 50.0, "ranks_per_core": 1}
+    got = _limit.limits_of_run(limit, [("all_reduce", 1 << 20), ("all_gather", 4194300)], 2)
+    assert got[("all_reduce", 1 << 20)] == pytest.approx(10.0)  # 2 S at 20 GB/s
+    # 4194300 B (rounded down from 4 MiB) takes the 4 MiB rate: (S/2 + S) at 10 GB/s
+    assert got[("all_gather", 4194300)] == pytest.approx(10.0 / 1.5 * 0.5)
 
 
 def _doc(times: dict[str, float], backends: list[str], wrong: int = 0) -> dict:
