@@ -28,8 +28,8 @@ for what in "${@:-main loaded small}"; do
     small)  # below 4 KB, 200 iterations, with torch's dispatch floor timed as a column
       run "small-2r-fp32" --nproc 2 -b 16 -e 4K -f 4 -n 200 -w 200 --timing b2b \
         --backends pycomm,torch-floor,pycomm-api,gloo,deepspeed,mpi ;;
-    loaded)  # K = 1, 2, 4 of each kind, the smaller loads first
-      for k in 1 2 4; do
+    loaded)  # K = 1, 2, 4 of each kind, the smaller loads first (LOADS=... picks)
+      for k in ${LOADS:-1 2 4}; do
         for kind in cpu mem; do
           run "loaded-2r-fp32-$kind$k" --nproc 2 -b 1K -e 32M -f 32 -n 5 -w 2 \
             --backends $PEERS_MPI --load $k --load-kind $kind
