@@ -249,7 +249,8 @@ def format_summary(s: dict) -> list[str]:
             winner = _winner(s, op, n)
             if winner and BEST_MPI in backends:
                 cells[backends.index(BEST_MPI)] = cells[backends.index(BEST_MPI)][:-1] + winner
-            lim = s["limit_busbw"].get(f"{op}|{n}")
+            lim = (s.get("best") or {}).get("limit_busbw", {}).get(f"{op}|{n}") or \
+                s["limit_busbw"].get(f"{op}|{n}")
             lines.append(f"  {n:>10} " + "".join(f"| {c:>22} " for c in cells)
                          + "".join(f"| {c:>22} " for c in rat)
                          + (f"| {lim[0]:6.2f}" if lim else ""))

@@ -71,7 +71,7 @@ def table(s: dict, op: str) -> list[str]:
         cells.append(_winner(b["best_peer_won_by"].get(f"{op}|{n}")))
         cells += [_cell(b["vs_best_peer"].get(f"{op}|{f}|{n}")) for f in mine]
         cells.append(_cell(b["aa"].get(f"{op}|{n}")))
-        lim = s["limit_busbw"].get(f"{op}|{n}")
+        lim = b["limit_busbw"].get(f"{op}|{n}")
         cells.append(_num(lim[0]) if lim else "-")
         cells.append(_cell(b["limit_fraction"].get(f"{op}|{n}")))
         if floor:
