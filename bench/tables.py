@@ -111,9 +111,13 @@ def _loadavg(prov: dict) -> str:
 
 
 def render(path: Path) -> list[str]:
-    s = json.loads(Path(path).read_text())
+    return render_summary(json.loads(Path(path).read_text()), Path(path).stem)
+
+
+def render_summary(s: dict, name: str) -> list[str]:
+    """A summary's heading, its description line and one table per op."""
     ops = sorted({k.split("|")[0] for k in s["best"]["best_us"]})
-    out = [f"#### {Path(path).stem}", "", describe(s), ""]
+    out = [f"#### {name}", "", describe(s), ""]
     for op in ops:
         if len(ops) > 1:
             out += [f"{op}:", ""]

@@ -18,16 +18,46 @@ def test_readme_quotes_the_committed_results(name):
     assert text in README, f"README should say {text!r} ({name}; python -m bench.quotes)"
 
 
+def _summaries() -> list[Path]:
+    """The committed collective summaries (not their jobs' raw files, not step times)."""
+    found = sorted(p for p in quotes.RESULTS.glob("*.json")
+                   if ".job" not in p.name and not p.name.startswith("step_time"))
+    assert found, f"no summaries in {quotes.RESULTS}"
+    return found
+
+
 def test_every_summary_lists_raw_files_that_are_committed():
-    summaries = sorted(p for p in quotes.RESULTS.glob("*.json") if ".job" not in p.name)
-    assert summaries, f"no summaries in {quotes.RESULTS}"
-    for path in summaries:
+    for path in _summaries():
         s = json.loads(path.read_text())
         assert len(s["runs"]) == s["jobs"] >= 3, path
         for names in s["runs"]:
             for name in names:
                 raw = json.loads((path.parent / name).read_text())
                 assert raw["meta"]["provenance"]["commit"], (path, name)
+
+
+def test_bench_readme_tables_are_the_committed_summaries():
+    """Every table line bench.tables renders from a committed summary (remade from its
+    raw files) is in bench/README.md word for word."""
+    from bench import tables
+
+    text = (ROOT / "bench" / "README.md").read_text()
+    for path in _summaries():
+        copy = json.loads(path.read_text())
+        rebuilt = resummarize_copy(path, copy)
+        for line in tables.render_summary(rebuilt, path.stem):
+            assert line in text, f"bench/README.md lacks, from {path.name}: {line}"
+
+
+def resummarize_copy(path: Path, summary: dict) -> dict:
+    """The summary made again from its raw files, not written anywhere."""
+    from bench._jobs import _load_doc, summarize
+
+    jobs = [[_load_doc(json.loads((path.parent / n).read_text()), "") for n in names]
+            for names in summary["runs"]]
+    out = summarize(jobs)
+    out["runs"] = summary["runs"]
+    return out
 
 
 def test_headline_regenerates_from_committed_files(tmp_path):
