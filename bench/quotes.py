@@ -87,6 +87,16 @@ def over_floor(name: str, nbytes: int = 1024) -> str:
             f"({v[1]:.1f}{DASH}{v[2]:.1f})")
 
 
+def step_ratio(name: str = "step_time-1thread") -> str:
+    """'a-b x gloo's step time (N layouts x 2 models)': pycomm's training step over
+    gloo's, per (model, layout), from bench.step_time's committed results."""
+    doc = json.loads((RESULTS / f"{name}.json").read_text())
+    ratios = [r["pycomm_over_gloo"] for r in doc["rows"] if r.get("pycomm_over_gloo")]
+    cells = {(r["model"], r["layout"]) for r in doc["rows"] if r.get("pycomm_over_gloo")}
+    return (f"{min(ratios):.2f}{DASH}{max(ratios):.2f}{TIMES} gloo's step time "
+            f"({len(cells)} model-layout pairs)")
+
+
 def loaded_summaries() -> list[str]:
     """The committed loaded summaries' names (not their jobs' raw files)."""
     return sorted(p.stem for p in RESULTS.glob("loaded-*.json") if ".job" not in p.name)
@@ -117,6 +127,7 @@ QUOTES: dict[str, Callable[[], str]] = {
     "limit, 2 ranks": lambda: limit_fraction("mpirun-2r-fp32-barrier"),
     "loaded": loaded_worst,
     "over the floor": lambda: over_floor("small-2r-fp32"),
+    "training step": step_ratio,
 }
 
 
