@@ -185,9 +185,12 @@ def test_the_check_counts_a_backend_that_stops_writing_its_result(op, check, tim
 
 
 def test_time_grows_with_size(tmp_path):
-    """A 4 MB all_reduce takes longer than an 8 B one on every backend (minimum over the
-    iterations, the least noisy), and longer than its traffic at ``MAX_BYTES_PER_S``: a
-    backend that skipped the work, or a time in the wrong unit, fails."""
+    """A 4 MB all_reduce takes longer than an 8 B one on pycomm (minimum over the
+    iterations, the least noisy), and longer than its traffic at ``MAX_BYTES_PER_S`` on
+    every backend: a backend that skipped the work, or a time in the wrong unit, fails.
+    gloo's small calls are not compared: on a loaded VM its 8 B time is the wake-up of its
+    threads (0.2-9 ms here, bench/README.md), which can exceed its 4 MB time (CI saw 3.9 ms
+    against 2.4 ms)."""
     out = tmp_path / "sizes.json"
     backends = [b for b in _smoke_backends() if b in ("pycomm", "gloo")]
     main(["--backends", ",".join(backends), "--ops", "all_reduce", "-b", "8", "-e", "4M",
@@ -197,7 +200,8 @@ def test_time_grows_with_size(tmp_path):
     for b in backends:
         small, large = (min(r["times_us"]) for r in sorted(
             (r for r in doc["results"] if r["backend"] == b), key=lambda r: r["bytes"]))
-        assert large > small, (b, small, large)
+        if b != "gloo":
+            assert large > small, (b, small, large)
         assert large * 1e-6 > _limit.least_bytes("all_reduce", 4 << 20, 2) / MAX_BYTES_PER_S
 
 
