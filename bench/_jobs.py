@@ -97,14 +97,20 @@ def run_jobs(argv: list[str], args: argparse.Namespace) -> int:
     return failed
 
 
-def resummarize(path: Path) -> dict:
-    """A summary made again from the raw files it lists (by today's code: the limit model,
-    the best-of rules), written back in place."""
+def remake(path: Path) -> dict:
+    """A summary made again from the raw files it lists, by today's code (the limit
+    model, the best-of rules); nothing is written."""
     old = json.loads(path.read_text())
     jobs = [[_load_doc(json.loads((path.parent / name).read_text()), "") for name in names]
             for names in old["runs"]]
     summary = summarize(jobs)
     summary["runs"] = old["runs"]
+    return summary
+
+
+def resummarize(path: Path) -> dict:
+    """:func:`remake`, written back in place."""
+    summary = remake(path)
     path.write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -13,6 +13,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.tables import size_label as _size
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "i30"
 
@@ -21,13 +23,6 @@ DASH, TIMES = "\u2013", "\u00d7"  # the README's typography
 
 def _summary(name: str) -> dict:
     return json.loads((RESULTS / f"{name}.json").read_text())
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("MB", 20), ("KB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 def _per_size(s: dict, key: str, fam: str, op: str = "all_reduce") -> dict[int, list[float]]:

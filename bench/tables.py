@@ -76,11 +76,12 @@ def table(s: dict, op: str) -> list[str]:
         cells.append(_cell(b["limit_fraction"].get(f"{op}|{n}")))
         if floor:
             cells.append(_cell(b["over_floor_us"].get(f"{op}|{n}")))
-        lines.append(f"| {_size(n)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {size_label(n)} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _size(n: int) -> str:
+def size_label(n: int) -> str:
+    """1024 -> '1 KB', 65536 -> '64 KB', 16 -> '16 B'."""
     for unit, shift in (("MB", 20), ("KB", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift} {unit}"

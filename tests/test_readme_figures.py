@@ -40,24 +40,12 @@ def test_bench_readme_tables_are_the_committed_summaries():
     """Every table line bench.tables renders from a committed summary (remade from its
     raw files) is in bench/README.md word for word."""
     from bench import tables
+    from bench._jobs import remake
 
     text = (ROOT / "bench" / "README.md").read_text()
     for path in _summaries():
-        copy = json.loads(path.read_text())
-        rebuilt = resummarize_copy(path, copy)
-        for line in tables.render_summary(rebuilt, path.stem):
+        for line in tables.render_summary(remake(path), path.stem):
             assert line in text, f"bench/README.md lacks, from {path.name}: {line}"
-
-
-def resummarize_copy(path: Path, summary: dict) -> dict:
-    """The summary made again from its raw files, not written anywhere."""
-    from bench._jobs import _load_doc, summarize
-
-    jobs = [[_load_doc(json.loads((path.parent / n).read_text()), "") for n in names]
-            for names in summary["runs"]]
-    out = summarize(jobs)
-    out["runs"] = summary["runs"]
-    return out
 
 
 def test_headline_regenerates_from_committed_files(tmp_path):
