@@ -12,6 +12,7 @@ import torch
 from parallel.compose.mesh import ParallelMesh
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+OFFLOADS = ("none", "cpu", "disk")
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _NAME = {v: k for k, v in _COMPUTE.items()}
 
@@ -44,6 +45,11 @@ class ParallelConfig:
         loss_scale: fp16's dynamic loss scaling: the initial scale, halved on an
             overflow (the step is skipped) and doubled after ``loss_scale_window``
             steps without one.
+        offload: ZeRO-3's units (shards, fp32 masters, Adam state) kept in files under
+            ``offload_dir`` (``"disk"``) or in host memory (``"cpu"``), read
+            ``offload_prefetch`` units ahead and stepped unit by unit in backward
+            (:mod:`parallel.zero.offload`). Needs zero=3, dp only, one micro-batch,
+            fp32, Adam(W) and no clipping (``max_grad_norm=None``).
     """
 
     sequence_parallel: bool = False
@@ -64,6 +70,9 @@ class ParallelConfig:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
+    offload: str = "none"
+    offload_dir: str = ""
+    offload_prefetch: int = 2
 
     def check(self, mesh: ParallelMesh) -> None:
         """Raises ValueError for combinations that cannot work, naming them."""
@@ -87,6 +96,36 @@ class ParallelConfig:
         if not self.reduce_dtype.is_floating_point:
             raise ValueError(f"parallelize: reduce_dtype must be a floating dtype, got "
                              f"{self.reduce_dtype}")
+        self._check_offload(mesh)
+
+    def _check_offload(self, mesh: ParallelMesh) -> None:
+        """Offload steps each unit in backward, from its record: what needs a whole
+        gradient first, or another sharding, cannot run with it."""
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"parallelize: offload must be one of {OFFLOADS}, got "
+                             f"{self.offload!r}")
+        if self.offload == "none":
+            return
+        refused = [
+            (self.zero != 3, f"zero={self.zero} (offload moves ZeRO-3's units: zero=3)"),
+            (mesh.size("tp") > 1, f"tp={mesh.size('tp')} (offload shards over dp only)"),
+            (mesh.size("pp") > 1, f"pp={mesh.size('pp')} (offload shards over dp only)"),
+            (self.microbatches != 1, f"microbatches={self.microbatches} (each backward "
+             "steps the units: gradients cannot accumulate)"),
+            (self.max_grad_norm is not None, f"max_grad_norm={self.max_grad_norm} (the "
+             "norm needs every unit's gradient before any unit steps; set None)"),
+            (self.precision not in (None, "fp32"), f"precision={self.precision!r} (records "
+             "hold fp32 masters only)"),
+            (self.optimizer not in (torch.optim.Adam, torch.optim.AdamW),
+             f"optimizer={self.optimizer.__name__} (records hold Adam's two moments)"),
+            (self.offload == "disk" and not self.offload_dir, "offload_dir='' (disk "
+             "needs a directory)"),
+            (self.offload_prefetch < 0, f"offload_prefetch={self.offload_prefetch} (>= 0)"),
+        ]
+        named = [what for bad, what in refused if bad]
+        if named:
+            raise ValueError(f"parallelize: offload={self.offload!r} cannot run with "
+                             + "; ".join(named))
 
     def compute_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype forward and backward run in (the model's own when unset)."""

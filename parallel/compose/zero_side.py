@@ -28,6 +28,8 @@ from parallel.compose.mesh import ParallelMesh
 from parallel.compose.optim_groups import ensure_state
 from parallel.zero import ZeroOptimizer, shard_model
 from parallel.zero.checkpoint import owned_pieces, state_slices
+from parallel.zero.offload import OffloadConfig
+from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD
 
 # (parameter, its shape, flat start, master values, optimizer state tensors, scalar state)
 Piece = tuple[nn.Parameter, torch.Size, int, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]
@@ -61,9 +63,16 @@ class ZeroPlan:
         self.mesh, self.zero, self.copies = mesh, config.zero, copies
         group = mesh.group("dp")
         by_name = _groups_by_name(stage_module, config.weight_decay)
+        self.offload = None
         if config.zero == 3:
+            offload = None if config.offload == "none" else OffloadConfig(
+                config.offload, config.offload_dir, config.offload_prefetch)
+            # offloaded, no unit stays gathered: a persistent one grows with the depth
+            threshold = DEFAULT_PERSISTENCE_THRESHOLD if offload is None else 0
             shard_model(stage_module, group, unit_modules=unit_modules,
-                        never_persistent=never_persistent, materialize=materialize)
+                        persistence_threshold=threshold, never_persistent=never_persistent,
+                        materialize=materialize, offload=offload)
+            self.offload = stage_module.__dict__["zero3"].offload
         named = dict(stage_module.named_parameters())
         zero3: Any = stage_module.__dict__.get("zero3")
         if zero3 is not None:  # the parameters as stage 3 keeps them (made from meta there)
@@ -88,6 +97,9 @@ class ZeroPlan:
         self.optimizer.zero_grad(set_to_none=True)
 
     def grad_parts(self) -> list[tuple[torch.Tensor, float]]:
+        if self.offload is not None:  # the shards are gone: the sum of their squares
+            local = torch.tensor([self.offload.grad_square_sum], dtype=torch.float64)
+            return [(local.sqrt(), 1.0)]
         return [(part, 1.0 / self.copies(self.params[i]))
                 for i, part in self.optimizer.grad_parts()]
 
@@ -102,6 +114,9 @@ class ZeroPlan:
         """For checkpoints: this rank's flat range of each parameter it owns elements
         of, with the master values and optimizer state there (views of the shards)."""
         opt = self.optimizer
+        if self.offload is not None:
+            raise ValueError("checkpoint: offloaded ZeRO-3 keeps its state in the unit "
+                             "store; checkpoints of an offloaded job are not supported")
         ensure_state(opt.optimizer)
         shapes, out = opt.param_shapes(), []
         for i, k, lo, hi, at in owned_pieces(opt):

@@ -76,6 +76,12 @@ class TrainConfig:
                       "(0: dp * tp * pp)")
     threads: int = _opt("parallel", 1, "torch threads per rank (ranks share the cores; "
                         "more than the free cores makes every op spin)")
+    offload: str = _opt("parallel", "none", "ZeRO-3 offload of each unit's shard, fp32 "
+                        "master and Adam state: disk (files in --offload-dir) or cpu (host "
+                        "memory); needs --zero 3, dp only and --max-grad-norm 0",
+                        ("none", "cpu", "disk"))
+    offload_dir: str = _opt("parallel", "", "where --offload disk keeps one file per rank")
+    offload_prefetch: int = _opt("parallel", 2, "units --offload reads ahead of use")
     # [checkpoint]
     ckpt_dir: str = _opt("checkpoint", "", "where checkpoints go (step_<N> folders)")
     ckpt_every: int = _opt("checkpoint", 0, "save every K steps (0: never)")

@@ -28,6 +28,8 @@ def parallel_config(cfg: TrainConfig) -> ParallelConfig:
         optimizer_kwargs={"lr": cfg.lr, "betas": (0.9, 0.95)},
         weight_decay=cfg.weight_decay, seed=cfg.seed, precision=cfg.precision,
         bucket_mb=cfg.bucket_mb,
+        offload=cfg.offload, offload_dir=cfg.offload_dir,
+        offload_prefetch=cfg.offload_prefetch,
         lr_lambda=WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
 
 

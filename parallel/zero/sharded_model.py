@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from parallel.zero import zero_comms as comms
+from parallel.zero.offload import OffloadConfig, UnitOffload
 from parallel.zero.shard_layout import ShardLayout
 from parallel.zero.slot_pool import SlotPool
 from parallel.zero.unit_grads import UnitGradReducer
@@ -54,7 +55,8 @@ class ShardedModel:
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None,
                  unit_modules: Iterable[nn.Module] | None, persistence_threshold: int,
                  never_persistent: Iterable[str] = (),
-                 materialize: Callable[[list[str]], None] | None = None):
+                 materialize: Callable[[list[str]], None] | None = None,
+                 offload: OffloadConfig | None = None):
         self.model, self.group = model, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._materialize = materialize
@@ -75,9 +77,13 @@ class ShardedModel:
         self.layout = ShardLayout.from_groups([p.numel() for p in self.params], groups,
                                               self.world, self.rank, self.dtype)
         self.pool = SlotPool(group)
-        self.masters = Arena.for_group(self.layout.shard_numel, self.dtype, group)
         self.units = [Unit(k, plan, [self.params[i] for i in ids], ids, self.layout, k)
                       for k, (plan, ids) in enumerate(zip(plans, groups, strict=True))]
+        # offloaded: the masters live in the unit store, not in memory
+        self.offload = None if offload is None else UnitOffload(
+            offload, self.units, self.dtype, self._device(), self.rank)
+        self.masters = None if offload else Arena.for_group(self.layout.shard_numel,
+                                                            self.dtype, group)
         self.unit_of = {i: u for u in self.units for i in u.ids}
         self._ext = _extension()
         self._empty = torch.empty(0, dtype=self.dtype)
@@ -94,6 +100,10 @@ class ShardedModel:
         self.reducer = UnitGradReducer(self)
 
     # -- construction ------------------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        real = [p.device for p in self.params if not p.is_meta]
+        return real[0] if real else torch.device("cpu")
 
     def _materialized(self, u: Unit) -> None:
         """A model built on the meta device gets ``u``'s weights now, just before they
@@ -117,8 +127,14 @@ class ShardedModel:
                     if self._materialize is not None:  # made here: freed here, not after all
                         p.data = torch.empty(0, dtype=p.dtype)
                 dist.broadcast(full, src=comms.src_rank(self.group), group=self.group)
-                view = self.masters.allocate(u.shard_numel)
-                view.copy_(full[self.rank * u.shard_numel : (self.rank + 1) * u.shard_numel])
+                mine = full[self.rank * u.shard_numel : (self.rank + 1) * u.shard_numel]
+                if self.offload is not None:  # the shard goes to the store; none in memory
+                    self.offload.write_initial(u, mine)
+                    view = torch.empty(0, dtype=self.dtype)
+                else:
+                    assert self.masters is not None
+                    view = self.masters.allocate(u.shard_numel)
+                    view.copy_(mine)
                 u.shard = nn.Parameter(view)
                 u.shard.zero3 = (self, u.index)  # type: ignore[attr-defined]
                 u.comm_shard = view
@@ -153,6 +169,9 @@ class ShardedModel:
         (the shards stay the master copy, in the parameters' dtype)."""
         if any(u.bound or u.pending is not None for u in self.units):
             raise RuntimeError("set_precision: call it before the first forward")
+        if self.offload is not None:
+            raise ValueError("offload: mixed precision is not supported (the records hold "
+                             "fp32 masters only); compute in the parameters' dtype")
         self.compute_dtype = compute_dtype
         self.reducer.set_reduce_dtype(reduce_dtype)
         if compute_dtype != self.dtype:
@@ -165,6 +184,7 @@ class ShardedModel:
     def shard_views(self, arena: Arena) -> list[torch.Tensor]:
         """Each unit's shard in ``arena`` (of any dtype), at the masters' offsets."""
         views = []
+        assert self.masters is not None, "offloaded shards have no arena"
         for u in self.units:
             at = self.masters.offset_of(u.shard.detach())
             views.append(arena.buffer[at : at + u.shard_numel])
@@ -183,6 +203,9 @@ class ShardedModel:
 
     def _begin_forward(self, _module: nn.Module, args: Any, kwargs: Any) -> Any:
         self.adopt_model_writes()
+        if self.offload is not None:
+            persistent = [u.index for u in self.units if u.persistent]
+            self.offload.begin_pass(False, persistent + (self.order or []))
         if self._persistent_stale:
             for u in self.units:
                 if u.persistent:
@@ -203,6 +226,8 @@ class ShardedModel:
         if self.order is None and torch.is_grad_enabled():
             self._recording.append(u.index)
         self.bind(u)
+        if self.offload is not None:
+            self.offload.ahead(u)
         self._prefetch(u, +1)
 
     def _post_forward(self, u: Unit, output: Any) -> None:
@@ -223,11 +248,15 @@ class ShardedModel:
         if self.order is None:
             self.order = list(dict.fromkeys(self._recording))
             self._position = {index: j for j, index in enumerate(self.order)}
+        if self.offload is not None and not self.offload.backward:
+            self.offload.begin_pass(True, self.backward_unit_order())
         self.reducer.begin_backward()
 
     def _pre_backward(self, u: Unit) -> None:
         self._begin_backward()
         self.bind(u)
+        if self.offload is not None:
+            self.offload.ahead(u)
         self._prefetch(u, -1)
 
     def backward_unit_order(self) -> list[int]:
@@ -242,6 +271,8 @@ class ShardedModel:
     def _prefetch(self, u: Unit, step: int) -> None:
         if self.order is None or u.index not in self._position:
             return
+        if self.offload is not None and self.offload.depth == 0:
+            return  # depth 0: nothing is read (so nothing gathered) ahead of its use
         j = self._position[u.index] + step
         if 0 <= j < len(self.order):
             nxt = self.units[self.order[j]]
@@ -252,6 +283,8 @@ class ShardedModel:
     def _gather_into_slot(self, u: Unit) -> None:
         if u.slot is None:
             u.slot = self.pool.take(u.full_numel, self.compute_dtype)
+        if self.offload is not None:
+            u.comm_shard = self.offload.master(u)
         u.pending = comms.gather_unit(u.slot, u.comm_shard, self.group)
         self.stats["gathers"] += 1
         gathered = sum(v.slot is not None for v in self.units)
@@ -262,8 +295,7 @@ class ShardedModel:
         if u.pending is None and not u.bound:
             self._gather_into_slot(u)
         if u.pending is not None:
-            u.pending.wait()
-            u.pending = None
+            self._gathered(u)
         if u.bound:
             return
         assert u.slot is not None
@@ -272,11 +304,16 @@ class ShardedModel:
             p.data = home
         u.bound = True
 
+    def _gathered(self, u: Unit) -> None:
+        u.pending.wait()
+        u.pending = None
+        if self.offload is not None:
+            self.offload.gathered(u)
+
     def release(self, u: Unit) -> None:
         """Free ``u``'s gathered parameters (the slot goes back to the pool)."""
         if u.pending is not None:  # prefetched but never used
-            u.pending.wait()
-            u.pending = None
+            self._gathered(u)
         for home, p in zip(u.homes, u.params, strict=True):
             self._ext.unbind_storage(home)
             p.data = self._empty
@@ -327,7 +364,8 @@ class ShardedModel:
         out: dict[str, torch.Tensor] = {}
         for u in self.units:
             full = torch.empty(u.full_numel, dtype=self.dtype)
-            comms.gather_unit(full, u.shard.detach(), self.group).wait()
+            shard = u.shard.detach() if self.offload is None else self.offload.read_master(u)
+            comms.gather_unit(full, shard, self.group).wait()
             for j, name in enumerate(u.names):
                 out[name] = u.piece(full, j).view_as(u.homes[j]).clone()
         for name, t in self.model.state_dict(keep_vars=True).items():
@@ -340,7 +378,8 @@ def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None
                 unit_modules: Iterable[nn.Module] | None = None,
                 persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
                 never_persistent: Iterable[str] = (),
-                materialize: Callable[[list[str]], None] | None = None) -> nn.Module:
+                materialize: Callable[[list[str]], None] | None = None,
+                offload: OffloadConfig | None = None) -> nn.Module:
     """Shard ``model``'s parameters for ZeRO stage 3 (in place; collective).
 
     Args:
@@ -352,6 +391,8 @@ def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None
         never_persistent: parameter names kept in their module's unit whatever their size.
         materialize: for a model on the meta device: ``materialize(names)`` gives those
             parameters their weights; called unit by unit just before each is sharded.
+        offload: keep each unit's shard, fp32 master and optimizer state in a unit store
+            (:mod:`parallel.zero.offload`), stepped unit by unit in backward.
 
     Returns:
         ``model``, whose ``parameters()`` are now the shards; its machinery is
@@ -364,5 +405,6 @@ def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None
     if "zero3" in model.__dict__:
         raise ValueError("shard_model: this model is already sharded")
     model.__dict__["zero3"] = ShardedModel(model, process_group, unit_modules,
-                                           persistence_threshold, never_persistent, materialize)
+                                           persistence_threshold, never_persistent, materialize,
+                                           offload)
     return model

@@ -97,6 +97,7 @@ class Stage3Shards:
         self.params, self.layout = engine.params, engine.layout
         self.shard_params = [u.shard for u in engine.units]  # layout order
         self.flat = engine.masters
+        self.offload = engine.offload  # None, or units stepped in backward from their store
 
     @property
     def grads(self) -> Any:
@@ -138,11 +139,12 @@ class Stage3Shards:
         (gathered parameters, including the persistent unit, and gradients being
         reduced)."""
         comm = getattr(self.engine, "comm_arena", None)
-        masters = self.flat.stats()["reserved_bytes"]
+        masters = self.flat.stats()["reserved_bytes"] if self.flat is not None else 0
+        grads = self.grads.stats()["reserved_bytes"] if self.grads is not None else 0
         return {
             "param_bytes": comm.stats()["reserved_bytes"] if comm else masters,
             "master_bytes": masters if comm else 0,
-            "grad_bytes": self.grads.stats()["reserved_bytes"],
+            "grad_bytes": grads,
             "optimizer_state_bytes": state_bytes,
             "bucket_bytes": self.engine.pool.stats()["reserved_bytes"],
             "bucket_peak_bytes": self.engine.pool.stats()["peak_bytes"],

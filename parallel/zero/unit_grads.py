@@ -6,7 +6,9 @@ gradient, the gathered parameters are freed and (through the :class:`Bucketer`, 
 rank issues the same collectives in the same order) the buffer is reduce-scattered
 straight into the gradient of this rank's shard. At most ``MAX_IN_FLIGHT``
 buffers are being reduced at once; a rank holds ``1/world`` of the gradients plus
-those.
+those. Offloaded (:mod:`parallel.zero.offload`), a unit's shard lands in a buffer of its
+own and is handed to the unit's optimizer step as soon as its reduce-scatter is done;
+the rank then holds no gradient between units.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class UnitHost(Protocol):
     units: list[Unit]
     unit_of: dict[int, Unit]
     pool: SlotPool
+    offload: Any
 
     def backward_unit_order(self) -> list[int]: ...
 
@@ -64,7 +67,7 @@ class UnitGradReducer:
         self._slots: dict[int, torch.Tensor] = {}  # unit index -> its gradient buffer
         self._got = [False] * len(engine.params)
         self._seen = [0] * len(engine.units)
-        self._in_flight: deque[tuple[Any, torch.Tensor]] = deque()
+        self._in_flight: deque[tuple[Any, torch.Tensor, Unit, torch.Tensor]] = deque()
         self._landed: list[tuple[Unit, torch.Tensor]] = []  # reduced outside the master grads
         self._scratch: Arena | None = None
         self.fresh = True  # the next backward overwrites the master gradients
@@ -74,6 +77,10 @@ class UnitGradReducer:
     def set_reduce_dtype(self, dtype: torch.dtype) -> None:
         """Reduce in ``dtype``; the reduced shards (``shard_grads``, one per unit) too."""
         self.reduce_dtype = dtype
+        if self.engine.offload is not None:  # each unit's shard exists only for its step
+            self.grads: Arena | None = None
+            self.shard_grads: list[torch.Tensor] = []
+            return
         self.grads = Arena(self.engine.layout.shard_numel, dtype)
         self.shard_grads = self.engine.shard_views(self.grads)
 
@@ -106,9 +113,12 @@ class UnitGradReducer:
         return self._slots[u.index]
 
     def _recycle_oldest(self) -> None:
-        work, slot = self._in_flight.popleft()
+        work, slot, u, out = self._in_flight.popleft()
         work.wait()
         self.engine.pool.give(slot)
+        if self.engine.offload is not None:
+            divide = self.engine.world if self._divide_after else 1
+            self.engine.offload.step_unit(u, out, divide)
 
     # -- per unit --------------------------------------------------------------------------------
 
@@ -122,11 +132,15 @@ class UnitGradReducer:
         out = self._destination(u)
         work = comms.reduce_scatter_bucket(out, slot, self._op, self.engine.group)
         del self._slots[u.index]
-        self._in_flight.append((work, slot))
+        self._in_flight.append((work, slot, u, out))
         return work
 
     def _destination(self, u: Unit) -> torch.Tensor:
-        """The unit's reduced shard itself, unless this backward accumulates into it."""
+        """The unit's reduced shard itself, unless this backward accumulates into it
+        (offloaded: a buffer for this unit's step alone)."""
+        if self.engine.offload is not None:
+            return torch.empty(u.shard_numel, dtype=self.reduce_dtype)
+        assert self.grads is not None
         mine = self.shard_grads[u.index]
         if self.fresh:
             return mine
@@ -146,6 +160,11 @@ class UnitGradReducer:
         while self._in_flight:
             self._recycle_oldest()
         self.engine.release_all()
+        if self.grads is None:  # offloaded: every unit has stepped already
+            self.fresh = True
+            self._got = [False] * len(self._got)
+            self._seen = [0] * len(self._seen)
+            return
         if self._divide_after:  # no AVG on this backend: the sum, divided once
             reduced = [self.grads.buffer] if self.fresh else [out for _, out in self._landed]
             for t in reduced:
@@ -158,5 +177,6 @@ class UnitGradReducer:
         self.fresh = False
 
     def zero_grad(self) -> None:
-        self.grads.buffer.zero_()
+        if self.grads is not None:
+            self.grads.buffer.zero_()
         self.fresh = True

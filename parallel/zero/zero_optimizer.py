@@ -23,6 +23,7 @@ from torch import nn
 from parallel.tensor.sharding import model_parallel_groups, replicated_copies
 from parallel.zero import optimizer_state
 from parallel.zero.flat_shards import FlatShards
+from parallel.zero.offload_step import unit_stepper
 from parallel.zero.param_groups import (
     Piece,
     check_params,
@@ -111,6 +112,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(groups, dict(self.optimizer.defaults))
         self._frozen = True  # the layout is fixed: no group can be added later
         self.state = self.optimizer.state
+        self.offload = getattr(self._shards, "offload", None)
+        if self.offload is not None:  # stage 3 offloaded: each unit steps in backward
+            self.offload.stepper = unit_stepper(self.optimizer, self.pieces,
+                                                self.piece_params, self._copy_options)
 
     def _make_piece_params(self) -> list[nn.Parameter]:
         """The inner optimizer's parameters: each piece of a master shard (the shard
@@ -200,7 +205,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._shards.adopt_model_writes()
         self._copy_options()
-        step_on_masters(self.optimizer, self.piece_params, self._piece_grads())
+        if self.offload is None:  # offloaded, every unit stepped in backward already
+            step_on_masters(self.optimizer, self.piece_params, self._piece_grads())
         self._shards.publish_shards()
         return loss
 
@@ -250,6 +256,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def grad_parts(self) -> list[tuple[int, torch.Tensor]]:
         """(index in :attr:`params`, the part of this rank's reduced gradient that is that
         parameter's), for every parameter this rank owns elements of."""
+        self._refuse_offload("grad_parts (and clip_grad_norm_)")
         parts = []
         layout, grads = self.layout, self.shard_grads
         for k, bucket in enumerate(layout.buckets):
@@ -302,6 +309,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         instead: they store each parameter whole, as every rank's chunks of it
         (torch.distributed.checkpoint), by parameter name.
         """
+        self._refuse_offload("state_dict")
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self._shards.adopt_model_writes()  # masters of weights loaded since the last step
@@ -327,6 +335,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ValueError: the state is not a ZeroOptimizer's, or is from another world size,
                 rank, stage, precision, optimizer class, layout or grouping.
         """
+        self._refuse_offload("load_state_dict")
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         optimizer_state.check(self._signature(), state_dict)
@@ -342,6 +351,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._shards.adopt_model_writes()  # what publishing wrote is the optimizer's own
         for post in self._optimizer_load_state_dict_post_hooks.values():
             post(self)
+
+    def _refuse_offload(self, what: str) -> None:
+        if self.offload is not None:
+            raise RuntimeError(f"ZeroOptimizer.{what}: offloaded units step in backward, as "
+                               "soon as their gradient is reduced; no gradient or state "
+                               "stays in memory to clip, measure or save")
 
     def _signature(self) -> dict[str, Any]:
         return optimizer_state.signature(self.stage, self.world, self.rank, self.precision,

@@ -1,0 +1,261 @@
+"""ZeRO-Infinity offload for stage 3: each unit's shard, fp32 master and optimizer state live
+in a :mod:`unit store <parallel.zero.unit_store>` and are in memory only around their use.
+
+The stage-3 engine (:class:`ShardedModel`) asks :class:`UnitOffload` for a unit's master
+before it gathers the unit. In forward only the master is read, and dropped once the
+gather has finished; in backward the whole record (master and optimizer state) is read,
+kept until the unit's gradient shard has been reduce-scattered, then the unit's optimizer
+step runs on it at once (:meth:`UnitOffload.step_unit`), and the record is written back
+and dropped. So no whole gradient and no whole optimizer state exist at any time. Reads
+run ``prefetch`` units ahead of use on background I/O threads (the forward order, and
+the backward order, are the ones the first step recorded), so they overlap compute.
+
+What is held at once is a few records (``prefetch`` ahead, the unit in use, those whose
+reduction is in flight and up to :data:`MAX_WRITES` being written), whatever the depth of
+the model. The optimizer's step counters (scalars) stay in memory.
+
+The step of a unit is the inner optimizer's own ``step()``, given only that unit's pieces
+(the others have no ``.grad`` and are skipped), with their state tensors pointed into the
+record: the same per-element arithmetic, in the same dtype, as the in-memory ZeRO-3 step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from parallel.zero.unit_store import FileUnitStore, HostUnitStore, Record, RecordLayout
+from parallel.zero.units import Unit
+
+KINDS = ("cpu", "disk")
+STATE_FIELDS = ("exp_avg", "exp_avg_sq")  # Adam's and AdamW's state, beside the master
+MAX_WRITES = 2  # write-backs in flight before the next one waits for the oldest
+IO_THREADS = 2
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Offload of stage 3's units.
+
+    Args:
+        kind: ``"disk"`` (files under ``directory``) or ``"cpu"`` (host memory, for a
+            model on a GPU; on a CPU the same pipeline with records in host memory).
+        directory: where ``disk`` keeps one file per rank.
+        prefetch: units read ahead of use (0: each is read when it is needed).
+    """
+
+    kind: str
+    directory: str = ""
+    prefetch: int = 2
+
+    def check(self) -> None:
+        """Raises ValueError for an unknown kind, ``disk`` without a directory, or a
+        negative prefetch depth."""
+        if self.kind not in KINDS:
+            raise ValueError(f"offload: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "disk" and not self.directory:
+            raise ValueError("offload: 'disk' needs a directory (offload_dir)")
+        if self.prefetch < 0:
+            raise ValueError(f"offload: prefetch must be >= 0, got {self.prefetch}")
+
+
+class UnitOffload:
+    """Which units are in memory, their reads ahead and writes back, and their steps.
+
+    Args:
+        units: the engine's units; ``dtype``: the masters' dtype; ``device``: where the
+            units compute; ``rank``: this rank (names its file).
+    """
+
+    def __init__(self, config: OffloadConfig, units: list[Unit], dtype: torch.dtype,
+                 device: torch.device, rank: int):
+        config.check()
+        self.config, self.units, self.device = config, units, device
+        self.depth = config.prefetch
+        fields = ("master", *STATE_FIELDS)
+        self.layouts = [RecordLayout(u.shard_numel, dtype, fields) for u in units]
+        self.store: FileUnitStore | HostUnitStore = (
+            FileUnitStore(config.directory, rank, self.layouts) if config.kind == "disk"
+            else HostUnitStore(self.layouts))
+        self._lock = threading.Lock()
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="zero-offload")
+        self._records: dict[int, Record] = {}  # in memory (or being read)
+        self._reads: dict[int, Future[None]] = {}
+        self._writes: deque[tuple[int, Future[None], Record]] = deque()
+        self._writing: dict[int, Future[None]] = {}
+        self._free: dict[int, list[Record]] = {}  # by size: buffers to reuse
+        self.backward = False  # reads bring the whole record (its step follows)
+        self.sequence: list[int] = []  # unit indices in the order of the current pass
+        self.stepper: Callable[[Unit, torch.Tensor, Record], None] | None = None
+        self.grad_square_sum = 0.0  # of the reduced shards this backward (the norm)
+        self.stats = {"read_wait_s": 0.0, "io_s": 0.0, "step_s": 0.0,
+                      "max_records": 0, "steps": 0}
+        weakref.finalize(self, _close, self._io, self.store)
+
+    # -- records -------------------------------------------------------------------------------
+
+    def _take(self, k: int) -> Record:
+        free = self._free.setdefault(self.layouts[k].nbytes, [])
+        record = free.pop() if free else Record(self.layouts[k], self.device)
+        self._records[k] = record
+        self.stats["max_records"] = max(self.stats["max_records"],
+                                        len(self._records) + len(self._writes))
+        return record
+
+    def _give(self, record: Record) -> None:
+        record.loaded = ()
+        self._free.setdefault(record.layout.nbytes, []).append(record)
+
+    def _fields(self) -> int:
+        return len(self.layouts[0].fields) if self.backward else 1
+
+    def fetch(self, k: int) -> None:
+        """Start reading unit ``k`` (the fields this pass needs) unless it is in memory."""
+        fields = self._fields()
+        if k in self._records:
+            if len(self._records[k].loaded) >= fields or k in self._reads:
+                return  # a forward's master-only read still in flight serves the gather
+            self._give(self._records.pop(k))  # master only: the step needs the state too
+        record = self._take(k)
+        after = self._writing.get(k)
+        self._reads[k] = self._io.submit(self._read, k, record, fields, after)
+
+    def _read(self, k: int, record: Record, fields: int, after: Future[None] | None) -> None:
+        if after is not None:
+            after.result()  # the last step's values must be on the store first
+        start = time.perf_counter()
+        self.store.read(k, record, fields)
+        record.to_device(fields)
+        record.loaded = self.layouts[k].fields[:fields]
+        with self._lock:  # two I/O threads add to it
+            self.stats["io_s"] += time.perf_counter() - start
+
+    def acquire(self, k: int) -> Record:
+        """Unit ``k``'s record with the fields this pass needs, read now if it was not
+        read ahead (a forward's master-only record is read again, whole, in backward)."""
+        while True:
+            if k not in self._records:
+                self.fetch(k)
+            read = self._reads.pop(k, None)
+            if read is not None:
+                start = time.perf_counter()
+                read.result()
+                self.stats["read_wait_s"] += time.perf_counter() - start
+            record = self._records[k]
+            if len(record.loaded) >= self._fields():
+                return record
+            self._give(self._records.pop(k))
+
+    def drop(self, k: int) -> None:
+        """Forget unit ``k``'s record without writing it (its values are unchanged)."""
+        read = self._reads.pop(k, None)
+        if read is not None:
+            read.result()
+        if k in self._records:
+            self._give(self._records.pop(k))
+
+    def write_back(self, k: int) -> None:
+        """Write unit ``k``'s record to the store (in the background) and drop it."""
+        while len(self._writes) >= MAX_WRITES:
+            self._retire_write()
+        record = self._records.pop(k)
+        future = self._io.submit(self._write, k, record)
+        self._writes.append((k, future, record))
+        self._writing[k] = future
+
+    def _write(self, k: int, record: Record) -> None:
+        start = time.perf_counter()
+        fields = len(record.layout.fields)
+        record.to_host(fields)
+        self.store.write(k, record, fields)
+        with self._lock:
+            self.stats["io_s"] += time.perf_counter() - start
+
+    def _retire_write(self) -> None:
+        k, future, record = self._writes.popleft()
+        future.result()
+        if self._writing.get(k) is future:
+            del self._writing[k]
+        self._give(record)
+
+    def flush(self) -> None:
+        """Wait for every write-back."""
+        while self._writes:
+            self._retire_write()
+
+    # -- what the engine calls ----------------------------------------------------------------
+
+    def begin_pass(self, backward: bool, sequence: list[int]) -> None:
+        """A forward or a backward starts: units will be used in ``sequence``'s order."""
+        self.backward, self.sequence = backward, sequence
+        self._position = {k: j for j, k in enumerate(sequence)}
+        for k in sequence[: self.depth]:
+            self.fetch(k)
+        if backward:
+            self.grad_square_sum = 0.0
+
+    def ahead(self, u: Unit) -> None:
+        """``u`` is in use: read the next ``prefetch`` units of the pass."""
+        j = self._position.get(u.index)
+        if j is not None:
+            for k in self.sequence[j + 1 : j + 1 + self.depth]:
+                self.fetch(k)
+
+    def master(self, u: Unit) -> torch.Tensor:
+        """``u``'s master shard, for its gather."""
+        return self.acquire(u.index).field("master")
+
+    def gathered(self, u: Unit) -> None:
+        """``u``'s gather finished: in forward its master is not needed any more."""
+        if not self.backward:
+            self.drop(u.index)
+
+    def step_unit(self, u: Unit, grad: torch.Tensor, divide_by: int) -> None:
+        """``u``'s reduced gradient shard is complete: step it now and write it back."""
+        if self.stepper is None:
+            raise RuntimeError("offload: a backward reached the optimizer step of unit "
+                               f"{u.index}, but no ZeroOptimizer was built over this model")
+        if divide_by > 1:  # no AVG on this backend: the sum, divided here
+            grad.div_(divide_by)
+        self.grad_square_sum += float(grad.double().square().sum())
+        record = self.acquire(u.index)
+        start = time.perf_counter()
+        self.stepper(u, grad, record)
+        self.stats["step_s"] += time.perf_counter() - start
+        self.stats["steps"] += 1
+        self.write_back(u.index)
+
+    @torch.no_grad()
+    def read_master(self, u: Unit) -> torch.Tensor:
+        """A copy of ``u``'s master shard (checkpoints, comparisons)."""
+        resident = u.index in self._records
+        out = self.acquire(u.index).field("master").clone()
+        if not resident:
+            self.drop(u.index)
+        return out
+
+    @torch.no_grad()
+    def write_initial(self, u: Unit, shard: torch.Tensor) -> None:
+        """``u``'s first values, with zero optimizer state, to the store (at sharding)."""
+        record = self._take(u.index)
+        record.data.zero_()
+        record.field("master").copy_(shard)
+        record.loaded = record.layout.fields
+        self.write_back(u.index)
+
+    def io_stats(self) -> dict[str, Any]:
+        return {**self.stats, "bytes_read": self.store.bytes_read,
+                "bytes_written": self.store.bytes_written}
+
+
+def _close(io: ThreadPoolExecutor, store: FileUnitStore | HostUnitStore) -> None:
+    io.shutdown(wait=True)
+    store.close()

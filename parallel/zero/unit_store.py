@@ -1,0 +1,164 @@
+"""Where an offloaded ZeRO-3 unit's state lives between uses: files or host memory.
+
+A unit's *record* is this rank's shard of it as the optimizer sees it: the fp32 master
+values, then each optimizer state tensor (Adam's ``exp_avg``, ``exp_avg_sq``), each
+padded to a whole 4 KiB block. The master comes first, so a forward, which needs only
+the values, reads the first block range alone; a backward reads the whole record (its
+step needs the state too) and writes it back after the step.
+
+:class:`FileUnitStore` keeps one file per rank, every unit at a fixed offset. It reads and
+writes with ``O_DIRECT`` into page-aligned buffers (anonymous ``mmap``), so the page cache
+holds none of it and the memory a cap measures is only what is in use; where the file
+system refuses ``O_DIRECT`` it writes, ``fdatasync``\\ s, and drops the pages with
+``posix_fadvise(POSIX_FADV_DONTNEED)`` instead. :class:`HostUnitStore` keeps the records in
+host memory (pinned when CUDA exists, so a copy to the GPU is asynchronous) and copies
+them into the same buffers: the pipeline above is one code for both.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and buffer addresses
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Byte layout of one unit's record: ``fields`` tensors of ``numel`` elements each."""
+
+    numel: int
+    dtype: torch.dtype
+    fields: tuple[str, ...]  # "master" first
+
+    @property
+    def field_bytes(self) -> int:
+        return _padded(self.numel * self.dtype.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        return self.field_bytes * len(self.fields)
+
+
+class Record:
+    """A page-aligned buffer holding a unit's record (or its master alone), and tensor
+    views of its fields."""
+
+    def __init__(self, layout: RecordLayout, device: torch.device):
+        self.layout = layout
+        self._map = mmap.mmap(-1, layout.nbytes)  # page-aligned: O_DIRECT can use it
+        self.host = torch.frombuffer(self._map, dtype=torch.uint8)
+        # ``device`` is where the unit computes; on a CPU it is the host buffer itself
+        self.data = self.host if device.type == "cpu" else torch.empty(
+            layout.nbytes, dtype=torch.uint8, device=device)
+        self.loaded: tuple[str, ...] = ()  # which fields hold the unit's values
+
+    def field(self, name: str) -> torch.Tensor:
+        k = self.layout.fields.index(name)
+        size = self.layout.field_bytes
+        raw = self.data[k * size : (k + 1) * size]
+        return raw.view(self.layout.dtype)[: self.layout.numel]
+
+    def to_device(self, fields: int) -> None:
+        """After a read: the host bytes onto the unit's device (nothing on a CPU)."""
+        if self.data is not self.host:
+            n = fields * self.layout.field_bytes
+            self.data[:n].copy_(self.host[:n])
+
+    def to_host(self, fields: int) -> None:
+        """Before a write: the device's bytes into the host buffer (nothing on a CPU)."""
+        if self.data is not self.host:
+            n = fields * self.layout.field_bytes
+            self.host[:n].copy_(self.data[:n])
+
+    def span(self, count: int) -> memoryview:
+        """The first ``count`` fields of the host buffer, as bytes for the file calls."""
+        return memoryview(self._map)[: count * self.layout.field_bytes]
+
+
+class FileUnitStore:
+    """Every unit's record in one file per rank (``<directory>/rank<r>.state``).
+
+    Args:
+        directory: where the file goes (made if missing; the file is removed by
+            :meth:`close`).
+        rank: this rank (in the data-parallel group).
+        layouts: each unit's record layout, in unit order.
+    """
+
+    def __init__(self, directory: str, rank: int, layouts: Sequence[RecordLayout]):
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"rank{rank}.state")
+        self.offsets, at = [], 0
+        for layout in layouts:
+            self.offsets.append(at)
+            at += layout.nbytes
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        try:
+            self._fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+            self.direct = hasattr(os, "O_DIRECT")
+        except OSError:  # tmpfs and some others refuse O_DIRECT
+            self._fd = os.open(self.path, flags, 0o600)
+            self.direct = False
+        os.ftruncate(self._fd, at)
+        self.bytes_read = self.bytes_written = 0
+
+    def read(self, k: int, record: Record, fields: int) -> None:
+        """Unit ``k``'s first ``fields`` fields into ``record`` (blocking: run it on an
+        I/O thread)."""
+        view, offset = record.span(fields), self.offsets[k]
+        done = 0
+        while done < len(view):
+            done += os.preadv(self._fd, [view[done:]], offset + done)
+        self._drop_cache(offset, len(view))
+        self.bytes_read += len(view)
+
+    def write(self, k: int, record: Record, fields: int) -> None:
+        """``record``'s first ``fields`` fields as unit ``k``'s (blocking)."""
+        view, offset = record.span(fields), self.offsets[k]
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], offset + done)
+        if not self.direct:
+            os.fdatasync(self._fd)  # dirty pages cannot be dropped before they are written
+        self._drop_cache(offset, len(view))
+        self.bytes_written += len(view)
+
+    def _drop_cache(self, offset: int, length: int) -> None:
+        if not self.direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        os.close(self._fd)
+        os.unlink(self.path)
+
+
+class HostUnitStore:
+    """Every unit's record in host memory (pinned where CUDA exists)."""
+
+    def __init__(self, layouts: Sequence[RecordLayout]):
+        pin = torch.cuda.is_available()
+        self._host = [torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+                      for layout in layouts]
+        self.bytes_read = self.bytes_written = 0
+
+    def read(self, k: int, record: Record, fields: int) -> None:
+        n = fields * record.layout.field_bytes
+        record.host[:n].copy_(self._host[k][:n])
+        self.bytes_read += n
+
+    def write(self, k: int, record: Record, fields: int) -> None:
+        n = fields * record.layout.field_bytes
+        self._host[k][:n].copy_(record.host[:n])
+        self.bytes_written += n
+
+    def close(self) -> None:
+        self._host.clear()

@@ -1,0 +1,104 @@
+"""What each rank runs for tests/test_offload.py: the project's GPT and a tiny HuggingFace
+Llama trained 10 steps by the composed engine at dp=2, ZeRO-3 in memory, offloaded to
+files and offloaded to host memory; the parameters, losses and offload counters returned."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel.models import GPT, GPTConfig
+
+STEPS = 10
+BATCH, SEQ, VOCAB = 4, 16, 256
+# the trainer's default GPT (4 blocks of width 128), on shorter sequences
+GPT_CFG = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_embd=128,
+                    dropout=0.0)
+LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             attn_implementation="sdpa")
+
+
+def lr_lambda(step: int) -> float:
+    return min(1.0, (step + 1) / 3)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(500 + step)
+    data = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    return data[:, :-1], data[:, 1:]
+
+
+def build(name: str, n_layer: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "gpt":
+        return GPT(GPTConfig(**{**GPT_CFG.__dict__, "n_layer": n_layer}))
+    import transformers
+
+    config = transformers.LlamaConfig(**LLAMA)
+    return transformers.LlamaForCausalLM(config)
+
+
+def train(name: str, offload: str, directory: str, steps: int = STEPS,
+          n_layer: int = 4, prefetch: int = 2) -> dict[str, Any]:
+    """``steps`` steps of ``name`` at dp=2, ZeRO-3 (``offload`` none, cpu or disk)."""
+    from parallel.compose.mesh import ParallelMesh
+    from parallel.compose.parallelize import ParallelConfig, parallelize
+
+    model = build(name, n_layer)
+    mesh = ParallelMesh(pp=1, dp=2, tp=1)
+    engine = parallelize(model, mesh, ParallelConfig(
+        zero=3, max_grad_norm=None, weight_decay=0.1, lr_lambda=lr_lambda,
+        optimizer_kwargs={"lr": 3e-3}, offload=offload, offload_dir=directory,
+        offload_prefetch=prefetch))
+    curve = []
+    for step in range(steps):
+        r = engine.train_step(*batch(step))
+        curve.append((r.loss, r.grad_norm))
+    zero3 = engine.stage.__dict__["zero3"]
+    params = zero3.full_state_dict()
+    offloaded = zero3.offload
+    stats = offloaded.io_stats() if offloaded is not None else {}
+    files = sorted(os.listdir(directory)) if offload == "disk" else []
+    mesh.destroy()
+    return {"params": params, "curve": curve, "stats": stats, "units": len(zero3.units),
+            "files": files}
+
+
+def run_all(root: str) -> dict[Any, Any]:
+    """Every case on this rank, each in its own folder under ``root``."""
+    out: dict[Any, Any] = {}
+    for name in ("gpt", "llama"):
+        for offload in ("none", "disk", "cpu"):
+            directory = os.path.join(root, f"{name}-{offload}")
+            out[(name, offload)] = train(name, offload, directory)
+    # twice the depth of ("gpt", "disk"): what is held in memory must not grow with it
+    out["deep"] = train("gpt", "disk", os.path.join(root, "deep"), steps=2, n_layer=8)
+    return out
+
+
+def refused(root: str) -> list[str]:
+    """The messages of every combination offload refuses (on one rank's mesh of 2)."""
+    from parallel.compose.mesh import ParallelMesh
+    from parallel.compose.parallelize import ParallelConfig, parallelize
+
+    cases = [dict(zero=2), dict(max_grad_norm=1.0), dict(precision="bf16"),
+             dict(optimizer=torch.optim.SGD), dict(offload_dir=""), dict(microbatches=2),
+             dict(tp=2), dict(pp=2)]
+    messages = []
+    for case in cases:
+        sizes = {"dp": 2, "tp": case.pop("tp", 1), "pp": case.pop("pp", 1)}
+        sizes["dp"] = 2 // (sizes["tp"] * sizes["pp"])
+        mesh = ParallelMesh(**sizes)
+        config = {"zero": 3, "max_grad_norm": None, "offload": "disk", "offload_dir": root,
+                  **case}
+        try:
+            parallelize(build("gpt", 2), mesh, ParallelConfig(**config))
+            messages.append("")
+        except ValueError as err:
+            messages.append(str(err))
+        mesh.destroy()
+    return messages
