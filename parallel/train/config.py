@@ -69,6 +69,8 @@ class TrainConfig:
     sequence_parallel: bool = _opt("parallel", False, "split activations along the "
                                    "sequence between TP layers")
     recompute: bool = _opt("parallel", False, "activation checkpointing of every block")
+    partition_activations: bool = _opt("parallel", False, "P_a: each TP rank keeps 1/tp of "
+                                       "a checkpointed block's input (needs recompute)")
     microbatches: int = _opt("parallel", 0, "pipeline micro-batches per step (0: pp)")
     schedule: str = _opt("parallel", "1f1b", "pipeline schedule", ("1f1b", "gpipe"))
     backend: str = _opt("parallel", "pycomm", "torch.distributed backend", ("pycomm", "gloo"))
@@ -82,6 +84,11 @@ class TrainConfig:
                         ("none", "cpu", "disk"))
     offload_dir: str = _opt("parallel", "", "where --offload disk keeps one file per rank")
     offload_prefetch: int = _opt("parallel", 2, "units --offload reads ahead of use")
+    plan: str = _opt("parallel", "", "auto: train the layout python -m parallel.plan ranks "
+                     "first for nproc ranks (0: dp * tp * pp) within --memory-gb; it sets dp, "
+                     "tp, pp, zero, recompute and partition_activations", ("", "auto"))
+    memory_gb: float = _opt("parallel", 0.0, "per-rank memory --plan auto must fit in, GiB "
+                            "(0: this machine's memory over the ranks)")
     # [checkpoint]
     ckpt_dir: str = _opt("checkpoint", "", "where checkpoints go (step_<N> folders)")
     ckpt_every: int = _opt("checkpoint", 0, "save every K steps (0: never)")

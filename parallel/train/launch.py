@@ -17,6 +17,7 @@ import sys
 
 import torch.distributed as dist
 
+from parallel.train.auto import planned, planned_everywhere
 from parallel.train.config import TrainConfig, parse
 from parallel.train.loop import train_rank
 
@@ -45,10 +46,11 @@ def launch(cfg: TrainConfig) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         _init(cfg)
         try:
-            train_rank(cfg)
+            train_rank(planned_everywhere(cfg))
         finally:
             dist.destroy_process_group()
         return
+    cfg = planned(cfg, cfg.nproc or cfg.layout.world)
     world = cfg.nproc or cfg.layout.world
     cfg.layout.check_world(world)  # the mesh's own message, before anything starts
     # This process serves the rendezvous, not rank 0: a rank that raises (the engine's

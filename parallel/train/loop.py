@@ -23,6 +23,7 @@ from parallel.train.schedule import WarmupCosine
 def parallel_config(cfg: TrainConfig) -> ParallelConfig:
     return ParallelConfig(
         zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+        partition_activations=cfg.partition_activations,
         microbatches=cfg.effective_microbatches(), schedule=cfg.schedule,
         max_grad_norm=cfg.max_grad_norm or None, optimizer=torch.optim.AdamW,
         optimizer_kwargs={"lr": cfg.lr, "betas": (0.9, 0.95)},
@@ -112,6 +113,7 @@ def describe(cfg: TrainConfig) -> str:
     pp = f"pp{cfg.pp}" + (f" ({cfg.schedule}, M={cfg.effective_microbatches()})"
                           if cfg.pp > 1 else "")
     return (f"dp{cfg.dp} {tp} {pp} zero{cfg.zero}" + (" recompute" if cfg.recompute else "")
+            + (" P_a" if cfg.partition_activations else "")
             + f" {cfg.precision}, dropout {cfg.dropout}, seed {cfg.seed}")
 
 

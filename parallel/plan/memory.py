@@ -1,0 +1,238 @@
+"""Predicted per-rank memory of a layout, term by term, as this project allocates it.
+
+The model states follow the ZeRO paper (Rajbhandari et al. 2020, sec. 3): with Adam and
+``Psi`` parameters, ``2Psi + 2Psi + K Psi`` bytes (fp16 parameters and gradients, K = 12
+of fp32 master, momentum and variance) split per stage over ``N_d``: stage 1
+``4Psi + K Psi/N_d``, stage 2 ``2Psi + (2 + K)Psi/N_d``, stage 3 ``(4 + K)Psi/N_d``.
+The trainer computes in fp32 with the parameters as their own masters, so here
+``4Psi + 4Psi + 8Psi = 16Psi`` (stage 0), ``8Psi + 8Psi/N`` (1), ``4Psi + 12Psi/N`` (2),
+``16Psi/N`` (3), ``Psi`` being this rank's part of the model (its pipeline stage, its
+tensor-parallel part), each over the flat layouts' 64-byte-aligned sizes, plus the
+buffers the project holds beside them:
+
+- stage 0: the gradients are views of the averaging arena (no bucket copies);
+- stage 1: parameters and gradients are views of flat arenas; buckets are slices;
+- stage 2: each bucket's gradient is whole in a buffer of its own from its first
+  gradient to its reduce-scatter; reducing after backward (the composed engine) every
+  bucket's buffer is live at the end of backward (``grad_buckets``);
+- stage 3: parameters under the persistence threshold (100k elements) are kept whole in
+  one persistent unit, gathered once (its parameter and gradient buffers, ``pool``);
+  every other unit's gathered parameters and gradients come from a pool of whole-unit
+  buffers (:class:`parallel.zero.slot_pool.SlotPool`) that keeps the most it ever handed
+  out at once;
+- recompute: the checkpointed inputs live in one arena that keeps its largest size.
+
+Activations (:mod:`parallel.plan.activations`) peak either while the head's backward
+runs or while a block's does; stage 2's gradient buckets peak at the end of backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from parallel.plan import activations as act
+from parallel.plan.layouts import Layout
+from parallel.plan.shapes import ModelShape
+from parallel.zero.shard_layout import ShardLayout
+from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD
+from parallel.zero.unit_grads import MAX_IN_FLIGHT
+
+MB = 1 << 20
+F32 = 4
+ADAM_STATE = 8  # AdamW's exp_avg and exp_avg_sq, fp32
+BLOCK_SLOTS = 4  # stage 3: whole-unit buffers live at once (see _zero3)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the memory depends on besides the layout: the batch and the settings."""
+
+    batch: int
+    bucket_mb: float
+    schedule: str
+    sequence_parallel: bool
+    dropout: float
+    prefetch: int = 2  # offload=disk: units read ahead
+
+
+@dataclass
+class Memory:
+    """One rank's predicted bytes: the model states, buffers and activations."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    buffers: dict[str, int] = field(default_factory=dict)
+    activations: int = 0  # at the peak, beside the states and buffers
+    end_of_backward: int = 0  # stage 2's bucket buffers (their peak, activations gone)
+    units: list[int] = field(default_factory=list)  # stage 3: each unit's whole bytes
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optimizer + sum(self.buffers.values())
+
+    @property
+    def peak(self) -> int:
+        return self.states + max(self.activations, self.end_of_backward)
+
+
+def _meta(numels: list[int]) -> list[torch.Tensor]:
+    return [torch.empty(n, device="meta") for n in numels]
+
+
+def _flat(numels: list[int], world: int, bucket_mb: float, stage: int) -> ShardLayout:
+    """The flat layout stages 1-2 use (stage 2's buckets capped as FlatShards caps them:
+    at C_B and at a quarter of what the shards leave of the gradient)."""
+    cap = int(bucket_mb * MB)
+    if stage == 2 and world > 1:
+        whole = sum(numels) * F32
+        cap = max(1, min(cap, whole * (world - 1) // (4 * world)))
+    return ShardLayout(_meta(numels), world, 0, cap, torch.float32)
+
+
+def _zero3_units(m: ModelShape, layout: Layout, stage: int) -> dict[str, list[list[int]]]:
+    """Stage 3's units on one rank of ``stage``, by kind, each a list of parameter
+    sizes: a block's large parameters (``blocks``); the stage's other large ones, its
+    own unit (``own``); a parameter tied across pipeline stages, a unit of its own on
+    each (``ties``); everything under the persistence threshold (``persistent``)."""
+    elsewhere = {p.key for s in range(layout.pp) if s != stage
+                 for lay in m.stage_layers(layout.pp, s) for p in lay.params}
+    out: dict[str, list[list[int]]] = {"own": [[]], "blocks": [], "ties": [],
+                                       "persistent": [[]]}
+    seen: set[str] = set()
+    for lay in m.stage_layers(layout.pp, stage):
+        block: list[int] = []
+        for p in lay.params:
+            if p.key in seen:
+                continue
+            seen.add(p.key)
+            n = p.numel // layout.tp if p.tp_split else p.numel
+            if p.key in elsewhere:
+                out["ties"].append([n])
+            elif n < DEFAULT_PERSISTENCE_THRESHOLD:
+                out["persistent"][0].append(n)
+            else:
+                (block if lay.is_block else out["own"][0]).append(n)
+        if block:
+            out["blocks"].append(block)
+    return {k: [u for u in v if u] for k, v in out.items()}
+
+
+def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, prefetch: int) -> None:
+    """Stage 3's shards and pool (see the module docstring). The pool keeps, per unit
+    size, the most buffers live at once: a unit gathered once a step (its own, a tie,
+    the persistent one) holds its parameters and up to two gradient buffers being
+    reduce-scattered (``MAX_IN_FLIGHT``: one per micro-batch's backward); block units,
+    which share one size, ``BLOCK_SLOTS`` (gathered, prefetched, gradients in flight)."""
+    kinds = _zero3_units(m, layout, stage)
+    groups = [u for k in ("own", "blocks", "ties", "persistent") for u in kinds[k]]
+    numels = [n for g in groups for n in g]
+    spans, index = [], 0
+    for g in groups:
+        spans.append(list(range(index, index + len(g))))
+        index += len(g)
+    sl = ShardLayout.from_groups(numels, spans, layout.dp, 0, torch.float32)
+    full = [b.shard * layout.dp * F32 for b in sl.buckets]
+    mem.units = full
+    mem.params = F32 * sl.shard_numel
+    mem.grads = F32 * sl.shard_numel
+    mem.optimizer = ADAM_STATE * sl.shard_numel
+    once = 1 + min(layout.microbatches, MAX_IN_FLIGHT)
+    sizes = dict(zip(map(id, groups), full, strict=True))
+    pool = sum(once * sizes[id(u)] for k in ("own", "ties", "persistent") for u in kinds[k])
+    if kinds["blocks"]:
+        pool += BLOCK_SLOTS * max(sizes[id(u)] for u in kinds["blocks"])
+    mem.buffers["zero3 pool"] = pool
+    if layout.offload == "disk":
+        # the shards, their state and gradients live in files; in memory: the unit
+        # being used and the k read ahead
+        unit = max((b.shard for b in sl.buckets), default=0)
+        resident = min(len(sl.buckets), 1 + prefetch)
+        mem.buffers["offload units"] = resident * unit * (F32 + F32 + ADAM_STATE)
+        mem.params = mem.grads = mem.optimizer = 0
+
+
+def states(m: ModelShape, layout: Layout, job: Job, stage: int) -> Memory:
+    """Parameters, gradients, optimizer state and their buffers on one rank of ``stage``."""
+    mem = Memory()
+    numels = m.stage_params(layout.pp, stage, layout.tp)
+    if layout.zero == 3:
+        _zero3(mem, m, layout, stage, job.prefetch)
+        return mem
+    if layout.zero == 0:
+        aligned = sum(-(-n // 16) * 16 for n in numels)  # the averaging arena's views
+        mem.params, mem.grads, mem.optimizer = F32 * sum(numels), F32 * aligned, \
+            ADAM_STATE * sum(numels)
+        return mem
+    flat = _flat(numels, layout.dp, job.bucket_mb, layout.zero)
+    mem.params = F32 * flat.numel
+    mem.optimizer = ADAM_STATE * flat.shard_numel
+    streams = layout.zero == 2 and layout.dp > 1
+    mem.grads = F32 * (flat.shard_numel if streams else flat.numel)
+    # Reducing after backward, the gradients arrive beside the states: stage 2 streams
+    # them into every bucket's buffer; stage 1 (and 2 on one rank) leaves them in the
+    # .grad tensors autograd allocates (zero_grad set them to None) until
+    # reduce_gradients copies them into the arena.
+    mem.end_of_backward = F32 * (flat.numel if streams else sum(numels))
+    return mem
+
+
+def _backward_grads(m: ModelShape, layout: Layout, stage: int, total: int) -> list[int]:
+    """Bytes of ``total`` (the transient gradients) that exist when each of the stage's
+    blocks starts its backward, last block first: those of the layers after it."""
+    layers = m.stage_layers(layout.pp, stage)
+    sizes = [sum(p.numel // layout.tp if p.tp_split else p.numel for p in lay.params)
+             for lay in layers]
+    whole = max(1, sum(sizes))
+    out = []
+    for i in reversed(range(len(layers))):
+        if layers[i].is_block:
+            out.append(total * sum(sizes[i + 1 :]) // whole)
+    return out
+
+
+def activation_peak(m: ModelShape, layout: Layout, job: Job, stage: int,
+                    transient_grads: int = 0) -> tuple[int, int, int]:
+    """(Bytes of activations at the peak, the checkpoint arena's, the pipeline's
+    messages') on one rank of ``stage``: the largest of the head's backward (last stage)
+    and each block's, with the transient gradients of the layers already through
+    backward (stages 1-2) beside them."""
+    rows = job.batch // (layout.dp * layout.microbatches)
+    a = act.ActShape(rows, m.seq, layout.tp, job.sequence_parallel, job.dropout)
+    flying = act.in_flight(job.schedule, layout.pp, stage, layout.microbatches)
+    grads_before = _backward_grads(m, layout, stage, transient_grads)
+    blocks = len(grads_before)
+    per_mb = act.embed_saved(a) if stage == 0 else 0
+    messages = (act.pipeline_messages(m, a, layout.pp, stage, layout.microbatches)
+                if layout.pp > 1 else 0)
+    working, saved_block = act.block_working(m, a), act.block_saved(m, a)
+    arena = 0
+    if layout.recompute:
+        arena = flying * blocks * act.checkpoint_kept(m, a, layout.partition_activations)
+        saved = arena + flying * per_mb
+        phases = [saved + saved_block + working + g for g in grads_before]
+    else:
+        saved = flying * (blocks * saved_block + per_mb)
+        # the j-th block through backward has freed the j before it (of one micro-batch)
+        phases = [saved - j * saved_block + working + g for j, g in enumerate(grads_before)]
+    if stage == layout.pp - 1:
+        phases.append(saved + act.head_saved(m, a) + act.head_working(m, a))
+    return max(phases, default=saved), arena, messages
+
+
+def predict(m: ModelShape, layout: Layout, job: Job) -> list[Memory]:
+    """Each pipeline stage's per-rank memory (every rank of a stage holds the same)."""
+    out = []
+    for stage in range(layout.pp):
+        mem = states(m, layout, job, stage)
+        peak, arena, messages = activation_peak(m, layout, job, stage,
+                                                mem.end_of_backward)
+        if arena:
+            mem.buffers["checkpoint arena"] = arena
+        if messages:
+            mem.buffers["pipeline messages"] = messages
+        mem.activations = peak - arena
+        out.append(mem)
+    return out

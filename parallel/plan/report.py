@@ -1,0 +1,54 @@
+"""The planner's table: one row per layout, its per-rank memory by term and its step
+time, fitting layouts first by time."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from parallel.plan.planner import Row
+
+MIB = 1 << 20
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:.1f}"
+
+
+def row_dict(row: Row) -> dict[str, Any]:
+    """Everything predicted for one layout (bytes and seconds), for --json."""
+    w = row.worst
+    return {"layout": str(row.layout), "flags": row.layout.flags(), "fits": row.fits,
+            "peak_bytes": row.peak, "params": w.params, "grads": w.grads,
+            "optimizer": w.optimizer, "buffers": dict(w.buffers),
+            "activations": w.activations, "end_of_backward": w.end_of_backward,
+            "per_stage_peak_bytes": [m.peak for m in row.memory],
+            "step_s": row.time.total, "time": vars(row.time)}
+
+
+HEADER = ("| # | layout | params MiB | grads MiB | optimizer MiB | buffers MiB | "
+          "activations MiB | peak MiB | fits | step s | compute / bubble / TP / PP / DP / "
+          "optimizer / I/O s |")
+
+
+def table(rows: list[Row], top: int = 0) -> list[str]:
+    """Markdown rows (the worst rank of each layout); ``top``: only the best N that fit."""
+    shown = [r for r in rows if r.fits][:top] if top else rows
+    out = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
+    for i, r in enumerate(shown, 1):
+        w, t = r.worst, r.time
+        buffers = ", ".join(f"{k} {_mib(v)}" for k, v in w.buffers.items() if v)
+        parts = (t.compute, t.bubble, t.tensor_comm, t.pipeline_comm, t.data_comm,
+                 t.optimizer, t.offload_io)
+        cells = [str(i) if r.fits else "-", str(r.layout), _mib(w.params), _mib(w.grads),
+                 _mib(w.optimizer), buffers or "0",
+                 _mib(max(w.activations, w.end_of_backward)), _mib(r.peak),
+                 "yes" if r.fits else "**no**", f"{t.total:.3f}",
+                 " / ".join(f"{x:.3f}" for x in parts)]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def write_json(path: str, rows: list[Row]) -> None:
+    with open(path, "w") as f:
+        json.dump([row_dict(r) for r in rows], f, indent=1)

@@ -1,0 +1,165 @@
+"""A model's parameters as the planner sees them: each layer's parameters, which of them
+tensor parallelism splits, and how a pipeline cuts the layers (the plan's own rules)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from parallel.compose.apply_tp import check_divisible
+from parallel.compose.layers import stage_balance
+from parallel.compose.plan import Plan, ResolvedLayer, under_any
+from parallel.compose.styles import Colwise, Rowwise, VocabEmbedding, VocabHead
+
+VOCAB = 256  # the trainer's models are byte-level
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter: ``key`` names it once (a tie is one key in two layers)."""
+
+    key: str
+    numel: int
+    tp_split: bool  # divided over the tensor-parallel ranks
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One layer of the plan (a block, or the embedding, the final norm, the head)."""
+
+    name: str
+    params: tuple[Param, ...]
+    is_block: bool
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model: its layers and the sizes of its activations.
+
+    ``heads`` and ``hidden`` are the attention heads and width, ``ffn`` the MLP's inner
+    width, ``seq`` the sequence length, ``vocab`` the vocabulary.
+    """
+
+    kind: str
+    layers: tuple[LayerShape, ...]
+    heads: int
+    hidden: int
+    ffn: int
+    seq: int
+    vocab: int
+    divisible: tuple[tuple[str, int], ...]
+
+    @property
+    def n_layer(self) -> int:
+        return sum(layer.is_block for layer in self.layers)
+
+    @property
+    def total_params(self) -> int:
+        return sum(p.numel for p in _unique(list(self.layers)))
+
+    def check_tp(self, tp: int) -> None:
+        """Raises ValueError unless ``tp`` divides what the plan says it must (heads)."""
+        check_divisible(Plan(divisible=dict(self.divisible), name=self.kind), tp)
+
+    def balance(self, pp: int) -> list[int]:
+        """Layers per pipeline stage, as the engine cuts them (raises ValueError where it
+        would refuse: fewer blocks than stages)."""
+        resolved = [ResolvedLayer(i, (layer.name,), None, layer.is_block)
+                    for i, layer in enumerate(self.layers)]
+        return stage_balance(resolved, pp, self.kind)
+
+    def stage_layers(self, pp: int, stage: int) -> list[LayerShape]:
+        balance = self.balance(pp)
+        first = sum(balance[:stage])
+        return list(self.layers[first : first + balance[stage]])
+
+    def stage_params(self, pp: int, stage: int, tp: int) -> list[int]:
+        """Elements of each parameter one rank of ``stage`` holds (its TP part)."""
+        return [p.numel // tp if p.tp_split else p.numel
+                for p in _unique(self.stage_layers(pp, stage))]
+
+
+def _unique(layers: list[LayerShape]) -> list[Param]:
+    seen: dict[str, Param] = {}
+    for layer in layers:
+        for p in layer.params:
+            seen.setdefault(p.key, p)
+    return list(seen.values())
+
+
+_SPLIT_ALL = (Colwise, VocabEmbedding, VocabHead)  # weight and bias split
+
+
+def _split(styles: list[Any], param_name: str) -> bool:
+    if any(isinstance(s, _SPLIT_ALL) for s in styles):
+        return True
+    # row parallel: the weight's input features are split, the bias is added once, whole
+    return any(isinstance(s, Rowwise) for s in styles) and param_name != "bias"
+
+
+def from_model(model: Any, plan: Plan, kind: str, cfg: Any) -> ModelShape:
+    """The shape of ``model`` (built on the meta device) under ``plan``: the layers the
+    plan resolves, each parameter split where the plan's style splits its module."""
+    from parallel.compose.apply_tp import styles_by_path
+    from parallel.compose.plan import resolve_layers
+    from parallel.compose.tied import canonical_names, tie_groups
+
+    canonical = canonical_names(tie_groups(model))
+    resolved = resolve_layers(plan, model)
+    styles = styles_by_path(plan, model, [p for x in resolved for p in x.paths])
+    named = list(model.named_parameters(remove_duplicate=False))
+    layers = []
+    for layer in resolved:
+        params = []
+        for name, p in named:
+            owner, _, leaf = name.rpartition(".")
+            if under_any(owner, list(layer.paths)):
+                params.append(Param(canonical.get(name, name), p.numel(),
+                                    _split(styles.get(owner, []), leaf)))
+        layers.append(LayerShape(layer.name, tuple(params), layer.is_block))
+    return ModelShape(kind, tuple(layers), cfg.n_head, cfg.n_embd, 4 * cfg.n_embd,
+                      cfg.block_size, VOCAB, tuple(plan.divisible.items()))
+
+
+def llama_shape(cfg: Any) -> ModelShape:
+    """A Llama as ``parallel.train --model llama`` configures it (vocabulary 256, MLP
+    width 4h, as many KV heads as heads), counted without transformers: embedding,
+    blocks of q/k/v/o and gate/up/down projections (no biases) with two RMSNorms, the
+    final norm and the head (tied to the embedding with ``tie_embeddings``); q/k/v,
+    gate/up column-parallel, o/down row-parallel, embedding and head vocab-parallel."""
+    h, f = cfg.n_embd, 4 * cfg.n_embd
+    embed = Param("model.embed_tokens.weight", VOCAB * h, True)
+    layers = [LayerShape("model.embed_tokens", (embed,), False)]
+    for i in range(cfg.n_layer):
+        pre = f"model.layers.{i}"
+        params = [Param(f"{pre}.self_attn.{x}_proj.weight", h * h, True) for x in "qkvo"]
+        params += [Param(f"{pre}.mlp.{x}_proj.weight", h * f, True) for x in ("gate", "up",
+                                                                              "down")]
+        params += [Param(f"{pre}.{x}.weight", h, False) for x in ("input_layernorm",
+                                                                  "post_attention_layernorm")]
+        layers.append(LayerShape(pre, tuple(params), True))
+    layers.append(LayerShape("model.norm", (Param("model.norm.weight", h, False),), False))
+    head = embed if cfg.tie_embeddings else Param("lm_head.weight", VOCAB * h, True)
+    layers.append(LayerShape("lm_head", (head,), False))
+    return ModelShape("llama", tuple(layers), cfg.n_head, h, f, cfg.block_size, VOCAB,
+                      (("attention heads", cfg.n_head),))
+
+
+def model_shape(cfg: Any) -> ModelShape:
+    """The shape of the trainer's model for ``cfg`` (a :class:`TrainConfig`): the GPT
+    (and a HuggingFace model where transformers is installed) built on the meta device
+    and read through its plan; a Llama without transformers by :func:`llama_shape`."""
+    import dataclasses
+
+    from parallel.compose.parallelize import plan_for
+    from parallel.train.models import build_model
+
+    if cfg.model not in ("gpt", "llama"):
+        raise ValueError(f"plan: --model must be gpt or llama, got {cfg.model!r}")
+    if cfg.model == "llama":
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            return llama_shape(cfg)
+    model = build_model(dataclasses.replace(cfg, init="meta"))
+    return from_model(model, plan_for(model), cfg.model, cfg)

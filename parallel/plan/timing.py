@@ -1,0 +1,134 @@
+"""Predicted step time of a layout: measured compute (:mod:`parallel.plan.calibrate`),
+collectives at the benchmark's measured times (:mod:`parallel.plan.comms`), the
+pipeline's bubble, and for offload the disk's measured bandwidth.
+
+- compute: per micro-batch, each block's forward + backward (plus one more forward
+  under recompute) at the rank's local shapes, the head's on the last stage; ranks
+  that outnumber the CPUs share them (``ranks * threads / cpus``, at least 1);
+- tensor parallelism: per block and micro-batch, Megatron's two all-reduces in forward
+  and two in backward of ``b s h`` activations (two more with recompute), over ``t``;
+- pipeline: ``m`` micro-batches through ``p`` stages take ``m + p - 1`` slots of the
+  slowest stage's time (the bubble, ``(p - 1)/m`` of the work: Huang et al. 2019,
+  Narayanan et al. 2021), plus a send of the activations and one of their gradient
+  per slot;
+- data parallelism, after backward (the composed engine reduces then): stage 0-1 an
+  all-reduce per bucket, stage 1-2 an all-gather of the parameters after the step,
+  stage 2 a reduce-scatter per bucket; stage 3 per micro-batch an all-gather of every
+  unit in forward and again in backward and a reduce-scatter of its gradient;
+- the optimizer: AdamW's measured time per element over the elements this rank steps;
+- offload=disk: each unit's shard, master and state read and written once a step at
+  the measured bandwidth, hidden behind compute with a prefetch depth k >= 1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from parallel.plan.calibrate import (
+    Calibration,
+    adam_seconds_per_element,
+    block_times,
+    disk_bandwidth,
+    head_times,
+)
+from parallel.plan.comms import CommModel
+from parallel.plan.layouts import Layout
+from parallel.plan.memory import Job, Memory
+from parallel.plan.shapes import ModelShape
+
+F32 = 4
+
+
+@dataclass
+class StepTime:
+    """Seconds of one step, by what takes them."""
+
+    compute: float = 0.0
+    bubble: float = 0.0
+    tensor_comm: float = 0.0
+    pipeline_comm: float = 0.0
+    data_comm: float = 0.0
+    optimizer: float = 0.0
+    offload_io: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.bubble + self.tensor_comm + self.pipeline_comm
+                + self.data_comm + self.optimizer + self.offload_io)
+
+
+def sharing(world: int, threads: int) -> float:
+    """How many ranks' threads share each CPU (at least 1)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1.0, world * threads / max(1, cpus or 1))
+
+
+def _stage_compute(m: ModelShape, layout: Layout, rows: int, stage: int,
+                   cal: Calibration) -> float:
+    """Seconds of one micro-batch's forward and backward on one rank of ``stage``."""
+    blocks = sum(x.is_block for x in m.stage_layers(layout.pp, stage))
+    gated = m.kind == "llama"
+    fwd, both = cal.get(f"block|{m.hidden}|{m.heads}|{m.ffn}|{rows}|{m.seq}|{layout.tp}|"
+                        f"{gated}", lambda: block_times(m.hidden, m.heads, m.ffn, rows,
+                                                        m.seq, layout.tp, gated))
+    seconds = blocks * (both + (fwd if layout.recompute else 0.0))
+    if stage == layout.pp - 1:
+        seconds += cal.get(f"head|{m.hidden}|{m.vocab}|{rows}|{m.seq}|{layout.tp}",
+                           lambda: head_times(m.hidden, m.vocab, rows, m.seq, layout.tp))[1]
+    return seconds
+
+
+def _data_comm(layout: Layout, mem: Memory, unit_bytes: list[int], comm: CommModel,
+               bucket_bytes: float) -> float:
+    """Seconds of the data-parallel side's collectives in one step (one rank)."""
+    n = layout.dp
+    if n == 1:
+        return 0.0
+    whole = mem.params if layout.zero in (1, 2) else mem.grads
+    buckets = max(1, int(-(-whole // bucket_bytes)))
+    per = whole / buckets
+    if layout.zero in (0, 1):
+        seconds = buckets * comm.all_reduce(per, n)
+        return seconds + (comm.all_gather(whole, n) if layout.zero == 1 else 0.0)
+    if layout.zero == 2:
+        return buckets * comm.reduce_scatter(per, n) + comm.all_gather(whole, n)
+    per_mb = sum(2 * comm.all_gather(u, n) + comm.reduce_scatter(u, n) for u in unit_bytes)
+    return layout.microbatches * per_mb
+
+
+def predict_time(m: ModelShape, layout: Layout, job: Job, mems: list[Memory],
+                 cal: Calibration, comm: CommModel, threads: int = 1) -> StepTime:
+    """The step time of ``layout`` (the slowest stage's ranks)."""
+    t = StepTime()
+    mb = layout.microbatches
+    rows = max(1, job.batch // (layout.dp * mb))
+    share = sharing(layout.dp * layout.tp * layout.pp, threads)
+    stages = [_stage_compute(m, layout, rows, s, cal) * share for s in range(layout.pp)]
+    slowest = max(stages)
+    t.compute = mb * slowest
+    t.bubble = (layout.pp - 1) * slowest  # (p - 1)/m of the m slots' work
+    act_bytes = F32 * rows * m.seq * m.hidden
+    if layout.tp > 1:
+        per_block = (6 if layout.recompute else 4) * comm.all_reduce(act_bytes, layout.tp)
+        t.tensor_comm = mb * m.n_layer / layout.pp * per_block
+    if layout.pp > 1:
+        t.pipeline_comm = (mb + layout.pp - 1) * 2 * comm.send(act_bytes)
+    worst = max(range(layout.pp), key=lambda s: mems[s].params + mems[s].grads)
+    t.data_comm = _data_comm(layout, mems[worst], mems[worst].units, comm,
+                             job.bucket_mb * (1 << 20))
+    stepped = mems[worst].optimizer / 8
+    adam = cal.get("adamw", lambda: (adam_seconds_per_element(),))[0]
+    t.optimizer = stepped * adam * share
+    if layout.offload == "disk":
+        read, write = cal.get(f"disk|{job_offload_dir()}",
+                              lambda: disk_bandwidth(job_offload_dir()))
+        moved = 2 * stepped * F32 + stepped * 8  # shard + master (fp32) + Adam's state
+        io = moved / read + moved / write
+        t.offload_io = io if job.prefetch == 0 else max(0.0, io - t.compute)
+    return t
+
+
+def job_offload_dir() -> str:
+    """Where offload files would go (the trainer's --offload-dir, else the temp dir)."""
+    return os.environ.get("PYCOMM_PLAN_OFFLOAD_DIR", "")
