@@ -35,6 +35,7 @@ import torch
 from parallel.plan import activations as act
 from parallel.plan.layouts import Layout
 from parallel.plan.shapes import ModelShape
+from parallel.zero.offload import MAX_WRITES
 from parallel.zero.shard_layout import ShardLayout
 from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD
 from parallel.zero.unit_grads import MAX_IN_FLIGHT
@@ -42,7 +43,9 @@ from parallel.zero.unit_grads import MAX_IN_FLIGHT
 MB = 1 << 20
 F32 = 4
 ADAM_STATE = 8  # AdamW's exp_avg and exp_avg_sq, fp32
-BLOCK_SLOTS = 4  # stage 3: whole-unit buffers live at once (see _zero3)
+# stage 3: block-unit buffers live at once: the unit in use and the one prefetched, its
+# gradient buffer and the one before it still reduce-scattering (see _zero3)
+BLOCK_SLOTS = 4
 
 
 @dataclass(frozen=True)
@@ -143,14 +146,19 @@ def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, prefetch: int
     sizes = dict(zip(map(id, groups), full, strict=True))
     pool = sum(once * sizes[id(u)] for k in ("own", "ties", "persistent") for u in kinds[k])
     if kinds["blocks"]:
-        pool += BLOCK_SLOTS * max(sizes[id(u)] for u in kinds["blocks"])
+        slots = BLOCK_SLOTS if len(kinds["blocks"]) > 1 else 2  # nothing to prefetch
+        pool += slots * max(sizes[id(u)] for u in kinds["blocks"])
     mem.buffers["zero3 pool"] = pool
-    if layout.offload == "disk":
-        # the shards, their state and gradients live in files; in memory: the unit
-        # being used and the k read ahead
+    if layout.offload != "none":
+        # parallel.zero.offload: each unit's record (fp32 master and Adam's state) is in
+        # memory only around its use: k read ahead, the unit in use, those whose
+        # reduction is in flight and those being written back; its gradient shard only
+        # until the unit has stepped
         unit = max((b.shard for b in sl.buckets), default=0)
-        resident = min(len(sl.buckets), 1 + prefetch)
-        mem.buffers["offload units"] = resident * unit * (F32 + F32 + ADAM_STATE)
+        records = min(len(sl.buckets), prefetch + 1 + MAX_IN_FLIGHT + MAX_WRITES)
+        mem.buffers["offload records"] = records * unit * (F32 + ADAM_STATE)
+        mem.buffers["offload gradient shards"] = (min(len(sl.buckets), 1 + MAX_IN_FLIGHT)
+                                                  * unit * F32)
         mem.params = mem.grads = mem.optimizer = 0
 
 
@@ -217,6 +225,13 @@ def activation_peak(m: ModelShape, layout: Layout, job: Job, stage: int,
         saved = flying * (blocks * saved_block + per_mb)
         # the j-th block through backward has freed the j before it (of one micro-batch)
         phases = [saved - j * saved_block + working + g for j, g in enumerate(grads_before)]
+    if layout.microbatches > 1 and transient_grads:
+        # a later micro-batch's backward: every gradient of the stage exists already,
+        # and at most m - 1 micro-batches wait for theirs
+        later = min(flying, layout.microbatches - 1)
+        held = (saved + saved_block if layout.recompute
+                else later * (blocks * saved_block + per_mb))
+        phases.append(held + working + transient_grads)
     if stage == layout.pp - 1:
         phases.append(saved + act.head_saved(m, a) + act.head_working(m, a))
     return max(phases, default=saved), arena, messages
