@@ -34,6 +34,7 @@ ALLOWED: dict[str, str] = {
     "root privileges": r"^no root\b",
     "x86-64 CPU": r"^not x86-64\b",
     "objdump": r"^no objdump\b",
+    "strace": r"^no strace\b",
     "a torch API (older torch)": r"^no torch API\b",
     "transformers (the [hf] extra)": r"^no transformers\b",
     "Ray (the [ray] extra)": r"^no Ray\b",

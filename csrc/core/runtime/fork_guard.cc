@@ -9,6 +9,7 @@
 
 #include "core/memory/arena.h"
 #include "core/runtime/worker.h"
+#include "core/transport/shared_state.h"
 #include "core/transport/unlink_on_signal.h"
 
 namespace pycomm {
@@ -24,12 +25,16 @@ struct Slot {
 };
 Slot g_slots[kSlots];
 std::mutex g_claim_mu;
+// Set in a forked child: until then no group here can be a fork's copy, and every op's
+// check needs no getpid() (a system call, a few hundred ns in a VM, on every op).
+std::atomic<bool> g_is_fork_child{false};
 
 // The file's open description lives on while any descriptor *or mapping* refers to it,
 // and the liveness locks live with it: the child closes its descriptor and replaces
 // the mapping by zero pages at the same addresses (nothing reads them: the child's
 // copies of the groups refuse every op).
 void in_child() {
+  g_is_fork_child.store(true, std::memory_order_relaxed);
   for (auto& s : g_slots) {
     if (!s.used.exchange(false)) continue;
     if (s.addr != nullptr)
@@ -39,6 +44,7 @@ void in_child() {
   Arena::after_fork_in_child();
   Worker::after_fork_in_child();
   forget_all_unlink_on_signal();
+  forget_pid_namespace();
 }
 
 }  // namespace
@@ -68,7 +74,7 @@ void forget_close_on_fork(int slot) {
 }
 
 std::string forked_group_error(int creator_pid, int rank) {
-  if (getpid() == creator_pid) return "";
+  if (!g_is_fork_child.load(std::memory_order_relaxed) || getpid() == creator_pid) return "";
   return "pycomm: this process (pid " + std::to_string(getpid()) + ") is a fork of rank " +
          std::to_string(rank) + "'s process (pid " + std::to_string(creator_pid) +
          "): a process group cannot be used across fork() (the child has none of its "

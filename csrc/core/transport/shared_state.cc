@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <thread>
@@ -20,10 +21,24 @@ uint32_t abort_word(int rank, uint32_t phase) {
 
 }  // namespace
 
+namespace {
+std::atomic<uint64_t> g_pid_namespace{0};  // 0: not read yet (or unreadable)
+}  // namespace
+
+// A process's PID namespace never changes (unshare and setns move only the children it
+// starts afterwards), so it is read once: a stat() of /proc on every op that negotiates
+// zero-copy cost 4-6 us per op, more than a 64 KB all_reduce itself (bench.algo_crossover).
+// A forked child may be in another namespace: the fork guard forgets it there.
 uint64_t pid_namespace_id() {
+  uint64_t ns = g_pid_namespace.load(std::memory_order_relaxed);
+  if (ns != 0) return ns;
   struct stat st;
-  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+  ns = stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+  g_pid_namespace.store(ns, std::memory_order_relaxed);
+  return ns;
 }
+
+void forget_pid_namespace() { g_pid_namespace.store(0, std::memory_order_relaxed); }
 
 void Shared::join() {
   liveness_ = Liveness(segment_.fd(), rank_);

@@ -76,7 +76,9 @@ class Shared {
 
 // "all_reduce float32[1000] SUM (seq 7) on rank 0"
 std::string where(const OpCall& op, int rank);
-// The inode of this process's PID namespace (0 if it cannot be read).
+// The inode of this process's PID namespace (0 if it cannot be read), read once.
 uint64_t pid_namespace_id();
+// Makes the next pid_namespace_id() read it again (a forked child's may differ).
+void forget_pid_namespace();
 
 }  // namespace pycomm

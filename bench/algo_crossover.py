@@ -1,0 +1,147 @@
+"""pycomm's algorithms and settings against each other, timed in one job.
+
+Each rank makes one pycomm group per variant over the same ranks, each created with its
+own ``PYCOMM_*`` settings (by default the ring, ``PYCOMM_ALGO=ring``, and the direct
+algorithm, ``PYCOMM_ALGO=direct`` with an area as large as the largest size), and times
+``pycomm.all_reduce_`` on each, rotating the order per call with a barrier before every
+call, so all see the same machine state. Each line is the median over calls of the
+slowest rank's time, and each variant's time over the first's (below 1: faster).
+``PYCOMM_DIRECT_BYTES``' and ``PYCOMM_CHUNK_BYTES``' defaults come from these tables.
+
+Example::
+
+    python -m bench.algo_crossover --nproc 2 -b 4K -e 1M --iters 400
+    python -m bench.algo_crossover --variant ring=PYCOMM_ALGO=ring \
+        --variant ring-16k=PYCOMM_ALGO=ring,PYCOMM_CHUNK_BYTES=16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench._cli import parse_size
+from bench._launch import bind_rank
+from bench._ports import free_port
+
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """'name=K=V,K2=V2' -> (name, {K: V, K2: V2})."""
+    name, _, settings = text.partition("=")
+    env = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
+    if not name or not all(k.startswith("PYCOMM_") for k in env):
+        raise SystemExit(f"--variant {text!r}: want NAME=PYCOMM_X=V[,PYCOMM_Y=W]")
+    return name, env
+
+
+def default_variants(max_bytes: int) -> list[tuple[str, dict[str, str]]]:
+    return [("ring", {"PYCOMM_ALGO": "ring"}),
+            ("direct", {"PYCOMM_ALGO": "direct", "PYCOMM_DIRECT_BYTES": str(max_bytes)})]
+
+
+def _group(ranks: list[int], env: dict[str, str]) -> dist.ProcessGroup:
+    """A pycomm group made while ``env`` is set (rank 0's settings are the group's)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return dist.new_group(ranks, backend="pycomm")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
+def _time(op, barrier) -> float:
+    barrier()
+    t0 = time.perf_counter()
+    op()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, out) -> None:
+    import pycomm
+
+    bind_rank(rank, world, args.bind)
+    dist.init_process_group("pycomm", rank=rank, world_size=world)
+    ranks = list(range(world))
+    groups = {name: _group(ranks, env) for name, env in args.variants}
+    names = list(groups)
+    size, rows = args.min, []
+    while size <= args.max:
+        x = torch.ones(size // 4)
+        ops = {a: (lambda g=g: pycomm.all_reduce_(x, group=g)) for a, g in groups.items()}
+        bars = {a: (lambda g=g: dist.barrier(group=g)) for a, g in groups.items()}
+        times: dict[str, list[float]] = {a: [] for a in names}
+        for i in range(args.warmup + args.iters):
+            for a in names[i % len(names):] + names[: i % len(names)]:
+                t = _time(ops[a], bars[a])
+                if i >= args.warmup:
+                    times[a].append(t)
+        slowest = {}
+        for a in names:  # per call, the slowest rank's time
+            mine = torch.tensor(times[a], dtype=torch.float64)
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            slowest[a] = statistics.median(mine.tolist())
+        rows.append({"bytes": size, **slowest})
+        size *= args.factor
+    if rank == 0:
+        out.put(rows)
+    dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, args: argparse.Namespace, out) -> None:
+    _worker(rank, world, args, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.algo_crossover", description=__doc__)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("-b", dest="min", type=parse_size, default=parse_size("4K"))
+    p.add_argument("-e", dest="max", type=parse_size, default=parse_size("1M"))
+    p.add_argument("-f", dest="factor", type=int, default=2)
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--bind", choices=("core", "none", "auto"), default="auto")
+    p.add_argument("--variant", action="append", type=parse_variant, dest="variants",
+                   help="NAME=PYCOMM_X=V[,...]: a group made with these settings (repeat)")
+    p.add_argument("--out", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    args.variants = args.variants or default_variants(args.max)
+    import pycomm  # noqa: F401  registers the backend before the ranks start
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_spawned, args=(args.nproc, args, out), nprocs=args.nproc,
+                       start_method="spawn")
+    rows = out.get()
+    load = open("/proc/loadavg").read().split()[:3]
+    print(f"# {args.nproc} ranks, float32 sum, pycomm.all_reduce_, barrier before each call, "
+          f"median of {args.iters} calls (slowest rank); load {' '.join(load)}")
+    names = [name for name, _ in args.variants]
+    for name, env in args.variants:
+        print(f"# {name}: {','.join(f'{k}={v}' for k, v in env.items())}")
+    print(f"{'size':>10} | " + " | ".join(f"{n + ' us':>12}" for n in names)
+          + "".join(f" | {n}/{names[0]}" for n in names[1:]))
+    for r in rows:
+        print(f"{r['bytes']:>10} | " + " | ".join(f"{r[n]:12.1f}" for n in names)
+              + "".join(f" | {r[n] / r[names[0]]:{len(n) + len(names[0]) + 1}.2f}"
+                        for n in names[1:]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"nproc": args.nproc, "variants": dict(args.variants), "load": load,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
