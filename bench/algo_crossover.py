@@ -32,7 +32,6 @@ from bench._launch import bind_rank
 from bench._ports import free_port
 
 
-
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     """'name=K=V,K2=V2' -> (name, {K: V, K2: V2})."""
     name, _, settings = text.partition("=")
@@ -79,7 +78,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, out) -> None:
     size, rows = args.min, []
     while size <= args.max:
         x = torch.ones(size // 4)
-        ops = {a: (lambda g=g: pycomm.all_reduce_(x, group=g)) for a, g in groups.items()}
+        ops = {a: (lambda g=g, x=x: pycomm.all_reduce_(x, group=g)) for a, g in groups.items()}
         bars = {a: (lambda g=g: dist.barrier(group=g)) for a, g in groups.items()}
         times: dict[str, list[float]] = {a: [] for a in names}
         for i in range(args.warmup + args.iters):
@@ -125,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     mp.start_processes(_spawned, args=(args.nproc, args, out), nprocs=args.nproc,
                        start_method="spawn")
     rows = out.get()
-    load = open("/proc/loadavg").read().split()[:3]
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
     print(f"# {args.nproc} ranks, float32 sum, pycomm.all_reduce_, barrier before each call, "
           f"median of {args.iters} calls (slowest rank); load {' '.join(load)}")
     names = [name for name, _ in args.variants]
