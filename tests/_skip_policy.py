@@ -32,6 +32,7 @@ ALLOWED: dict[str, str] = {
     "network namespaces (ip netns)": r"^no network namespaces\b",
     "PID namespaces (unshare --pid)": r"^no PID namespaces\b",
     "root privileges": r"^no root\b",
+    "a writable cgroup v1 memory controller": r"^no permission: cgroup v1 memory controller\b",
     "x86-64 CPU": r"^not x86-64\b",
     "objdump": r"^no objdump\b",
     "strace": r"^no strace\b",

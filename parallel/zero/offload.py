@@ -21,6 +21,8 @@ record: the same per-element arithmetic, in the same dtype, as the in-memory ZeR
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 import time
 import weakref
@@ -37,6 +39,7 @@ from parallel.zero.units import Unit
 
 KINDS = ("cpu", "disk")
 STATE_FIELDS = ("exp_avg", "exp_avg_sq")  # Adam's and AdamW's state, beside the master
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MAX_WRITES = 2  # write-backs in flight before the next one waits for the oldest
 IO_THREADS = 2
 
@@ -67,6 +70,21 @@ class OffloadConfig:
             raise ValueError(f"offload: prefetch must be >= 0, got {self.prefetch}")
 
 
+def return_freed_memory(threshold: int = 1 << 20) -> None:
+    """Make glibc give freed buffers of ``threshold`` bytes or more back to the system.
+
+    Unit-sized tensors come and go every step (gathers, gradients, Adam's temporaries).
+    glibc raises its mmap threshold to the largest chunk freed so far, after which such
+    tensors come from its heap, and freed heap memory stays with the process: it would
+    grow to a model's worth, the memory offload is there to save. A fixed threshold
+    keeps every large buffer an mmap of its own, unmapped when freed. No-op elsewhere.
+    """
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(M_MMAP_THRESHOLD, threshold)
+
+
 class UnitOffload:
     """Which units are in memory, their reads ahead and writes back, and their steps.
 
@@ -78,6 +96,7 @@ class UnitOffload:
     def __init__(self, config: OffloadConfig, units: list[Unit], dtype: torch.dtype,
                  device: torch.device, rank: int):
         config.check()
+        return_freed_memory()
         self.config, self.units, self.device = config, units, device
         self.depth = config.prefetch
         fields = ("master", *STATE_FIELDS)

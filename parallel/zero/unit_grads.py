@@ -119,6 +119,8 @@ class UnitGradReducer:
         if self.engine.offload is not None:
             divide = self.engine.world if self._divide_after else 1
             self.engine.offload.step_unit(u, out, divide)
+            # Free it now: the bucketer's work (kept until the end of backward) holds it
+            out.untyped_storage().resize_(0)
 
     # -- per unit --------------------------------------------------------------------------------
 
