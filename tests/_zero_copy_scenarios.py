@@ -30,7 +30,7 @@ import pycomm
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64", "bool")
 FLOATS = ("float32", "float64", "float16", "bfloat16")
-# Messages at least this big are far above the direct size (16 KiB, 64 KiB when ranks
+# Messages at least this big are far above the direct size (4 KiB, 64 KiB when ranks
 # outnumber cores), so they take zero-copy or its fallback.
 ABOVE_DIRECT_BYTES = 1 << 17
 SMALL_COUNTS = (0, 1, 7)  # direct (0 elements too): arena tensors must work there too

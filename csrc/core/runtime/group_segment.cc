@@ -93,16 +93,17 @@ std::string mib(size_t bytes) {
   return buf;
 }
 
-// Oversubscribed ranks (more ranks than cores): the direct algorithm takes one step
-// where the ring takes 2(n-1), but reads every rank's whole message. Measured here
-// (bench/README.md): with a core per rank the ring wins from 64 KiB up, so direct stops
-// at 16 KiB; oversubscribed, every ring step waits for a descheduled peer and direct
-// wins up to 64 KiB.
+// The direct algorithm takes one step where the ring takes 2(n-1), but every rank reads
+// every rank's whole message. Measured here (python -m bench.algo_crossover, both in one
+// job; bench/README.md): with a core per rank (2 ranks) the ring, zero-copy negotiation
+// included, is as fast at 4 KiB and faster from 8 KiB (16 KiB: 2.0 us against 2.7), so
+// direct stops at 4 KiB; oversubscribed, every ring step waits for a descheduled peer
+// and direct wins up to 64 KiB.
 size_t direct_bytes_for(const Config& cfg, int world) {
   if (std::getenv("PYCOMM_DIRECT_BYTES") != nullptr) return cfg.direct_bytes;
   unsigned cores = std::thread::hardware_concurrency();
   bool oversubscribed = cores != 0 && static_cast<unsigned>(world) > cores;
-  return oversubscribed ? 64 << 10 : 16 << 10;
+  return oversubscribed ? 64 << 10 : 4 << 10;
 }
 
 // "ok <total bytes> <name>" or "error <why>", as rank 0 posts it.
