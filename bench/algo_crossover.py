@@ -1,7 +1,8 @@
 """pycomm's algorithms and settings against each other, timed in one job.
 
 Each rank makes one pycomm group per variant over the same ranks, each created with its
-own ``PYCOMM_*`` settings (by default the ring, ``PYCOMM_ALGO=ring``, and the direct
+own ``PYCOMM_*`` settings (by default what the automatic choice picks between: the
+zero-copy negotiation then the ring, ``PYCOMM_DIRECT_BYTES=0``, and the direct
 algorithm, ``PYCOMM_ALGO=direct`` with an area as large as the largest size), and times
 ``pycomm.all_reduce_`` on each, rotating the order per call with a barrier before every
 call, so all see the same machine state. Each line is the median over calls of the
@@ -42,7 +43,10 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def default_variants(max_bytes: int) -> list[tuple[str, dict[str, str]]]:
-    return [("ring", {"PYCOMM_ALGO": "ring"}),
+    """What the automatic choice picks between: above the direct size it negotiates
+    zero-copy and, for ordinary tensors, runs the ring (a direct size of 0 forces that
+    path at every size); and the direct algorithm at every size."""
+    return [("ring", {"PYCOMM_DIRECT_BYTES": "0"}),
             ("direct", {"PYCOMM_ALGO": "direct", "PYCOMM_DIRECT_BYTES": str(max_bytes)})]
 
 
