@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import os
 import statistics
 import time
 import traceback
@@ -73,22 +74,47 @@ def measure(cfg: Any, steps: int) -> dict[str, Any]:
            "rss_over_start": proc_status()["VmHWM"] - rss0 if process.rss_peak_rise >= 0
            else -1, "step_s": statistics.median(times) if times else None,
            "pool": pool.stats() if pool is not None else None,
-           "seconds": {"build": t1 - t0, "first_step": t2 - t1, "sampled_step": t3 - t2}}
+           "seconds": {"build": t1 - t0, "first_step": t2 - t1, "sampled_step": t3 - t2},
+           "loadavg": os.getloadavg()}
     engine.mesh.destroy()
     del engine
     gc.collect()
     return out
 
 
-def run_all(rank: int, cfgs: list[Any], steps: int, out_path: str) -> None:
+def measure_time(cfg: Any, steps: int) -> dict[str, Any]:
+    """One layout's step times alone (no sampling): a first step, then ``steps`` timed
+    between barriers. Their minimum is the step least disturbed by other load."""
+    from parallel.train.loop import build
+
+    torch.set_num_threads(cfg.threads)
+    checkpoint_module._DEFAULT_ARENA = CheckpointArena()
+    engine, _params, _name = build(cfg)
+    _step(engine, cfg, 1)
+    times = []
+    for step in range(2, steps + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        _step(engine, cfg, step)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    engine.mesh.destroy()
+    del engine
+    gc.collect()
+    return {"rank": dist.get_rank(), "step_times": times, "loadavg": os.getloadavg()}
+
+
+def run_all(rank: int, cfgs: list[Any], steps: int, out_path: str,
+            time_only: bool = False) -> None:
     """Every layout in turn; rank 0 appends one JSON line per layout to ``out_path``.
     The first layout runs once unrecorded first: a process's first engine allocates
     for good what later ones reuse (torch's and pycomm's one-time state)."""
+    run = measure_time if time_only else measure
     if cfgs:
-        measure(cfgs[0], 3)
+        run(cfgs[0], 3)
     for cfg in cfgs:
         try:
-            mine: dict[str, Any] = measure(cfg, steps)
+            mine: dict[str, Any] = run(cfg, steps)
         except Exception:
             mine = {"rank": rank, "error": traceback.format_exc(limit=3)}
         ranks: list[Any] = [None] * dist.get_world_size()

@@ -9,8 +9,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from parallel.plan.calibrate import Calibration
+from parallel.plan.comms import CommModel
 from parallel.plan.layouts import Layout
-from parallel.plan.planner import GIB, Row, evaluate
+from parallel.plan.planner import GIB, Row, evaluate, job_of
+from parallel.plan.shapes import model_shape
+from parallel.plan.timing import predict_time
 from parallel.train.config import parse
 
 MIB = 1 << 20
@@ -37,8 +41,24 @@ def load(path: Path) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
     return out
 
 
-def compare(row: Row, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per rank: measured peak against its stage's prediction; the step time."""
+def load_times(path: Path, world: int) -> dict[tuple[Any, ...], tuple[float, float]]:
+    """Each layout's fastest step (``--time-only``: the step least disturbed by other
+    load; every rank times the same step between barriers, rank 0's is taken) and the
+    load beside the job then: the 1-minute load average less the job's own ranks."""
+    out: dict[tuple[Any, ...], tuple[float, float]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            doc = json.loads(line)
+            rank0 = doc["ranks"][0]
+            if "step_times" in rank0:
+                other = max(0.0, rank0["loadavg"][0] - world)
+                out[_key(doc["layout"])] = (min(rank0["step_times"]), other)
+    return out
+
+
+def compare(row: Row, ranks: list[dict[str, Any]], fastest: float | None) -> dict[str, Any]:
+    """Per rank: measured peak against its stage's prediction; the step time (the
+    fastest of the time-only run where there is one, else the memory run's median)."""
     errs, meas, pred = [], [], []
     for r in ranks:
         stage = r["coords"][0]
@@ -47,7 +67,7 @@ def compare(row: Row, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         meas.append(r["peak"])
         pred.append(p)
     worst = max(range(len(errs)), key=lambda i: abs(errs[i]))
-    step = max(r["step_s"] for r in ranks)
+    step = fastest if fastest is not None else max(r["step_s"] for r in ranks)
     return {"mem_err": errs[worst], "mem_meas": meas[worst], "mem_pred": pred[worst],
             "max_meas": max(meas), "max_pred": max(pred),
             "rss": max(r["rss_over_start"] for r in ranks),
@@ -58,7 +78,10 @@ def compare(row: Row, ranks: list[dict[str, Any]]) -> dict[str, Any]:
 def report(args: argparse.Namespace) -> str:
     cfg = parse(args.rest)
     measured = load(Path(args.out + ".jsonl"))
-    rows, _ = evaluate(cfg, args.world, 1e9, offloads=("none",))
+    times = load_times(Path(args.out + ".time.jsonl"), args.world)
+    shape = model_shape(cfg)
+    rows, _ = evaluate(cfg, args.world, 1e9, offloads=("none",), shape=shape)
+    cal, comm = Calibration("", cfg.threads), CommModel()
     lines = [f"# Planner accuracy: {cfg.model} n_layer={cfg.n_layer} n_embd={cfg.n_embd} "
              f"n_head={cfg.n_head} block_size={cfg.block_size} batch={cfg.batch_size}, "
              f"{args.world} ranks", "",
@@ -73,13 +96,17 @@ def report(args: argparse.Namespace) -> str:
         if any("error" in r for r in ranks):
             failed.append((row.layout, next(r["error"] for r in ranks if "error" in r)))
             continue
-        c = compare(row, ranks)
+        timed = times.get(_lkey(row.layout))
+        if timed is not None:  # predicted with the load that was beside the job then
+            row.time = predict_time(shape, row.layout, job_of(cfg), row.memory, cal, comm,
+                                    cfg.threads, timed[1])
+        c = compare(row, ranks, timed[0] if timed else None)
         results.append((row, c))
     for row, c in sorted(results, key=lambda x: str(x[0].layout)):
         lines.append(f"| {row.layout} | {c['mem_meas'] / MIB:.2f} | {c['mem_pred'] / MIB:.2f} "
                      f"| {c['mem_err']:+.1f} | {c['rss'] / MIB:.1f} | {c['step_meas']:.3f} | "
                      f"{c['step_pred']:.3f} | {c['step_err']:+.0f} |")
-    lines += ["", *summary(results), *auto_choice(results)]
+    lines += ["", *summary(results), *noise(results), *auto_choice(results)]
     for layout, err in failed:
         lines.append(f"- failed to run: {layout}: {err.strip().splitlines()[-1]}")
     return "\n".join(lines) + "\n"
@@ -96,6 +123,19 @@ def summary(results: list[tuple[Row, dict[str, Any]]]) -> list[str]:
             f"{statistics.median(mem):.1f}%, largest {max(mem):.1f}%.",
             f"Step time: |error| median {statistics.median(step):.0f}%, largest "
             f"{max(step):.0f}%.", ""]
+
+
+def noise(results: list[tuple[Row, dict[str, Any]]]) -> list[str]:
+    """The measurement's own spread: at tp = 1, recompute with and without P_a do the
+    same work (P_a over a group of one), so their measured times differ by noise."""
+    by = {_lkey(r.layout): c["step_meas"] for r, c in results}
+    diffs = [abs(t - by[(*k[:5], True)]) / min(t, by[(*k[:5], True)]) * 100
+             for k, t in by.items() if k[1] == 1 and k[4] and not k[5] and (*k[:5], True) in by]
+    if not diffs:
+        return []
+    return [f"Noise floor: at tp = 1, recompute and recompute + P_a (the same work) measured "
+            f"{statistics.median(diffs):.0f}% apart (median; largest {max(diffs):.0f}%, "
+            f"{len(diffs)} pairs).", ""]
 
 
 def auto_choice(results: list[tuple[Row, dict[str, Any]]]) -> list[str]:

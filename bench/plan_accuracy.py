@@ -28,7 +28,7 @@ from parallel.train.config import parse
 
 
 def _rank_main(rank: int, world: int, port: int, cfgs: list[Any], steps: int,
-               out: str) -> None:
+               out: str, time_only: bool) -> None:
     import torch.distributed as dist
 
     import pycomm  # noqa: F401  (registers the backend)
@@ -37,7 +37,7 @@ def _rank_main(rank: int, world: int, port: int, cfgs: list[Any], steps: int,
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("pycomm", store=store, rank=rank, world_size=world)
     try:
-        run_all(rank, cfgs, steps, out)
+        run_all(rank, cfgs, steps, out, time_only)
     finally:
         dist.destroy_process_group()
 
@@ -53,13 +53,13 @@ def measure(args: argparse.Namespace) -> None:
     layouts, _ = enumerate_layouts(cfg, args.world, model_shape(cfg), offloads=("none",))
     if args.only:
         layouts = [x for x in layouts if args.only in str(x)]
-    out = Path(args.out + ".jsonl")
+    out = Path(args.out + (".time.jsonl" if args.time_only else ".jsonl"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
     cfgs = [with_layout(cfg, x) for x in layouts]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.spawn(_rank_main, args=(args.world, store.port, cfgs, args.steps, str(out)),
-             nprocs=args.world, join=True)
+    mp.spawn(_rank_main, args=(args.world, store.port, cfgs, args.steps, str(out),
+                               args.time_only), nprocs=args.world, join=True)
     print(f"{len(cfgs)} layouts -> {out}")
 
 
@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="results path without suffix")
     parser.add_argument("--only", default="", help="layouts whose name contains this")
     parser.add_argument("--report", action="store_true", help="compare, write NAME.md")
+    parser.add_argument("--time-only", action="store_true",
+                        help="step times alone (--steps timed steps after a first), to "
+                        "NAME.time.jsonl; the report takes each layout's fastest step")
     args, args.rest = parser.parse_known_args(argv)
     if args.report:
         from bench._plan_accuracy_report import report

@@ -14,7 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, cfg = parse_args(argv, parser)
         limit = memory_gib(args.memory_gb, args.world)
-        rows, refused = evaluate(cfg, args.world, limit, args.calibration, args.comm_results)
+        rows, refused = evaluate(cfg, args.world, limit, args.calibration, args.comm_results,
+                                 other_load=args.other_load)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,14 +48,16 @@ class LocalBlock(nn.Module):
         return x + self.out(h)
 
 
-def _median_s(fn: Callable[[], object], repeats: int = 3) -> float:
-    fn()  # warm-up: first-call allocations and dispatch caches
+def _best_s(fn: Callable[[], object], repeats: int = 7) -> float:
+    """The fastest of ``repeats`` calls after a warm-up (first-call allocations and
+    dispatch caches): the machine's speed, the least disturbed by other load."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _fwd_bwd(module: nn.Module, x: torch.Tensor) -> tuple[float, float]:
@@ -67,7 +68,7 @@ def _fwd_bwd(module: nn.Module, x: torch.Tensor) -> tuple[float, float]:
     def both() -> None:
         module(x.requires_grad_()).sum().backward()
 
-    return _median_s(forward), _median_s(both)
+    return _best_s(forward), _best_s(both)
 
 
 def block_times(hidden: int, heads: int, ffn: int, rows: int, seq: int, tp: int,
@@ -97,7 +98,7 @@ def adam_seconds_per_element(numel: int = 1 << 20) -> float:
     p = nn.Parameter(torch.randn(numel))
     p.grad = torch.randn(numel)
     opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    return _median_s(opt.step) / numel
+    return _best_s(opt.step) / numel
 
 
 def disk_bandwidth(folder: str = "", nbytes: int = 64 << 20) -> tuple[float, float]:

@@ -25,6 +25,9 @@ def build_parser(prog: str = "python -m parallel.plan") -> argparse.ArgumentPars
     parser.add_argument("--comm-results", default="",
                         help="folder of the collective benchmark's summaries (default: the "
                         "checkout's bench/results/i30)")
+    parser.add_argument("--other-load", type=float, default=0.0,
+                        help="runnable processes beside the job, sharing its CPUs (e.g. "
+                        "the load average before it starts; default 0: a machine of its own)")
     parser.add_argument("--top", type=int, default=0, help="print only the best N that fit")
     parser.add_argument("--json", default="", help="also write every row to this file")
     return parser

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from parallel.plan import activations as act
 from parallel.plan.layouts import Layout
@@ -81,8 +82,9 @@ class Memory:
         return self.states + max(self.activations, self.end_of_backward)
 
 
-def _meta(numels: list[int]) -> list[torch.Tensor]:
-    return [torch.empty(n, device="meta") for n in numels]
+def _meta(numels: list[int]) -> list[nn.Parameter]:
+    """Stand-ins of the sizes given (no memory), for the project's layout classes."""
+    return [nn.Parameter(torch.empty(n, device="meta")) for n in numels]
 
 
 def _flat(numels: list[int], world: int, bucket_mb: float, stage: int) -> ShardLayout:

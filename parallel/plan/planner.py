@@ -46,10 +46,11 @@ def job_of(cfg: Any) -> Job:
 
 def evaluate(cfg: Any, world: int, memory_gib: float, calibration: str = "",
              comm_results: str = "", offloads: tuple[str, ...] = OFFLOADS,
-             shape: ModelShape | None = None
+             shape: ModelShape | None = None, other_load: float = 0.0
              ) -> tuple[list[Row], list[tuple[Layout, str]]]:
     """Every accepted layout's prediction, those that fit first by predicted step time,
-    then those that do not by memory; and the refused layouts with why."""
+    then those that do not by memory; and the refused layouts with why. ``other_load``:
+    runnable processes beside the job (they share the CPUs with its ranks)."""
     shape = shape or model_shape(cfg)
     job = job_of(cfg)
     cal, comm = Calibration(calibration, cfg.threads), CommModel(comm_results)
@@ -57,7 +58,7 @@ def evaluate(cfg: Any, world: int, memory_gib: float, calibration: str = "",
     rows = []
     for layout in layouts:
         mems = predict(shape, layout, job)
-        time = predict_time(shape, layout, job, mems, cal, comm, cfg.threads)
+        time = predict_time(shape, layout, job, mems, cal, comm, cfg.threads, other_load)
         rows.append(Row(layout, mems, time, max(m.peak for m in mems) <= memory_gib * GIB))
     rows.sort(key=lambda r: (not r.fits, r.time.total if r.fits else r.peak))
     return rows, refused

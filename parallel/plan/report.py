@@ -27,8 +27,8 @@ def row_dict(row: Row) -> dict[str, Any]:
 
 
 HEADER = ("| # | layout | params MiB | grads MiB | optimizer MiB | buffers MiB | "
-          "activations MiB | peak MiB | fits | step s | compute / bubble / TP / PP / DP / "
-          "optimizer / I/O s |")
+          "activations MiB | peak MiB | fits | step ms | compute / bubble / TP / PP / DP / "
+          "optimizer / I/O ms |")
 
 
 def table(rows: list[Row], top: int = 0) -> list[str]:
@@ -43,8 +43,8 @@ def table(rows: list[Row], top: int = 0) -> list[str]:
         cells = [str(i) if r.fits else "-", str(r.layout), _mib(w.params), _mib(w.grads),
                  _mib(w.optimizer), buffers or "0",
                  _mib(max(w.activations, w.end_of_backward)), _mib(r.peak),
-                 "yes" if r.fits else "**no**", f"{t.total:.3f}",
-                 " / ".join(f"{x:.3f}" for x in parts)]
+                 "yes" if r.fits else "**no**", f"{t.total * 1e3:.1f}",
+                 " / ".join(f"{x * 1e3:.1f}" for x in parts)]
         out.append("| " + " | ".join(cells) + " |")
     return out
 

@@ -4,13 +4,17 @@ pipeline's bubble, and for offload the disk's measured bandwidth.
 
 - compute: per micro-batch, each block's forward + backward (plus one more forward
   under recompute) at the rank's local shapes, the head's on the last stage; ranks
-  that outnumber the CPUs share them (``ranks * threads / cpus``, at least 1);
+  that outnumber the CPUs share them (``(ranks * threads + other load) / cpus``, at
+  least 1; the other load: runnable processes beside the job, as the load average
+  counts them), and then a stage idle in the pipeline's bubble leaves its CPU to the
+  others;
 - tensor parallelism: per block and micro-batch, Megatron's two all-reduces in forward
   and two in backward of ``b s h`` activations (two more with recompute), over ``t``;
 - pipeline: ``m`` micro-batches through ``p`` stages take ``m + p - 1`` slots of the
   slowest stage's time (the bubble, ``(p - 1)/m`` of the work: Huang et al. 2019,
-  Narayanan et al. 2021), plus a send of the activations and one of their gradient
-  per slot;
+  Narayanan et al. 2021), or the work of all ranks over the CPUs where that is more
+  (ranks sharing CPUs), plus a send of the activations and one of their gradient per
+  slot;
 - data parallelism, after backward (the composed engine reduces then): stage 0-1 an
   all-reduce per bucket, stage 1-2 an all-gather of the parameters after the step,
   stage 2 a reduce-scatter per bucket; stage 3 per micro-batch an all-gather of every
@@ -58,10 +62,11 @@ class StepTime:
                 + self.data_comm + self.optimizer + self.offload_io)
 
 
-def sharing(world: int, threads: int) -> float:
-    """How many ranks' threads share each CPU (at least 1)."""
+def sharing(world: int, threads: int, other_load: float = 0.0) -> float:
+    """How many runnable threads share each CPU (at least 1): the ranks' and
+    ``other_load`` others'."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1.0, world * threads / max(1, cpus or 1))
+    return max(1.0, (world * threads + max(0.0, other_load)) / max(1, cpus or 1))
 
 
 def _stage_compute(m: ModelShape, layout: Layout, rows: int, stage: int,
@@ -98,16 +103,21 @@ def _data_comm(layout: Layout, mem: Memory, unit_bytes: list[int], comm: CommMod
 
 
 def predict_time(m: ModelShape, layout: Layout, job: Job, mems: list[Memory],
-                 cal: Calibration, comm: CommModel, threads: int = 1) -> StepTime:
+                 cal: Calibration, comm: CommModel, threads: int = 1,
+                 other_load: float = 0.0) -> StepTime:
     """The step time of ``layout`` (the slowest stage's ranks)."""
     t = StepTime()
     mb = layout.microbatches
     rows = max(1, job.batch // (layout.dp * mb))
-    share = sharing(layout.dp * layout.tp * layout.pp, threads)
-    stages = [_stage_compute(m, layout, rows, s, cal) * share for s in range(layout.pp)]
+    share = sharing(layout.dp * layout.tp * layout.pp, threads, other_load)
+    stages = [_stage_compute(m, layout, rows, s, cal) for s in range(layout.pp)]
     slowest = max(stages)
-    t.compute = mb * slowest
-    t.bubble = (layout.pp - 1) * slowest  # (p - 1)/m of the m slots' work
+    # The schedule's critical path is m + p - 1 slots of the slowest stage; on CPUs the
+    # ranks outnumber, the work of all ranks (a stage waiting in the bubble leaves its
+    # CPU to the others) over the CPUs bounds it too: the larger of the two.
+    work = mb * sum(stages) / layout.pp * share
+    t.compute = max(mb * slowest, work)
+    t.bubble = max(0.0, (mb + layout.pp - 1) * slowest - t.compute)
     act_bytes = F32 * rows * m.seq * m.hidden
     if layout.tp > 1:
         per_block = (6 if layout.recompute else 4) * comm.all_reduce(act_bytes, layout.tp)
