@@ -6,15 +6,14 @@ pipeline's bubble, and for offload the disk's measured bandwidth.
   under recompute) at the rank's local shapes, the head's on the last stage; ranks
   that outnumber the CPUs share them (``(ranks * threads + other load) / cpus``, at
   least 1; the other load: runnable processes beside the job, as the load average
-  counts them), and then a stage idle in the pipeline's bubble leaves its CPU to the
-  others;
+  counts them);
 - tensor parallelism: per block and micro-batch, Megatron's two all-reduces in forward
   and two in backward of ``b s h`` activations (two more with recompute), over ``t``;
 - pipeline: ``m`` micro-batches through ``p`` stages take ``m + p - 1`` slots of the
   slowest stage's time (the bubble, ``(p - 1)/m`` of the work: Huang et al. 2019,
-  Narayanan et al. 2021), or the work of all ranks over the CPUs where that is more
-  (ranks sharing CPUs), plus a send of the activations and one of their gradient per
-  slot;
+  Narayanan et al. 2021); where ranks share CPUs, a slot's time is shared by the
+  stages busy in it only (the fill and the drain run on fewer), plus a send of the
+  activations and one of their gradient per slot;
 - data parallelism, after backward (the composed engine reduces then): stage 0-1 an
   all-reduce per bucket, stage 1-2 an all-gather of the parameters after the step,
   stage 2 a reduce-scatter per bucket; stage 3 per micro-batch an all-gather of every
@@ -69,6 +68,12 @@ def sharing(world: int, threads: int, other_load: float = 0.0) -> float:
     return max(1.0, (world * threads + max(0.0, other_load)) / max(1, cpus or 1))
 
 
+def _busy(slot: int, pp: int, microbatches: int) -> int:
+    """Stages with a micro-batch in ``slot`` of the pipeline's ``m + p - 1``: stage s
+    works on micro-batch ``slot - s`` when that is one of the ``m``."""
+    return sum(0 <= slot - s < microbatches for s in range(pp))
+
+
 def _stage_compute(m: ModelShape, layout: Layout, rows: int, stage: int,
                    cal: Calibration) -> float:
     """Seconds of one micro-batch's forward and backward on one rank of ``stage``."""
@@ -110,14 +115,14 @@ def predict_time(m: ModelShape, layout: Layout, job: Job, mems: list[Memory],
     mb = layout.microbatches
     rows = max(1, job.batch // (layout.dp * mb))
     share = sharing(layout.dp * layout.tp * layout.pp, threads, other_load)
-    stages = [_stage_compute(m, layout, rows, s, cal) for s in range(layout.pp)]
-    slowest = max(stages)
-    # The schedule's critical path is m + p - 1 slots of the slowest stage; on CPUs the
-    # ranks outnumber, the work of all ranks (a stage waiting in the bubble leaves its
-    # CPU to the others) over the CPUs bounds it too: the larger of the two.
-    work = mb * sum(stages) / layout.pp * share
-    t.compute = max(mb * slowest, work)
-    t.bubble = max(0.0, (mb + layout.pp - 1) * slowest - t.compute)
+    slowest = max(_stage_compute(m, layout, rows, s, cal) for s in range(layout.pp))
+    # m + p - 1 slots of the slowest stage; in slot k the stages holding a micro-batch
+    # share the CPUs (a stage waiting in the fill or the drain leaves its CPU to them)
+    ranks_per_stage = layout.dp * layout.tp
+    slots = [slowest * sharing(_busy(k, layout.pp, mb) * ranks_per_stage, threads, other_load)
+             for k in range(mb + layout.pp - 1)]
+    t.compute = mb * slowest * share
+    t.bubble = max(0.0, sum(slots) - t.compute)
     act_bytes = F32 * rows * m.seq * m.hidden
     if layout.tp > 1:
         per_block = (6 if layout.recompute else 4) * comm.all_reduce(act_bytes, layout.tp)
