@@ -6,7 +6,8 @@ trainer accepts, with predicted per-rank memory and step time (``python -m paral
 - :mod:`~parallel.plan.memory`, :mod:`~parallel.plan.activations`: bytes per rank;
 - :mod:`~parallel.plan.calibrate`, :mod:`~parallel.plan.comms`,
   :mod:`~parallel.plan.timing`: step time from measured compute and collectives;
-- :mod:`~parallel.plan.planner`: rank them; :func:`choose` is ``--plan auto``'s pick.
+- :mod:`~parallel.plan.planner`: rank them; :func:`choose` is ``--plan auto``'s pick;
+- :mod:`~parallel.plan.cli`, :mod:`~parallel.plan.report`: the command line and its table.
 
 Example::
 

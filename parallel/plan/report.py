@@ -27,7 +27,8 @@ def row_dict(row: Row) -> dict[str, Any]:
 
 
 HEADER = ("| # | layout | params MiB | grads MiB | optimizer MiB | buffers MiB | "
-          "activations MiB | peak MiB | fits | step ms | compute / bubble / TP / PP / DP / "
+          "activations (+ gradients in flight) MiB | peak MiB | fits | step ms | "
+          "compute / bubble / TP / PP / DP / "
           "optimizer / I/O ms |")
 
 
