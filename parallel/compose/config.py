@@ -113,7 +113,8 @@ class ParallelConfig:
             (self.microbatches != 1, f"microbatches={self.microbatches} (each backward "
              "steps the units: gradients cannot accumulate)"),
             (self.max_grad_norm is not None, f"max_grad_norm={self.max_grad_norm} (the "
-             "norm needs every unit's gradient before any unit steps; set None)"),
+             "norm needs every unit's gradient before any unit steps; set None, the trainer: "
+             "--max-grad-norm 0)"),
             (self.precision not in (None, "fp32"), f"precision={self.precision!r} (records "
              "hold fp32 masters only)"),
             (self.optimizer not in (torch.optim.Adam, torch.optim.AdamW),

@@ -80,8 +80,9 @@ class ShardedModel:
         self.units = [Unit(k, plan, [self.params[i] for i in ids], ids, self.layout, k)
                       for k, (plan, ids) in enumerate(zip(plans, groups, strict=True))]
         # offloaded: the masters live in the unit store, not in memory
+        device = next((p.device for p in self.params if not p.is_meta), torch.device("cpu"))
         self.offload = None if offload is None else UnitOffload(
-            offload, self.units, self.dtype, self._device(), self.rank)
+            offload, self.units, self.dtype, device, self.rank)
         self.masters = None if offload else Arena.for_group(self.layout.shard_numel,
                                                             self.dtype, group)
         self.unit_of = {i: u for u in self.units for i in u.ids}
@@ -100,10 +101,6 @@ class ShardedModel:
         self.reducer = UnitGradReducer(self)
 
     # -- construction ------------------------------------------------------------------------
-
-    def _device(self) -> torch.device:
-        real = [p.device for p in self.params if not p.is_meta]
-        return real[0] if real else torch.device("cpu")
 
     def _materialized(self, u: Unit) -> None:
         """A model built on the meta device gets ``u``'s weights now, just before they
@@ -225,10 +222,7 @@ class ShardedModel:
     def _pre_forward(self, u: Unit) -> None:
         if self.order is None and torch.is_grad_enabled():
             self._recording.append(u.index)
-        self.bind(u)
-        if self.offload is not None:
-            self.offload.ahead(u)
-        self._prefetch(u, +1)
+        self._bind_and_prefetch(u, +1)
 
     def _post_forward(self, u: Unit, output: Any) -> None:
         grads = torch.is_grad_enabled()
@@ -254,10 +248,7 @@ class ShardedModel:
 
     def _pre_backward(self, u: Unit) -> None:
         self._begin_backward()
-        self.bind(u)
-        if self.offload is not None:
-            self.offload.ahead(u)
-        self._prefetch(u, -1)
+        self._bind_and_prefetch(u, -1)
 
     def backward_unit_order(self) -> list[int]:
         """Units in the order their gradients complete: reverse forward order, then any
@@ -268,14 +259,20 @@ class ShardedModel:
 
     # -- gathering and freeing -------------------------------------------------------------------
 
+    def _bind_and_prefetch(self, u: Unit, step: int) -> None:
+        self.bind(u)
+        if self.offload is not None:
+            self.offload.ahead(u)  # reads run ahead of the gathers
+        self._prefetch(u, step)
+
     def _prefetch(self, u: Unit, step: int) -> None:
         if self.order is None or u.index not in self._position:
             return
-        if self.offload is not None and self.offload.depth == 0:
-            return  # depth 0: nothing is read (so nothing gathered) ahead of its use
         j = self._position[u.index] + step
         if 0 <= j < len(self.order):
             nxt = self.units[self.order[j]]
+            if self.offload is not None and self.offload.depth < 2:
+                return  # its read was issued just now (or never): gathering would wait on it
             if not nxt.bound and nxt.pending is None:
                 self._gather_into_slot(nxt)
                 self.stats["prefetches"] += 1
