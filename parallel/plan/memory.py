@@ -11,19 +11,22 @@ tensor-parallel part), each over the flat layouts' 64-byte-aligned sizes, plus t
 buffers the project holds beside them:
 
 - stage 0: the gradients are views of the averaging arena (no bucket copies);
-- stage 1: parameters and gradients are views of flat arenas; buckets are slices;
-- stage 2: each bucket's gradient is whole in a buffer of its own from its first
-  gradient to its reduce-scatter; reducing after backward (the composed engine) every
-  bucket's buffer is live at the end of backward (``grad_buckets``);
-- stage 3: parameters under the persistence threshold (100k elements) are kept whole in
-  one persistent unit, gathered once (its parameter and gradient buffers, ``pool``);
-  every other unit's gathered parameters and gradients come from a pool of whole-unit
-  buffers (:class:`parallel.zero.slot_pool.SlotPool`) that keeps the most it ever handed
-  out at once;
-- recompute: the checkpointed inputs live in one arena that keeps its largest size.
+- stages 1-2, reducing after backward (the composed engine), hold a whole gradient's
+  worth beside the states at its end (``end_of_backward``): stage 2 in each bucket's
+  buffer (taken at the bucket's first gradient, given back once reduce-scattered),
+  stage 1 in the ``.grad`` tensors autograd allocates (``zero_grad`` set them to None)
+  until ``reduce_gradients`` copies them into its arena; the layers already through
+  backward have theirs beside each block's backward;
+- stage 3: parameters under the persistence threshold (100k elements) form one
+  persistent unit, a tie across pipeline stages a unit on each stage; every unit's
+  gathered parameters and gradients come from a pool of whole-unit buffers
+  (:class:`parallel.zero.slot_pool.SlotPool`, one size per unit) that keeps the most
+  it ever handed out at once (``zero3 pool``);
+- recompute: the checkpointed inputs live in one arena that keeps its largest size;
+- a pipeline's sends hold their tensors until the step ends (``pipeline messages``).
 
 Activations (:mod:`parallel.plan.activations`) peak either while the head's backward
-runs or while a block's does; stage 2's gradient buckets peak at the end of backward.
+runs or while a block's does (the largest of those phases).
 """
 
 from __future__ import annotations
