@@ -135,10 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("what", choices=("overlap", "large", "cap-ci"))
     parser.add_argument("--dir", default="", help="where the unit files go (default: a "
                         "temporary folder under the repository's disk)")
+    parser.add_argument("--name", default="", help="results file stem (default: WHAT; "
+                        "another name keeps a repeated run beside the first)")
     parser.add_argument("--report", action="store_true", help="only remake the table from "
                         "the committed raw results")
     args = parser.parse_args(argv)
-    raw_path = os.path.join(RESULTS, f"{args.what}.json")
+    stem = args.name or args.what
+    raw_path = os.path.join(RESULTS, f"{stem}.json")
     if not args.report:
         if args.what != "overlap" and available():
             raise SystemExit(f"bench.offload {args.what}: {available()}")
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(raw_path) as f:
         raw = json.load(f)
     table = overlap_table(raw) if args.what == "overlap" else capped_table(raw)
-    with open(os.path.join(RESULTS, f"{args.what}.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
         f.write(table)
     print(table)
 
