@@ -69,7 +69,7 @@ def train_rank(spec: dict[str, Any]) -> dict[str, Any]:
         row = {"step_s": time.perf_counter() - start, "loss": loss}
         if offload is not None:  # this step's share of the counters
             after = offload.io_stats()
-            for key in ("read_wait_s", "io_s", "bytes_read", "bytes_written"):
+            for key in ("read_wait_s", "write_wait_s", "io_s", "bytes_read", "bytes_written"):
                 row[key] = after[key] - before[key]
             row["unit_step_s"] = after["step_s"] - before["step_s"]
         steps.append(row)

@@ -70,20 +70,24 @@ def overlap(directory: str) -> dict[str, Any]:
 
 def overlap_table(raw: dict[str, Any]) -> str:
     compute = _steady(raw["runs"]["in memory"], "step_s")
+    writes = "write_wait_s" in raw["runs"]["depth 0"][0]["steps"][0]  # from run 3 on
     rows = ["| run | step s | I/O busy s | compute s | I/O + compute s | read wait s | "
-            "unit steps s | GB read/step | GB written/step |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            + ("write wait s | " if writes else "")
+            + "unit steps s | GB read/step | GB written/step |",
+            "|---|---|---|---|---|---|---|---|---|" + ("---|" if writes else "")]
     for name, ranks in raw["runs"].items():
         step = _steady(ranks, "step_s")
         if name == "in memory":
-            rows.append(f"| {name} | {step:.2f} | - | {compute:.2f} | - | - | - | - | - |")
+            rows.append(f"| {name} | {step:.2f} | - | {compute:.2f} | - | - | - | - | - |"
+                        + (" - |" if writes else ""))
             continue
         io, wait = _steady(ranks, "io_s"), _steady(ranks, "read_wait_s")
         unit = _steady(ranks, "unit_step_s")
+        write = f" {_steady(ranks, 'write_wait_s'):.2f} |" if writes else ""
         read = _steady(ranks, "bytes_read") * len(ranks) / 1e9
         wrote = _steady(ranks, "bytes_written") * len(ranks) / 1e9
         rows.append(f"| {name} | {step:.2f} | {io:.2f} | {compute:.2f} | {io + compute:.2f} | "
-                    f"{wait:.2f} | {unit:.2f} | {read:.2f} | {wrote:.2f} |")
+                    f"{wait:.2f} |{write} {unit:.2f} | {read:.2f} | {wrote:.2f} |")
     head = (f"GPT {raw['params'] / 1e6:.1f}M parameters, dp=2 ZeRO-3, batch "
             f"{raw['spec']['batch']}x{raw['spec']['seq']}; steps 2-{raw['spec']['steps']}, "
             "slowest rank (I/O busy: one rank's I/O threads)")

@@ -115,7 +115,7 @@ class UnitOffload:
         self.sequence: list[int] = []  # unit indices in the order of the current pass
         self.stepper: Callable[[Unit, torch.Tensor, Record], None] | None = None
         self.grad_square_sum = 0.0  # of the reduced shards this backward (the norm)
-        self.stats = {"read_wait_s": 0.0, "io_s": 0.0, "step_s": 0.0,
+        self.stats = {"read_wait_s": 0.0, "write_wait_s": 0.0, "io_s": 0.0, "step_s": 0.0,
                       "max_records": 0, "steps": 0}
         weakref.finalize(self, _close, self._io, self.store)
 
@@ -200,7 +200,9 @@ class UnitOffload:
 
     def _retire_write(self) -> None:
         k, future, record = self._writes.popleft()
+        start = time.perf_counter()
         future.result()
+        self.stats["write_wait_s"] += time.perf_counter() - start
         if self._writing.get(k) is future:
             del self._writing[k]
         self._give(record)
