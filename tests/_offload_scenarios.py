@@ -43,7 +43,7 @@ def build(name: str, n_layer: int = 4) -> nn.Module:
 
 
 def train(name: str, offload: str, directory: str, steps: int = STEPS,
-          n_layer: int = 4, prefetch: int = 2) -> dict[str, Any]:
+          n_layer: int = 4, prefetch: int = 2, recompute: bool = False) -> dict[str, Any]:
     """``steps`` steps of ``name`` at dp=2, ZeRO-3 (``offload`` none, cpu or disk)."""
     from parallel.compose.mesh import ParallelMesh
     from parallel.compose.parallelize import ParallelConfig, parallelize
@@ -53,7 +53,7 @@ def train(name: str, offload: str, directory: str, steps: int = STEPS,
     engine = parallelize(model, mesh, ParallelConfig(
         zero=3, max_grad_norm=None, weight_decay=0.1, lr_lambda=lr_lambda,
         optimizer_kwargs={"lr": 3e-3}, offload=offload, offload_dir=directory,
-        offload_prefetch=prefetch))
+        offload_prefetch=prefetch, recompute=recompute))
     curve = []
     for step in range(steps):
         r = engine.train_step(*batch(step))
@@ -75,6 +75,9 @@ def run_all(root: str) -> dict[Any, Any]:
         for offload in ("none", "disk", "cpu"):
             directory = os.path.join(root, f"{name}-{offload}")
             out[(name, offload)] = train(name, offload, directory)
+    for offload in ("none", "disk"):  # a block's forward runs again inside backward
+        out[("recompute", offload)] = train("gpt", offload, os.path.join(root, "rc"), steps=4,
+                                            recompute=True)
     # twice the depth of ("gpt", "disk"): what is held in memory must not grow with it
     out["deep"] = train("gpt", "disk", os.path.join(root, "deep"), steps=2, n_layer=8)
     return out

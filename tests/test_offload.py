@@ -1,7 +1,7 @@
 """ZeRO-3 offload (parallel.zero.offload): 10 steps of the project's GPT and of a tiny
 HuggingFace Llama at dp=2 give bit-identical parameters offloaded to files, offloaded to
-host memory and in memory; what is held does not grow with the depth; what offload
-cannot run with is refused by name."""
+host memory and in memory (and with activation checkpointing, 4 steps); the records held
+do not grow with the depth; what offload cannot run with is refused by name."""
 
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ def test_parameters_bit_identical_to_in_memory_zero3(ranks, model, kind):
         for (_, norm), (_, ref) in zip(got["curve"], want["curve"], strict=True):
             assert norm == pytest.approx(ref, rel=1e-12)  # reported only: summed per unit
         assert len(want["params"]) > 0 and want["stats"] == {}
+
+
+def test_recompute_with_offload_bit_identical(ranks):
+    for result in ranks:
+        want, got = result[("recompute", "none")], result[("recompute", "disk")]
+        for name, value in want["params"].items():
+            assert torch.equal(got["params"][name], value), name
+        assert got["stats"]["steps"] == 4 * got["units"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
