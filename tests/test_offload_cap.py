@@ -49,7 +49,7 @@ def test_offloaded_trains_five_steps_under_the_cap(capped, tmp_path):
     steps, state = CI_CASE["steps"], state_bytes(CI_CASE)
     assert stats["bytes_read"] >= steps * state
     assert stats["bytes_written"] >= steps * state * 3 // 4
-    assert os.listdir(tmp_path) == []  # the store's file goes with the process
+    assert os.listdir(tmp_path) == []  # the store's file is unlinked once open
 
 
 def test_in_memory_zero3_is_killed_by_the_cap(capped):

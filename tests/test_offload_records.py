@@ -46,8 +46,8 @@ def test_record_round_trip(kind, device, tmp_path):
         for f in FIELDS[:fields]:
             assert torch.equal(read.field(f), values[f])
     assert store.bytes_written == 3 * layouts[0].field_bytes
+    assert not list(tmp_path.iterdir())  # unlinked once open
     store.close()
-    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -85,11 +85,12 @@ class Record:
 
 
 class FileUnitStore:
-    """Every unit's record in one file per rank (``<directory>/rank<r>.state``).
+    """Every unit's record in one file per rank (``<directory>/rank<r>.state``), unlinked
+    as soon as it is open: it takes disk space while the rank holds it, and no file is
+    left behind, not even by a rank that is killed.
 
     Args:
-        directory: where the file goes (made if missing; the file is removed by
-            :meth:`close`).
+        directory: where the file is made (and made if missing).
         rank: this rank (in the data-parallel group).
         layouts: each unit's record layout, in unit order.
     """
@@ -109,6 +110,7 @@ class FileUnitStore:
             self._fd = os.open(self.path, flags, 0o600)
             self.direct = False
         os.ftruncate(self._fd, at)
+        os.unlink(self.path)
         self.bytes_read = self.bytes_written = 0
 
     def read(self, k: int, record: Record, fields: int) -> None:
@@ -138,7 +140,6 @@ class FileUnitStore:
 
     def close(self) -> None:
         os.close(self._fd)
-        os.unlink(self.path)
 
 
 class HostUnitStore:
