@@ -11,7 +11,9 @@ writes with ``O_DIRECT`` into page-aligned buffers (anonymous ``mmap``), so the 
 holds none of it and the memory a cap measures is only what is in use; where the file
 system refuses ``O_DIRECT`` it writes, ``fdatasync``\\ s, and drops the pages with
 ``posix_fadvise(POSIX_FADV_DONTNEED)`` instead. :class:`HostUnitStore` keeps the records in
-host memory (pinned when CUDA exists, so a copy to the GPU is asynchronous) and copies
+host memory (pinned when CUDA exists; the copy to a GPU goes through the record's
+host buffer on an I/O thread, so it is off the compute thread but not yet a direct
+asynchronous copy: that path has not run on a GPU) and copies
 them into the same buffers: the pipeline above is one code for both.
 """
 
