@@ -77,6 +77,8 @@ def run_jobs(argv: list[str], args: argparse.Namespace) -> int:
         with _load.competing(args.load, args.load_kind):
             for suffix, run_argv in _variants(argv, args):
                 out = args.out.with_name(f"{args.out.stem}.job{k}{suffix}.json")
+                # A run that fails must not leave an earlier run's file to be summarised.
+                out.unlink(missing_ok=True)
                 cmd = [sys.executable, "-m", "bench.collectives", *run_argv, "--out", str(out)]
                 print(f"# job {k}/{args.jobs}{suffix}: {shlex.join(cmd)}", file=sys.stderr,
                       flush=True)
@@ -87,7 +89,10 @@ def run_jobs(argv: list[str], args: argparse.Namespace) -> int:
                     names.append(out.name)
         jobs.append(docs)
         files.append(names)
-    summary = summarize(jobs)
+    if not any(jobs):
+        print(f"# every run failed: no summary written to {args.out}", file=sys.stderr)
+        return failed
+    summary = summarize([docs for docs in jobs if docs])
     summary["runs"] = files  # each job's raw files, beside the summary
     for line in format_summary(summary):
         print(line)

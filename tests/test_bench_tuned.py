@@ -83,3 +83,23 @@ def test_over_floor_is_what_a_backend_adds_to_torch_in_the_same_run():
     assert _best.over_floor(job, "pycomm") == {("all_reduce", 1024): 0.5}
     assert _best.summarize([job] * 3, "pycomm")["over_floor_us"]["all_reduce|1024"][:3] == [
         0.5, 0.5, 0.5]
+
+
+def test_a_failed_run_leaves_no_earlier_file_to_summarize(tmp_path, monkeypatch):
+    """A job whose run fails must not pick up the file an earlier session left at its
+    path (a stale job1.json once joined a fresh summary that way)."""
+    import argparse
+    import subprocess
+
+    from bench import _jobs
+
+    out = tmp_path / "t.json"
+    stale = tmp_path / "t.job1.json"
+    stale.write_text(json.dumps({"meta": {"nproc": 2}, "results": [_row("pycomm", 1.0)]}))
+    monkeypatch.setattr(subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, returncode=1))
+    args = argparse.Namespace(jobs=1, load=0, load_kind="cpu", out=out, tuned=False,
+                              mpi_tuned=False, backends=["pycomm"])
+    assert _jobs.run_jobs(["--backends", "pycomm"], args) == 1
+    assert not stale.exists()
+    assert not out.exists()  # nothing ran: no summary, rather than one of old files
