@@ -65,7 +65,9 @@ def behind_below(name: str, fam: str) -> str:
     if not below:
         return "ahead at every size"
     edge = _size(ahead[0]) if ahead else "the largest size"
-    return f"{min(below):.2f}{DASH}{max(below):.2f}{TIMES} the best peer's time below {edge}"
+    span = (f"{below[0]:.2f}" if len(below) == 1
+            else f"{min(below):.2f}{DASH}{max(below):.2f}")
+    return f"{span}{TIMES} the best peer's time below {edge}"
 
 
 def limit_fraction(name: str, nbytes: int = 64 << 20) -> str:
@@ -98,7 +100,7 @@ def loaded_summaries() -> list[str]:
 
 
 def loaded_worst(fam: str = "pycomm-api") -> str:
-    """'at most R x the best peer's time with 1, 2 competing processes per CPU (cpu, mem;
+    """'at most R x the best peer's time with 1 or 2 competing processes per CPU (cpu, mem;
     worst at SIZE, LOAD)': the largest median ratio over the loaded summaries and sizes."""
     worst, where = 0.0, ""
     loads, kinds = set(), set()
@@ -109,7 +111,7 @@ def loaded_worst(fam: str = "pycomm-api") -> str:
         for n, v in _per_size(s, "vs_best_peer", fam).items():
             if v[0] > worst:
                 worst, where = v[0], f"{_size(n)}, {s['load']['kind']} x{s['load']['per_cpu']}"
-    ks = ", ".join(map(str, sorted(loads)))
+    ks = " or ".join(map(str, sorted(loads)))
     return (f"at most {worst:.2f}{TIMES} the best peer's time with {ks} competing processes "
             f"per CPU ({', '.join(sorted(kinds))}; worst at {where})")
 

@@ -10,7 +10,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=bench/results/i30
-mkdir -p "$OUT"
+mkdir -p "$OUT/crossover"
 PEERS_MPI=pycomm,pycomm-api,gloo,deepspeed,mpi
 PEERS_BF16=pycomm,pycomm-api,gloo,deepspeed   # MPI has no bfloat16 reductions
 FULL=(-b 1K -e 64M -f 4 -n 10 -w 3)
@@ -22,8 +22,8 @@ run() {  # name, then bench.collectives flags
 }
 crossover() {  # name, nproc: pycomm's ring against its direct algorithm, one job
   echo "== $1 $(date -u +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)"
-  python -m bench.algo_crossover --nproc "$2" -b 1K -e 256K --iters 400 --out "$OUT/$1.json" \
-    > "$OUT/$1.log" 2>&1 || echo "!! $1 failed: see $OUT/$1.log"
+  python -m bench.algo_crossover --nproc "$2" -b 1K -e 256K --iters 400 --out "$OUT/crossover/$1.json" \
+    > "$OUT/crossover/$1.log" 2>&1 || echo "!! $1 failed: see $OUT/crossover/$1.log"
 }
 config() {  # one table by its name
   local name=$1 np timing dtype kind k
