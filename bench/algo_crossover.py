@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -52,16 +53,8 @@ def default_variants(max_bytes: int) -> list[tuple[str, dict[str, str]]]:
 
 def _group(ranks: list[int], env: dict[str, str]) -> dist.ProcessGroup:
     """A pycomm group made while ``env`` is set (rank 0's settings are the group's)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         return dist.new_group(ranks, backend="pycomm")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
 
 
 def _time(op, barrier) -> float:

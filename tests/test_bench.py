@@ -332,3 +332,20 @@ def test_barrier_skew_times_every_barrier_and_op_pair():
     # process faster than a core-to-core cache line moves, and a 16-byte op slower than
     # 100 ms is a stall, not a measurement, even on an oversubscribed machine.
     assert all(MIN_COLLECTIVE_S * 1e6 <= us < 1e5 for us in got.values()), got
+
+
+def test_algo_crossover_times_each_variant_in_one_job(tmp_path, capsys):
+    """bench.algo_crossover: one group per variant's settings, every size timed on each."""
+    from bench import algo_crossover
+
+    assert algo_crossover.parse_variant("x=PYCOMM_ALGO=ring,PYCOMM_SLOTS=3") == (
+        "x", {"PYCOMM_ALGO": "ring", "PYCOMM_SLOTS": "3"})
+    with pytest.raises(SystemExit, match="NAME=PYCOMM_X=V"):
+        algo_crossover.parse_variant("x=NCCL_ALGO=ring")
+    out = tmp_path / "c.json"
+    algo_crossover.main(["--nproc", "2", "-b", "1K", "-e", "8K", "-f", "8", "--iters", "5",
+                         "--warmup", "1", "--bind", "none", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["bytes"] for r in rows] == [1024, 8192]
+    assert all(r["ring"] > 0 and r["direct"] > 0 for r in rows)
+    assert "direct/ring" in capsys.readouterr().out
