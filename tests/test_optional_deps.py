@@ -61,6 +61,10 @@ SITES = [
          "attention_mask('full_attention', None, None)"),
     Site("parallel/train/models.py", "transformers",
          "from parallel.train.models import _transformers; _transformers()"),
+    Site("parallel/plan/shapes.py", "transformers",  # a Llama is then counted by hand
+         "from parallel.plan.shapes import model_shape; "
+         "from parallel.train.config import TrainConfig; "
+         "print(type(model_shape(TrainConfig(model='llama'))).__name__)", soft="ModelShape"),
     Site("parallel/pipeline/timeline.py", "matplotlib",
          "from parallel.pipeline.timeline import plot_timeline; print(plot_timeline([], 'x.png'))",
          soft="False"),

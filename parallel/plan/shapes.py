@@ -151,15 +151,13 @@ def model_shape(cfg: Any) -> ModelShape:
     and read through its plan; a Llama without transformers by :func:`llama_shape`."""
     import dataclasses
 
+    from parallel._optional import available
     from parallel.compose.parallelize import plan_for
     from parallel.train.models import build_model
 
     if cfg.model not in ("gpt", "llama"):
         raise ValueError(f"plan: --model must be gpt or llama, got {cfg.model!r}")
-    if cfg.model == "llama":
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            return llama_shape(cfg)
+    if cfg.model == "llama" and available("transformers") is None:
+        return llama_shape(cfg)
     model = build_model(dataclasses.replace(cfg, init="meta"))
     return from_model(model, plan_for(model), cfg.model, cfg)
