@@ -96,7 +96,7 @@ std::string mib(size_t bytes) {
 // The direct algorithm takes one step where the ring takes 2(n-1), but every rank reads
 // every rank's whole message. Measured here (python -m bench.algo_crossover, both in one
 // job; bench/README.md): with a core per rank (2 ranks) the ring, zero-copy negotiation
-// included, is as fast at 4 KiB and faster from 8 KiB (16 KiB: 2.0 us against 2.7), so
+// included, is as fast at 4 KiB and faster from 8 KiB (16 KiB: 2.8 us against 3.4), so
 // direct stops at 4 KiB; oversubscribed, every ring step waits for a descheduled peer
 // and direct wins up to 64 KiB.
 size_t direct_bytes_for(const Config& cfg, int world) {
