@@ -60,13 +60,7 @@ def measure(cfg: Any, steps: int) -> dict[str, Any]:
         _step(engine, cfg, 2)
     t3 = time.perf_counter()
     held = held_bytes(engine)
-    times = []
-    for step in range(3, steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        _step(engine, cfg, step)
-        dist.barrier()
-        times.append(time.perf_counter() - start)
+    times = _timed_steps(engine, cfg, range(3, steps + 1))
     pool = getattr(getattr(engine.stage, "zero3", None), "pool", None)
     out = {"rank": dist.get_rank(), "coords": list(engine.mesh.coordinates),
            "peak": sampler.peak - base, "after": sampler.after - base, "built": built,
@@ -82,6 +76,18 @@ def measure(cfg: Any, steps: int) -> dict[str, Any]:
     return out
 
 
+def _timed_steps(engine: Any, cfg: Any, steps: range) -> list[float]:
+    """Seconds of each of ``steps``, every one between barriers (the slowest rank's)."""
+    times = []
+    for step in steps:
+        dist.barrier()
+        start = time.perf_counter()
+        _step(engine, cfg, step)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def measure_time(cfg: Any, steps: int) -> dict[str, Any]:
     """One layout's step times alone (no sampling): a first step, then ``steps`` timed
     between barriers. Their minimum is the step least disturbed by other load."""
@@ -91,13 +97,7 @@ def measure_time(cfg: Any, steps: int) -> dict[str, Any]:
     checkpoint_module._DEFAULT_ARENA = CheckpointArena()
     engine, _params, _name = build(cfg)
     _step(engine, cfg, 1)
-    times = []
-    for step in range(2, steps + 2):
-        dist.barrier()
-        start = time.perf_counter()
-        _step(engine, cfg, step)
-        dist.barrier()
-        times.append(time.perf_counter() - start)
+    times = _timed_steps(engine, cfg, range(2, steps + 2))
     engine.mesh.destroy()
     del engine
     gc.collect()
