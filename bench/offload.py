@@ -8,7 +8,10 @@ would take their sum; perfect overlap the larger of the two).
 
 ``python -m bench.offload large``: a GPT whose replicated fp32 Adam state (16 bytes per
 parameter) is >= 3x a cgroup memory cap shared by both ranks, offloaded, 5 steps; then
-the same model in memory under the same cap (killed by it). ``cap-ci``: the same for
+the same model in memory under the same cap (killed by it). ``ram``: the same with a model
+whose state is >= 3x this machine's RAM (MemTotal), under a cap just below the RAM (so the
+in-memory run is killed by its own cgroup, not by the kernel's global OOM killer; the unit
+files need about 12 bytes per parameter of free disk). ``cap-ci``: the same for
 tests/test_offload_cap.py's case (one rank, a 320 MiB cap). Peak RSS, the cgroup's peak
 usage, bytes read and written, step times.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,6 +43,38 @@ LARGE_CAP = 2 << 30
 LARGE = dict(vocab=256, seq=16, n_layer=57, n_head=12, n_embd=768, batch=2, steps=5,
              ranks=2, prefetch=2, timeout_s=540)
 GIB = 2**30
+# room left outside the cap for the shell, the launcher and the page cache's dirty pages
+RAM_HEADROOM = 3 * GIB // 2
+RAM_SHAPE = dict(vocab=256, seq=16, n_head=16, n_embd=2048, batch=2, steps=5, ranks=2,
+                 prefetch=2)
+DISK_BYTES_PER_PARAM = 12  # a rank's fp32 shard, exp_avg, exp_avg_sq in unit files
+
+
+def machine_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise SystemExit("bench.offload ram: no MemTotal in /proc/meminfo")
+
+
+def ram_case(ram: int) -> dict[str, Any]:
+    """The shallowest RAM_SHAPE GPT whose replicated state is >= 3x ``ram``: layers are
+    added until it is (each ~50M parameters at n_embd 2048)."""
+    case = {**RAM_SHAPE, "n_layer": 1}
+    per_layer = param_count({**case, "n_layer": 2}) - param_count(case)
+    base = param_count(case) - per_layer
+    case["n_layer"] = -(-(3 * ram // 16 - base) // per_layer)
+    assert state_bytes(case) >= 3 * ram
+    return case
+
+
+def _check_disk(directory: str, case: dict[str, Any]) -> None:
+    need = DISK_BYTES_PER_PARAM * param_count(case)
+    free = shutil.disk_usage(directory).free
+    if free < need * 1.05:
+        raise SystemExit(f"bench.offload: the unit files need {need / GIB:.1f} GiB, "
+                         f"{directory} has {free / GIB:.1f} GiB free")
 
 
 def _cmd(spec: dict[str, Any]) -> list[str]:
@@ -94,13 +130,15 @@ def overlap_table(raw: dict[str, Any]) -> str:
     return head + "\n\n" + "\n".join(rows) + "\n"
 
 
-def capped(directory: str, case: dict[str, Any], cap: int) -> dict[str, Any]:
+def capped(directory: str, case: dict[str, Any], cap: int,
+           timeout_s: float = 600) -> dict[str, Any]:
     """``case`` offloaded to disk, then in memory, each under a ``cap``-byte cgroup."""
     out: dict[str, Any] = {"spec": case, "cap_bytes": cap, "params": param_count(case),
                            "state_bytes": state_bytes(case)}
+    _check_disk(directory, case)
     for name in ("disk", "none"):
-        spec = {**case, "offload": name, "dir": directory}
-        run = run_capped(_cmd(spec), cap, timeout_s=600, cwd=ROOT)
+        spec = {**case, "offload": name, "dir": directory, "timeout_s": timeout_s}
+        run = run_capped(_cmd(spec), cap, timeout_s=timeout_s + 60, cwd=ROOT)
         entry: dict[str, Any] = {"cgroup": run.summary(), "stderr_tail": run.stderr[-1500:]}
         if run.returncode == 0:
             entry["ranks"] = _parse(run.stdout)["ranks"]
@@ -110,9 +148,11 @@ def capped(directory: str, case: dict[str, Any], cap: int) -> dict[str, Any]:
 
 def capped_table(raw: dict[str, Any]) -> str:
     ranks = raw["spec"]["ranks"]
+    ram = (f", {raw['state_bytes'] / raw['ram_bytes']:.2f}x the machine's "
+           f"{raw['ram_bytes'] / GIB:.2f} GiB RAM" if "ram_bytes" in raw else "")
     lines = [f"GPT {raw['params'] / 1e6:.0f}M parameters: replicated fp32 Adam state "
              f"{raw['state_bytes'] / GIB:.2f} GiB = {raw['state_bytes'] / raw['cap_bytes']:.2f}x "
-             f"the {raw['cap_bytes'] / GIB:.2f} GiB cap (cgroup memory.limit_in_bytes, "
+             f"the {raw['cap_bytes'] / GIB:.2f} GiB cap{ram} (cgroup memory.limit_in_bytes, "
              f"{'both ranks' if ranks > 1 else 'one rank'}), dp={ranks} ZeRO-3", "",
              "| run | exit | OOM kills | cgroup peak GiB | peak RSS per rank GiB | step s "
              "(steps 1-5) | GB read | GB written |", "|---|---|---|---|---|---|---|---|"]
@@ -136,7 +176,7 @@ def capped_table(raw: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.offload", description=__doc__)
-    parser.add_argument("what", choices=("overlap", "large", "cap-ci"))
+    parser.add_argument("what", choices=("overlap", "large", "ram", "cap-ci"))
     parser.add_argument("--dir", default="", help="where the unit files go (default: a "
                         "temporary folder under the repository's disk)")
     parser.add_argument("--name", default="", help="results file stem (default: WHAT; "
@@ -152,6 +192,10 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(dir=args.dir or ROOT) as directory:
             if args.what == "overlap":
                 raw = overlap(directory)
+            elif args.what == "ram":
+                ram = machine_ram()
+                raw = {**capped(directory, ram_case(ram), ram - RAM_HEADROOM, 5400),
+                       "ram_bytes": ram}
             else:
                 case, cap = (LARGE, LARGE_CAP) if args.what == "large" else (CI_CASE, CI_CAP)
                 raw = capped(directory, case, cap)

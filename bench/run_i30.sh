@@ -31,9 +31,9 @@ config() {  # one table by its name
     mpirun-[24]r-fp32-barrier|mpirun-[24]r-fp32-b2b)
       np=${name#mpirun-}; np=${np%%r-*}; timing=${name##*-}
       run "$name" --nproc "$np" "${FULL[@]}" --backends $PEERS_MPI --timing "$timing" ;;
-    spawn-[24]r-bf16-barrier)
-      np=${name#spawn-}; np=${np%%r-*}
-      run "$name" --nproc "$np" "${FULL[@]}" -d bfloat16 --backends $PEERS_BF16 ;;
+    spawn-[24]r-bf16-barrier|spawn-[24]r-bf16-b2b)
+      np=${name#spawn-}; np=${np%%r-*}; timing=${name##*-}
+      run "$name" --nproc "$np" "${FULL[@]}" -d bfloat16 --backends $PEERS_BF16 --timing "$timing" ;;
     small-2r-fp32)  # below 4 KB, 200 iterations, with torch's dispatch floor as a column
       run "$name" --nproc 2 -b 16 -e 4K -f 4 -n 200 -w 200 --timing b2b \
         --backends pycomm,torch-floor,pycomm-api,gloo,deepspeed,mpi ;;
@@ -52,7 +52,8 @@ for what in "${@:-main loaded small crossover}"; do
     case $w in
       main)
         for np in 2 4; do
-          names+=("mpirun-${np}r-fp32-barrier" "mpirun-${np}r-fp32-b2b" "spawn-${np}r-bf16-barrier")
+          names+=("mpirun-${np}r-fp32-barrier" "mpirun-${np}r-fp32-b2b"
+                  "spawn-${np}r-bf16-barrier" "spawn-${np}r-bf16-b2b")
         done ;;
       small) names+=(small-2r-fp32) ;;
       loaded)  # K = 1, 2, 4 of each kind, the smaller loads first (LOADS=... picks)

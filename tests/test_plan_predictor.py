@@ -164,3 +164,24 @@ def test_plan_auto_trains_the_fastest_layout_that_fits(tmp_path, monkeypatch):
     assert got == (best.dp, best.tp, best.pp, best.zero, best.recompute,
                    best.partition_activations)
     assert any(x.get("step") == 1 for x in lines)
+
+
+def test_plan_auto_counts_other_load(monkeypatch):
+    """--plan-other-load reaches the planner: with many runnable processes beside the job,
+    every layout's compute is shared among more, and the choice is made with that."""
+    from parallel.train import auto
+
+    seen = {}
+
+    def fake_choose(cfg, world, limit, **options):
+        seen.update(options)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr("parallel.plan.planner.choose", fake_choose)
+    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4,
+                      plan="auto", plan_other_load=3.5)
+    with pytest.raises(ValueError, match="stop here"):
+        auto.planned(cfg, 2)
+    assert seen == {"other_load": 3.5}
+    with pytest.raises(ValueError, match="plan_other_load must be >= 0"):
+        TrainConfig(plan_other_load=-1.0).check()

@@ -27,7 +27,8 @@ def planned(cfg: TrainConfig, world: int) -> TrainConfig:
     from parallel.plan.planner import GIB, choose
 
     limit = memory_gib(cfg.memory_gb, world)
-    row = choose(dataclasses.replace(cfg, nproc=world, plan=""), world, limit)
+    row = choose(dataclasses.replace(cfg, nproc=world, plan=""), world, limit,
+                 other_load=cfg.plan_other_load)
     print(f"plan auto: {row.layout} (predicted {row.peak / GIB:.3f} GiB per rank of "
           f"{limit:.3f}, {row.time.total:.3f} s per step)", file=sys.stderr)
     chosen = with_layout(cfg, row.layout)

@@ -89,6 +89,9 @@ class TrainConfig:
                      "tp, pp, zero, recompute and partition_activations", ("", "auto"))
     memory_gb: float = _opt("parallel", 0.0, "per-rank memory --plan auto must fit in, GiB "
                             "(0: this machine's memory over the ranks)")
+    plan_other_load: float = _opt("parallel", 0.0, "runnable processes beside the job that "
+                                  "--plan auto counts as sharing its CPUs (e.g. the load "
+                                  "average before it starts; 0: a machine of its own)")
     # [checkpoint]
     ckpt_dir: str = _opt("checkpoint", "", "where checkpoints go (step_<N> folders)")
     ckpt_every: int = _opt("checkpoint", 0, "save every K steps (0: never)")
@@ -138,6 +141,9 @@ class TrainConfig:
                              "project's own (its checkpoints consolidate to a state dict)")
         if self.bucket_mb <= 0:
             raise ValueError(f"train: bucket_mb must be > 0, got {self.bucket_mb}")
+        for name in ("memory_gb", "plan_other_load"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train: {name} must be >= 0, got {getattr(self, name)}")
 
 
 def _check_choices(cfg: TrainConfig) -> None:
