@@ -185,3 +185,35 @@ def test_plan_auto_counts_other_load(monkeypatch):
     assert seen == {"other_load": 3.5}
     with pytest.raises(ValueError, match="plan_other_load must be >= 0"):
         TrainConfig(plan_other_load=-1.0).check()
+
+
+def test_waiting_for_peers_counts_each_blocking_collective(tmp_path):
+    """The wait term: the probe's measured wait per collective, interpolated by the
+    compute before it, times the layout's blocking collectives (none on one rank)."""
+    from parallel.plan.calibrate import Calibration
+    from parallel.plan.timing import SYNC_STRETCHES, _waits, sync_wait
+
+    cal = Calibration(tmp_path / "cal.json")
+    cal.values[f"{cal.machine}|sync|4|1"] = [0.001, 0.002, 0.004, 0.008]
+    assert sync_wait(4, 1, SYNC_STRETCHES[0] / 2, cal) == 0.001  # nearest below
+    assert sync_wait(4, 1, 1.0, cal) == 0.008  # nearest above
+    middle = (SYNC_STRETCHES[1] + SYNC_STRETCHES[2]) / 2
+    assert sync_wait(4, 1, middle, cal) == pytest.approx(0.003)
+    shape = model_shape(TrainConfig(n_layer=4, n_head=4, n_embd=64, block_size=16))
+    for flags, expect in [({"tp": 2, "dp": 2}, 2 * 4 * 2 + 1), ({"pp": 2, "dp": 2}, 2 * 2 + 1),
+                          ({"dp": 4, "zero": 3}, 3 * 4), ({"tp": 4, "recompute": True}, 6 * 4)]:
+        layout = Layout(**{"dp": 1, "tp": 1, "pp": 1, "zero": 0, "recompute": False,
+                           "partition_activations": False, **flags})
+        if layout.pp > 1:
+            layout = dataclasses.replace(layout, microbatches=2)
+        cal.values[f"{cal.machine}|block|64|4|{shape.ffn}|4|16|{layout.tp}|False"] = [1e-3, 3e-3]
+        waits = _waits(shape, layout, 4, 0.01, cal)
+        assert sum(n for n, _ in waits) == expect, (flags, waits)
+        assert all(c > 0 for _, c in waits)
+
+
+def test_the_wait_probe_measures_real_ranks():
+    from parallel.plan.sync_probe import sync_waits
+
+    waits = sync_waits(2, (0.001, 0.004))
+    assert len(waits) == 2 and all(0.0 <= w < 0.5 for w in waits)

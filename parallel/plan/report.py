@@ -29,7 +29,7 @@ def row_dict(row: Row) -> dict[str, Any]:
 HEADER = ("| # | layout | params MiB | grads MiB | optimizer MiB | buffers MiB | "
           "activations (+ gradients in flight) MiB | peak MiB | fits | step ms | "
           "compute / bubble / TP / PP / DP / "
-          "optimizer / I/O ms |")
+          "optimizer / I/O / waiting for peers ms |")
 
 
 def table(rows: list[Row], top: int = 0) -> list[str]:
@@ -40,7 +40,7 @@ def table(rows: list[Row], top: int = 0) -> list[str]:
         w, t = r.worst, r.time
         buffers = ", ".join(f"{k} {_mib(v)}" for k, v in w.buffers.items() if v)
         parts = (t.compute, t.bubble, t.tensor_comm, t.pipeline_comm, t.data_comm,
-                 t.optimizer, t.offload_io)
+                 t.optimizer, t.offload_io, t.sync_wait)
         cells = [str(i) if r.fits else "-", str(r.layout), _mib(w.params), _mib(w.grads),
                  _mib(w.optimizer), buffers or "0",
                  _mib(max(w.activations, w.end_of_backward)), _mib(r.peak),

@@ -20,11 +20,18 @@ pipeline's bubble, and for offload the disk's measured bandwidth.
   unit in forward and again in backward and a reduce-scatter of its gradient;
 - the optimizer: AdamW's measured time per element over the elements this rank steps;
 - offload=disk: each unit's shard, master and state read and written once a step at
-  the measured bandwidth, hidden behind compute with a prefetch depth k >= 1.
+  the measured bandwidth, hidden behind compute with a prefetch depth k >= 1;
+- waiting for peers: each blocking collective between stretches of compute costs what
+  :mod:`parallel.plan.sync_probe` measured on this machine for the job's ranks at that
+  stretch's length (a rank reaching it first waits for peers the scheduler has not run;
+  where ranks outnumber the CPUs, a time slice): per micro-batch and block the tensor-
+  parallel all-reduces, per micro-batch the pipeline's receives, ZeRO-3's gathers and
+  reduce-scatter per unit, and once a step the data-parallel reduction after backward.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -39,8 +46,11 @@ from parallel.plan.comms import CommModel
 from parallel.plan.layouts import Layout
 from parallel.plan.memory import Job, Memory
 from parallel.plan.shapes import ModelShape
+from parallel.plan.sync_probe import sync_waits
 
 F32 = 4
+# compute between collectives at which the wait for peers is measured (single-core s)
+SYNC_STRETCHES = (0.0005, 0.002, 0.008, 0.032)
 
 
 @dataclass
@@ -54,11 +64,12 @@ class StepTime:
     data_comm: float = 0.0
     optimizer: float = 0.0
     offload_io: float = 0.0
+    sync_wait: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.compute + self.bubble + self.tensor_comm + self.pipeline_comm
-                + self.data_comm + self.optimizer + self.offload_io)
+                + self.data_comm + self.optimizer + self.offload_io + self.sync_wait)
 
 
 def sharing(world: int, threads: int, other_load: float = 0.0) -> float:
@@ -74,14 +85,21 @@ def _busy(slot: int, pp: int, microbatches: int) -> int:
     return sum(0 <= slot - s < microbatches for s in range(pp))
 
 
-def _stage_compute(m: ModelShape, layout: Layout, rows: int, stage: int,
-                   cal: Calibration) -> float:
-    """Seconds of one micro-batch's forward and backward on one rank of ``stage``."""
-    blocks = sum(x.is_block for x in m.stage_layers(layout.pp, stage))
+def _block_times(m: ModelShape, layout: Layout, rows: int,
+                 cal: Calibration) -> tuple[float, float]:
+    """(forward, forward + backward) seconds of one block on one rank."""
     gated = m.kind == "llama"
     fwd, both = cal.get(f"block|{m.hidden}|{m.heads}|{m.ffn}|{rows}|{m.seq}|{layout.tp}|"
                         f"{gated}", lambda: block_times(m.hidden, m.heads, m.ffn, rows,
                                                         m.seq, layout.tp, gated))
+    return fwd, both
+
+
+def _stage_compute(m: ModelShape, layout: Layout, rows: int, stage: int,
+                   cal: Calibration) -> float:
+    """Seconds of one micro-batch's forward and backward on one rank of ``stage``."""
+    blocks = sum(x.is_block for x in m.stage_layers(layout.pp, stage))
+    fwd, both = _block_times(m, layout, rows, cal)
     seconds = blocks * (both + (fwd if layout.recompute else 0.0))
     if stage == layout.pp - 1:
         seconds += cal.get(f"head|{m.hidden}|{m.vocab}|{rows}|{m.seq}|{layout.tp}",
@@ -105,6 +123,40 @@ def _data_comm(layout: Layout, mem: Memory, unit_bytes: list[int], comm: CommMod
         return buckets * comm.reduce_scatter(per, n) + comm.all_gather(whole, n)
     per_mb = sum(2 * comm.all_gather(u, n) + comm.reduce_scatter(u, n) for u in unit_bytes)
     return layout.microbatches * per_mb
+
+
+def _waits(m: ModelShape, layout: Layout, rows: int, stage_s: float,
+           cal: Calibration) -> list[tuple[int, float]]:
+    """(how many, compute seconds before each) of a rank's blocking collectives in a
+    step, on one CPU (the probe's stretches are single-core times too)."""
+    fwd, both = _block_times(m, layout, rows, cal)
+    mb, blocks = layout.microbatches, m.n_layer / layout.pp
+    waits: list[tuple[int, float]] = []
+    if layout.tp > 1:  # two all-reduces per block in forward, two in backward
+        waits += [(round(2 * mb * blocks), fwd / 2), (round(2 * mb * blocks), (both - fwd) / 2)]
+        if layout.recompute:
+            waits.append((round(2 * mb * blocks), fwd / 2))
+    if layout.pp > 1:  # a receive before each micro-batch's forward and its backward
+        waits.append((2 * mb, stage_s / 2))
+    if layout.dp > 1 and layout.zero == 3:  # per unit: gather, gather again, reduce-scatter
+        waits.append((round(3 * mb * blocks), both / 3))
+    elif layout.dp > 1:  # the reduction after backward
+        waits.append((1, mb * stage_s))
+    return waits
+
+
+def sync_wait(world: int, threads: int, compute_s: float, cal: Calibration) -> float:
+    """The measured wait per blocking collective of ``world`` ranks after ``compute_s``
+    of compute: interpolated between the probe's stretches, the nearest outside them."""
+    waits = cal.get(f"sync|{world}|{threads}",
+                    lambda: tuple(sync_waits(world, SYNC_STRETCHES, threads)))
+    points = list(zip(SYNC_STRETCHES, waits, strict=True))
+    if compute_s <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if compute_s <= x1:
+            return y0 + (y1 - y0) * (compute_s - x0) / (x1 - x0)
+    return points[-1][1]
 
 
 def predict_time(m: ModelShape, layout: Layout, job: Job, mems: list[Memory],
@@ -135,6 +187,10 @@ def predict_time(m: ModelShape, layout: Layout, job: Job, mems: list[Memory],
     stepped = mems[worst].optimizer / 8
     adam = cal.get("adamw", lambda: (adam_seconds_per_element(),))[0]
     t.optimizer = stepped * adam * share
+    world = layout.dp * layout.tp * layout.pp
+    if world > 1:
+        t.sync_wait = sum(n * sync_wait(world, threads, c, cal)
+                          for n, c in _waits(m, layout, rows, slowest, cal))
     if layout.offload == "disk":
         read, write = cal.get(f"disk|{job_offload_dir()}",
                               lambda: disk_bandwidth(job_offload_dir()))
