@@ -94,3 +94,20 @@ def test_refuses_optimizers_whose_state_it_cannot_hold():
                       (torch.optim.Adam(q, amsgrad=True), "amsgrad")]:
         with pytest.raises(ValueError, match=what):
             unit_stepper(opt, [Piece(0, 0, 0, 0)], q, lambda: None)
+
+
+def test_the_ram_case_is_the_shallowest_over_3x_the_ram(tmp_path, monkeypatch):
+    """bench.offload ram's model: state >= 3x the RAM given, one block fewer is not; and
+    a folder without room for its unit files is refused before anything runs."""
+    import shutil
+
+    from bench.offload import _check_disk, param_count, ram_case, state_bytes
+
+    ram = 2 << 30  # 8 blocks of width 2048: quick to count on the meta device
+    case = ram_case(ram)
+    assert state_bytes(case) >= 3 * ram > state_bytes({**case, "n_layer": case["n_layer"] - 1})
+    small = {**case, "n_layer": 1}
+    free = 12 * param_count(small)  # just too little: 5% is kept in reserve
+    monkeypatch.setattr("shutil.disk_usage", lambda _: shutil._ntuple_diskusage(free, 0, free))
+    with pytest.raises(SystemExit, match="unit files need"):
+        _check_disk(str(tmp_path), small)
