@@ -187,7 +187,7 @@ def test_plan_auto_counts_other_load(monkeypatch):
         TrainConfig(plan_other_load=-1.0).check()
 
 
-def test_waiting_for_peers_counts_each_blocking_collective(tmp_path):
+def test_waiting_for_peers_counts_each_blocking_collective(tmp_path, monkeypatch):
     """The wait term: the probe's measured wait per collective, interpolated by the
     compute before it, times the layout's blocking collectives (none on one rank)."""
     from parallel.plan.calibrate import Calibration
@@ -199,6 +199,8 @@ def test_waiting_for_peers_counts_each_blocking_collective(tmp_path):
     assert sync_wait(4, 1, 1.0, cal) == 0.008  # nearest above
     middle = (SYNC_STRETCHES[1] + SYNC_STRETCHES[2]) / 2
     assert sync_wait(4, 1, middle, cal) == pytest.approx(0.003)
+    monkeypatch.setattr("parallel.plan.timing._cpus", lambda: 1)  # 64 ranks: probed at 4
+    assert sync_wait(64, 1, 1.0, cal) == 0.008
     shape = model_shape(TrainConfig(n_layer=4, n_head=4, n_embd=64, block_size=16))
     for flags, expect in [({"tp": 2, "dp": 2}, 2 * 4 * 2 + 1), ({"pp": 2, "dp": 2}, 2 * 2 + 1),
                           ({"dp": 4, "zero": 3}, 3 * 4), ({"tp": 4, "recompute": True}, 6 * 4)]:

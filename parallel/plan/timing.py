@@ -51,6 +51,7 @@ from parallel.plan.sync_probe import sync_waits
 F32 = 4
 # compute between collectives at which the wait for peers is measured (single-core s)
 SYNC_STRETCHES = (0.0005, 0.002, 0.008, 0.032)
+PROBE_RANKS_PER_CPU = 4  # the probe's ranks at most; a larger world takes that reading
 
 
 @dataclass
@@ -72,11 +73,15 @@ class StepTime:
                 + self.data_comm + self.optimizer + self.offload_io + self.sync_wait)
 
 
+def _cpus() -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cpus or 1)
+
+
 def sharing(world: int, threads: int, other_load: float = 0.0) -> float:
     """How many runnable threads share each CPU (at least 1): the ranks' and
     ``other_load`` others'."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1.0, (world * threads + max(0.0, other_load)) / max(1, cpus or 1))
+    return max(1.0, (world * threads + max(0.0, other_load)) / _cpus())
 
 
 def _busy(slot: int, pp: int, microbatches: int) -> int:
@@ -148,8 +153,9 @@ def _waits(m: ModelShape, layout: Layout, rows: int, stage_s: float,
 def sync_wait(world: int, threads: int, compute_s: float, cal: Calibration) -> float:
     """The measured wait per blocking collective of ``world`` ranks after ``compute_s``
     of compute: interpolated between the probe's stretches, the nearest outside them."""
-    waits = cal.get(f"sync|{world}|{threads}",
-                    lambda: tuple(sync_waits(world, SYNC_STRETCHES, threads)))
+    probed = min(world, PROBE_RANKS_PER_CPU * _cpus())  # a planner run spawns no more
+    waits = cal.get(f"sync|{probed}|{threads}",
+                    lambda: tuple(sync_waits(probed, SYNC_STRETCHES, threads)))
     points = list(zip(SYNC_STRETCHES, waits, strict=True))
     if compute_s <= points[0][0]:
         return points[0][1]
