@@ -100,7 +100,7 @@ def loaded_summaries() -> list[str]:
 
 
 def loaded_worst(fam: str = "pycomm-api") -> str:
-    """'at most R x the best peer's time with 1 or 2 competing processes per CPU (cpu, mem;
+    """'at most R x the best peer's time with 1, 2 or 4 competing processes per CPU (cpu, mem;
     worst at SIZE, LOAD)': the largest median ratio over the loaded summaries and sizes."""
     worst, where = 0.0, ""
     loads, kinds = set(), set()
@@ -111,7 +111,8 @@ def loaded_worst(fam: str = "pycomm-api") -> str:
         for n, v in _per_size(s, "vs_best_peer", fam).items():
             if v[0] > worst:
                 worst, where = v[0], f"{_size(n)}, {s['load']['kind']} x{s['load']['per_cpu']}"
-    ks = " or ".join(map(str, sorted(loads)))
+    counts = [str(k) for k in sorted(loads)]
+    ks = " or ".join([", ".join(counts[:-1]), counts[-1]] if len(counts) > 2 else counts)
     return (f"at most {worst:.2f}{TIMES} the best peer's time with {ks} competing processes "
             f"per CPU ({', '.join(sorted(kinds))}; worst at {where})")
 
