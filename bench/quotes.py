@@ -84,14 +84,18 @@ def over_floor(name: str, nbytes: int = 1024) -> str:
             f"({v[1]:.1f}{DASH}{v[2]:.1f})")
 
 
-def step_ratio(name: str = "step_time-1thread") -> str:
-    """'a-b x gloo's step time (N layouts x 2 models)': pycomm's training step over
-    gloo's, per (model, layout), from bench.step_time's committed results."""
-    doc = json.loads((RESULTS / f"{name}.json").read_text())
-    ratios = [r["pycomm_over_gloo"] for r in doc["rows"] if r.get("pycomm_over_gloo")]
-    cells = {(r["model"], r["layout"]) for r in doc["rows"] if r.get("pycomm_over_gloo")}
+def step_ratio(names: tuple[str, ...] = ("step_time-1thread", "step_time-default")) -> str:
+    """'a-b x gloo's step time (N model-layout pairs, 1 and default threads)': pycomm's
+    training step over gloo's, per (model, layout, threads), from bench.step_time's
+    committed results."""
+    rows = [r for name in names
+            for r in json.loads((RESULTS / f"{name}.json").read_text())["rows"]
+            if r.get("pycomm_over_gloo")]
+    ratios = [r["pycomm_over_gloo"] for r in rows]
+    cells = {(r["model"], r["layout"]) for r in rows}
+    threads = " and ".join(sorted({str(r["threads"]) for r in rows}))
     return (f"{min(ratios):.2f}{DASH}{max(ratios):.2f}{TIMES} gloo's step time "
-            f"({len(cells)} model-layout pairs)")
+            f"({len(cells)} model-layout pairs, {threads} threads)")
 
 
 def loaded_summaries() -> list[str]:
