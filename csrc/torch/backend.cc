@@ -20,13 +20,18 @@ void Leftovers::park(c10::intrusive_ptr<c10d::Work> work, std::function<void()> 
                      std::shared_ptr<void> extra) {
   std::lock_guard<std::mutex> lock(mu_);
   entries_.push_back(Entry{std::move(work), std::move(body), std::move(extra)});
+  any_.store(true, std::memory_order_release);
 }
 
 void Leftovers::drop_all() {
+  // Called before every op: with nothing parked (the usual case) no lock is taken. An
+  // entry parked concurrently is dropped by the next call, as it would be after the lock.
+  if (!any_.load(std::memory_order_acquire)) return;
   std::vector<Entry> dropped;
   {
     std::lock_guard<std::mutex> lock(mu_);
     dropped.swap(entries_);
+    any_.store(false, std::memory_order_relaxed);
   }
 }  // destroyed here, outside the lock, on the caller's thread
 
@@ -266,18 +271,26 @@ bool ProcessGroupPycomm::try_all_reduce_inline(at::Tensor& t, const c10d::Reduce
   ReduceSpec rs = reduce_spec(op, dt, "all_reduce", getRank());
   check_open();  // fail now if shut down
   if (!worker_->on_worker_thread()) leftovers_.drop_all();
-  std::exception_ptr error;  // the worker's run_inline expects a task that never throws
-  auto body = [this, &t, dt, &rs, &error] {
+  // Everything the body needs behind one pointer, so that the std::function holding it
+  // stores it inline: no heap allocation on the synchronous path.
+  struct Call {
+    ProcessGroupPycomm* self;
+    at::Tensor* t;
+    pycomm::DType dt;
+    const ReduceSpec* rs;
+    std::exception_ptr error;  // the worker's run_inline expects a task that never throws
+  } call{this, &t, dt, &rs, nullptr};
+  auto body = [c = &call] {
     try {
       c10::impl::ExcludeDispatchKeyGuard no_autograd(
           c10::autograd_dispatch_keyset_with_ADInplaceOrView);
-      reduce_in_place(t, dt, rs);
+      c->self->reduce_in_place(*c->t, c->dt, *c->rs);
     } catch (...) {
-      error = translate_current_exception();
+      c->error = translate_current_exception();
     }
   };
   if (!worker_->run_inline(body)) return false;
-  if (error) std::rethrow_exception(error);
+  if (call.error) std::rethrow_exception(call.error);
   return true;
 }
 

@@ -42,6 +42,7 @@ class Leftovers {
   };
   std::mutex mu_;
   std::vector<Entry> entries_;
+  std::atomic<bool> any_{false};  // entries_ is not empty (read without the lock)
 };
 
 struct ReduceSpec;  // tensor_args.h

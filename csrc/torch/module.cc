@@ -138,6 +138,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "all_reduce_eager",
       [](at::Tensor& tensor, const std::string& op,
          const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+        // A CPU tensor on a pycomm group goes straight to the backend, which refuses by
+        // itself once its group is destroyed (check_open): the registry lookup that
+        // proves another backend's group is live (a global lock and a map) is not paid.
+        if (tensor.device().is_cpu()) {
+          auto backend = group->getBackend(c10::DeviceType::CPU);
+          if (auto* ours = dynamic_cast<pycomm_torch::ProcessGroupPycomm*>(backend.get())) {
+            ours->all_reduce_now(tensor, op);
+            return;
+          }
+        }
         pycomm_torch::all_reduce_on(tensor, op, *pycomm_torch::live_group(group));
       },
       py::arg("tensor"), py::arg("op"), py::arg("group"), py::call_guard<py::gil_scoped_release>(),

@@ -101,7 +101,9 @@ OpCall Communicator::begin(OpKind kind, DType dtype, uint64_t count, RedOp op, i
   c.desc = OpDesc{++seq_, kind, dtype, count, op, root};
   c.lane = COLL;
   const auto timeout = std::chrono::milliseconds(timeout_ms_.load());
-  c.start = Clock::now();
+  // The start only sets the deadline (seconds away), unless the trace log reports
+  // the op's duration: then it is read finely.
+  c.start = log_.enabled(LogLevel::TRACE, Subsys::COLL) ? Clock::now() : coarse_now();
   c.deadline = WaitPolicy::deadline_after(c.start, timeout);
   c.timeout_s = timeout.count() / 1000.0;
   waiter_->throw_if_aborted(c);
@@ -114,8 +116,7 @@ OpCall Communicator::begin(OpKind kind, DType dtype, uint64_t count, RedOp op, i
 void Communicator::finish(const OpCall& op) {
   shared_->control(rank_)->completed_seq.store(op.desc.seq, std::memory_order_release);
   // Peers about to reuse a direct area may be waiting for this.
-  for (int r = 0; r < world_; ++r)
-    if (r != rank_) shared_->ring(r, COLL);
+  shared_->ring_others(COLL);
 }
 
 std::vector<char*> Communicator::negotiate(const OpCall& op, const void* mine, size_t bytes,

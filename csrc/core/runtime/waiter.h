@@ -35,6 +35,9 @@ class Waiter {
     for (;;) {
       uint32_t seen = bell.seq.load(std::memory_order_seq_cst);
       bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      // Pairs with the fence in Shared::ring: a ringer that read `sleepers` before our
+      // increment made its change before that read, so ready() below sees it.
+      std::atomic_thread_fence(std::memory_order_seq_cst);
       bool done = ready();
       if (!done) {
         who.clear();
@@ -52,7 +55,9 @@ class Waiter {
   // Publishes this rank's CPU; true if another rank of the group last waited on it.
   bool shares_cpu_with_a_peer() const {
     const int cpu = sched_getcpu();
-    shared_.control(shared_.rank())->cpu.store(cpu, std::memory_order_relaxed);
+    // Stored only when it changes: peers read this line whenever they start to wait.
+    auto& mine = shared_.control(shared_.rank())->cpu;
+    if (mine.load(std::memory_order_relaxed) != cpu) mine.store(cpu, std::memory_order_relaxed);
     for (int r = 0; r < shared_.world(); ++r) {
       if (r != shared_.rank() && shared_.control(r)->cpu.load(std::memory_order_relaxed) == cpu)
         return true;

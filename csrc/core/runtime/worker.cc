@@ -7,10 +7,10 @@
 #include <set>
 #include <vector>
 
+#include "core/runtime/wait_policy.h"
+
 namespace pycomm {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 // The worker whose task runs on this thread (null outside any task).
 thread_local const Worker* tls_running = nullptr;
@@ -228,7 +228,7 @@ void Worker::stop() {
 
 void Worker::started_locked() {
   busy_ = true;
-  running_since_ = Clock::now();
+  running_since_ = coarse_now();  // compared with the stall limit (seconds) only
   progress_seen_ = progress_ ? progress_() : 0;
 }
 

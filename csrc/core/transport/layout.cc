@@ -1,6 +1,7 @@
 #include "core/transport/layout.h"
 
 #include <algorithm>
+#include <cstddef>
 
 namespace pycomm {
 namespace {
@@ -8,6 +9,18 @@ namespace {
 constexpr size_t kPage = 4096;
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+// A rank's hot counters must not share a cache line with anything a peer reads on every
+// op (layout.h, RankControl): one such line costs a core-to-core transfer per op.
+constexpr size_t line_of(size_t offset) { return offset / kLine; }
+static_assert(line_of(offsetof(RankControl, cpu)) != line_of(offsetof(RankControl, pid_ns)));
+static_assert(line_of(offsetof(RankControl, entered_seq)) != line_of(offsetof(RankControl, cpu)));
+static_assert(line_of(offsetof(RankControl, completed_seq)) !=
+              line_of(offsetof(RankControl, recent) + sizeof(RankControl::recent) - 1));
+static_assert(line_of(offsetof(RankControl, stage)) !=
+              line_of(offsetof(RankControl, completed_seq)));
+static_assert(line_of(offsetof(RankControl, bells)) != line_of(offsetof(RankControl, stage)));
+static_assert(sizeof(Bell) == kLine && sizeof(DirectHeader) == kLine);
 
 }  // namespace
 

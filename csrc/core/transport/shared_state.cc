@@ -55,12 +55,28 @@ void Shared::depart(Departure how) {
   ring_everyone(P2P);
 }
 
+// The caller has just changed something rank r may wait for. A Dekker handshake with
+// the waiter (Waiter::wait): we fence, then read `sleepers`; it increments `sleepers`,
+// fences, then re-checks its condition. Either it sees our change and does not sleep,
+// or we see it counted and bump `seq` (which its futex_wait compares) and wake it. The
+// bell's line is written only when someone sleeps, so ringing an awake peer is a read
+// of a line both cores keep, not a read-modify-write that moves it between them.
 void Shared::ring(int r, Lane lane) const {
-  Bell& b = bell(r, lane);
-  // seq_cst pairs with the waiter's sleepers increment (see Waiter): either it sees
-  // our change before sleeping, or we see it asleep and wake it.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  wake_if_asleep(bell(r, lane));
+}
+
+// ring() for every other rank, behind one fence.
+void Shared::ring_others(Lane lane) const {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (int r = 0; r < world_; ++r)
+    if (r != rank_) wake_if_asleep(bell(r, lane));
+}
+
+void Shared::wake_if_asleep(Bell& b) {
+  if (b.sleepers.load(std::memory_order_seq_cst) == 0) return;
   b.seq.fetch_add(1, std::memory_order_seq_cst);
-  if (b.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&b.seq);
+  futex_wake_all(&b.seq);
 }
 
 void Shared::ring_everyone(Lane lane) const {

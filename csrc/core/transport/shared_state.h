@@ -47,6 +47,7 @@ class Shared {
 
   // Tells rank r that something it may be waiting for on `lane` has changed.
   void ring(int r, Lane lane) const;
+  void ring_others(Lane lane) const;  // every rank but this one
   void ring_everyone(Lane lane) const;
 
   // The first failure anywhere in the job is recorded once; every rank then raises it.
@@ -66,6 +67,8 @@ class Shared {
   void reserve_channel(Lane lane, int dst) const;
 
  private:
+  static void wake_if_asleep(Bell& b);
+
   const ShmSegment& segment_;
   void* base_;
   Layout layout_;

@@ -1,5 +1,6 @@
 #include "core/transport/transport.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -13,7 +14,8 @@ Transport::Transport(const Shared& shared, Lane lane, Waiter& waiter)
       slots_(shared.header()->settings.slots),
       sent_(shared.world(), 0),
       received_(shared.world(), 0),
-      reserved_(shared.world(), false) {}
+      reserved_(shared.world(), false),
+      finished_(shared.world(), 0) {}
 
 // ---- channels ----------------------------------------------------------------------------
 
@@ -109,20 +111,23 @@ void* Transport::direct_buffer(const OpCall& op) {
   uint64_t seq = op.desc.seq;
   // The area for this parity was last used at seq - 2; peers may still read it until
   // they have finished that op.
-  if (seq > 2) {
-    wait_for_peers(op, [&](int r) {
-      return shared_.control(r)->completed_seq.load(std::memory_order_acquire) < seq - 2;
-    });
-  }
+  if (seq > 2) wait_for_peers(op, [&](int r) { return !peer_finished(r, seq - 2); });
   return Layout::payload(shared_.layout().direct(shared_.base(), rank(), seq & 1));
+}
+
+// Whether `peer` has finished collective `seq`. What this rank has seen of it answers
+// without touching the peer's counters in the common case (see wait_direct).
+bool Transport::peer_finished(int peer, uint64_t seq) {
+  uint64_t& known = finished_[peer];
+  if (known < seq) known = shared_.control(peer)->completed_seq.load(std::memory_order_acquire);
+  return known >= seq;
 }
 
 void Transport::post_direct(const OpCall& op) {
   DirectHeader* h = shared_.layout().direct(shared_.base(), rank(), op.desc.seq & 1);
   h->desc = op.desc;
   h->ready_seq.store(op.desc.seq, std::memory_order_release);
-  for (int r = 0; r < world(); ++r)
-    if (r != rank()) shared_.ring(r, lane_);
+  shared_.ring_others(lane_);
 }
 
 const void* Transport::wait_direct(int peer, const OpCall& op) {
@@ -136,6 +141,8 @@ const void* Transport::wait_direct(int peer, const OpCall& op) {
                  std::to_string(rank()) + " called " + describe(op.desc) + " but rank " +
                  std::to_string(peer) + " called " + describe(h->desc));
   }
+  // A rank runs its collectives one at a time: having started seq, it finished seq - 1.
+  finished_[peer] = std::max(finished_[peer], op.desc.seq - 1);
   return h + 1;
 }
 
@@ -143,8 +150,7 @@ const void* Transport::wait_direct(int peer, const OpCall& op) {
 
 void Transport::post_stage(const OpCall& op, uint64_t k) {
   shared_.control(rank())->stage.store(op.desc.seq * kStagesPerOp + k, std::memory_order_release);
-  for (int r = 0; r < world(); ++r)
-    if (r != rank()) shared_.ring(r, lane_);
+  shared_.ring_others(lane_);
 }
 
 void Transport::wait_stage(const OpCall& op, uint64_t k) {

@@ -55,6 +55,7 @@ class Transport {
   // Waits until behind(r) is false for every other rank r.
   template <class Behind>
   void wait_for_peers(const OpCall& op, Behind behind);
+  bool peer_finished(int peer, uint64_t seq);
   // The channel to `peer` is reserved in /dev/shm on first use (see layout.h).
   void reserve(int peer) {
     if (!reserved_[peer]) {
@@ -73,6 +74,7 @@ class Transport {
   std::vector<uint64_t> sent_;      // messages published to each peer (our copy of head)
   std::vector<uint64_t> received_;  // messages released from each peer (our copy of tail)
   std::vector<bool> reserved_;      // whether our channel to each peer is reserved
+  std::vector<uint64_t> finished_;  // the last collective each peer is known to have finished
 };
 
 }  // namespace pycomm
