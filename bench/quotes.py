@@ -63,7 +63,7 @@ def behind_below(name: str, fam: str) -> str:
     ahead = [n for n in sizes if all(ratios[m][0] <= 1.0 for m in sizes if m >= n)]
     below = [ratios[n][0] for n in sizes if not ahead or n < ahead[0]]
     if not below:
-        return "ahead at every size"
+        return "behind it at no size"
     edge = _size(ahead[0]) if ahead else "the largest size"
     span = (f"{below[0]:.2f}" if len(below) == 1
             else f"{min(below):.2f}{DASH}{max(below):.2f}")

@@ -103,8 +103,6 @@ _eager: Callable | None = None
 def _load_eager() -> Callable:
     global _eager
     load()
-    from pycomm._backend import _extension
-
     _eager = _extension().all_reduce_eager
     return _eager
 
