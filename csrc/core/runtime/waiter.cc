@@ -20,7 +20,7 @@ int64_t Waiter::check_or_leave(const OpCall& op, const std::vector<int>& who, Be
   try {
     check(op, who);
   } catch (...) {
-    bell->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    bell->done_sleeping();
     throw;
   }
   return WaitPolicy::sleep_us(op.deadline);

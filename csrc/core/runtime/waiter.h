@@ -33,11 +33,7 @@ class Waiter {
     Bell& bell = shared_.bell(shared_.rank(), lane_);
     std::vector<int> who;
     for (;;) {
-      uint32_t seen = bell.seq.load(std::memory_order_seq_cst);
-      bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
-      // Pairs with the fence in Shared::ring: a ringer that read `sleepers` before our
-      // increment made its change before that read, so ready() below sees it.
-      std::atomic_thread_fence(std::memory_order_seq_cst);
+      uint32_t seen = bell.prepare_sleep();
       bool done = ready();
       if (!done) {
         who.clear();
@@ -45,7 +41,7 @@ class Waiter {
         int64_t slice_us = check_or_leave(op, who, &bell);
         futex_wait(&bell.seq, seen, slice_us);
       }
-      bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      bell.done_sleeping();
       if (done || ready()) return;
     }
   }

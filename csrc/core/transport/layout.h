@@ -34,6 +34,18 @@ enum Lane : int { COLL = 0, P2P = 1 };
 struct alignas(kLine) Bell {
   std::atomic<uint32_t> seq{0};
   std::atomic<uint32_t> sleepers{0};
+
+  // The sleeper's half of the handshake (Shared::ring is the ringer's): count this
+  // thread, then fence, so that a ringer that read `sleepers` before the increment made
+  // its change before that read and the caller's re-check sees it. Returns the `seq`
+  // futex_wait must compare; done_sleeping() undoes the count.
+  uint32_t prepare_sleep() {
+    uint32_t seen = seq.load(std::memory_order_seq_cst);
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return seen;
+  }
+  void done_sleeping() { sleepers.fetch_sub(1, std::memory_order_seq_cst); }
 };
 
 // An OpDesc published so that other ranks can read it without locks (a seqlock:

@@ -379,15 +379,14 @@ void P2PEngine::loop() {
       continue;
     }
     if (progressed) continue;
-    uint32_t seen = bell.seq.load(std::memory_order_seq_cst);
-    bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    uint32_t seen = bell.prepare_sleep();
     if (!idle_check()) {
       check_health();
       const int64_t busy_us =
           std::chrono::duration_cast<std::chrono::microseconds>(WaitPolicy::kCheckEvery).count();
       futex_wait(&bell.seq, seen, pending() ? busy_us : kIdleSleepUs);
     }
-    bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    bell.done_sleeping();
   }
 }
 

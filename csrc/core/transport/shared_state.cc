@@ -67,20 +67,20 @@ void Shared::ring(int r, Lane lane) const {
 }
 
 // ring() for every other rank, behind one fence.
-void Shared::ring_others(Lane lane) const {
+void Shared::ring_others(Lane lane) const { ring_all(lane, rank_); }
+
+void Shared::ring_everyone(Lane lane) const { ring_all(lane, -1); }
+
+void Shared::ring_all(Lane lane, int except) const {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   for (int r = 0; r < world_; ++r)
-    if (r != rank_) wake_if_asleep(bell(r, lane));
+    if (r != except) wake_if_asleep(bell(r, lane));
 }
 
 void Shared::wake_if_asleep(Bell& b) {
   if (b.sleepers.load(std::memory_order_seq_cst) == 0) return;
   b.seq.fetch_add(1, std::memory_order_seq_cst);
   futex_wake_all(&b.seq);
-}
-
-void Shared::ring_everyone(Lane lane) const {
-  for (int r = 0; r < world_; ++r) ring(r, lane);
 }
 
 bool Shared::aborted() const { return header()->abort_flag.load(std::memory_order_acquire) != 0; }

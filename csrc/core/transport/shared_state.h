@@ -67,6 +67,7 @@ class Shared {
   void reserve_channel(Lane lane, int dst) const;
 
  private:
+  void ring_all(Lane lane, int except) const;  // behind one fence; `except` may be -1
   static void wake_if_asleep(Bell& b);
 
   const ShmSegment& segment_;
