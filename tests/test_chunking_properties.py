@@ -39,10 +39,17 @@ def _ring_ops(count: int, chunk_bytes: int, slots: int) -> list[str]:
     base = torch.arange(count * n, dtype=torch.float64)
     problems = []
 
+    total = base[:count] * sum(range(1, n + 1))
     x = base[:count] * (rank + 1)
     dist.all_reduce(x, group=group)
-    if not torch.equal(x, base[:count] * sum(range(1, n + 1))):
+    if not torch.equal(x, total):
         problems.append("all_reduce")
+
+    # AVG scales the final value once, in the step that also copies it on (block by block).
+    x = base[:count] * (rank + 1)
+    dist.all_reduce(x, op=dist.ReduceOp.AVG, group=group)
+    if not torch.equal(x, total * (1.0 / n)):
+        problems.append("all_reduce AVG")
 
     out = torch.empty(count, dtype=torch.float64)
     dist.reduce_scatter_tensor(out, base * (rank + 1), group=group)
@@ -68,7 +75,8 @@ def _ring_ops(count: int, chunk_bytes: int, slots: int) -> list[str]:
 )
 @given(
     count=st.integers(min_value=0, max_value=20_000),
-    chunk_bytes=st.sampled_from([64, 128, 192, 1024, 4096, 65536]),
+    # 12296 and 65536 hold pieces longer than the 8 KB blocks a step copies in.
+    chunk_bytes=st.sampled_from([64, 128, 192, 1024, 4096, 12296, 65536]),
     slots=st.integers(min_value=2, max_value=5),
 )
 def test_ring_chunking_any_boundaries(pool, count, chunk_bytes, slots):
