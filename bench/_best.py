@@ -91,6 +91,27 @@ def _job_limit(docs: list[dict]) -> dict[tuple[str, int], float]:
     return best
 
 
+def same_run_fractions(docs: list[dict], first: str) -> dict[tuple[str, int], list[float]]:
+    """{(op, bytes): [busbw / limit]} of ``first`` in every run of a job against the limit
+    that same run measured. This VM's DRAM rate halves and doubles from one run to the
+    next, so the job's fraction (its best time over its best limit) may pair a time from
+    one state with a limit from another; this pairs each time with its own state, every
+    run counted (no pick of the best)."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for doc in docs:
+        limit = doc.get("limit")
+        if not limit or "local_gbs" not in limit:
+            continue
+        world = doc["meta"]["nproc"]
+        mine = {(r["op"], r["bytes"]): r["time_us"] for r in doc["results"]
+                if family(r["backend"]) == first}
+        limits = _limit.limits_of_run(limit, sorted(mine), world)
+        for (op, n), t in mine.items():
+            busbw = n / (t * 1e-6) / 1e9 * busbw_factor(op, world)
+            out.setdefault((op, n), []).append(busbw / limits[(op, n)])
+    return out
+
+
 def summarize(jobs: list[list[dict]], first: str) -> dict:
     """Over the jobs: each family's best time, who won it, every pycomm family's ratio to
     the best peer, the A/A ratio (``first#2`` over ``first``) and pycomm's fraction of the
@@ -103,7 +124,10 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
     fraction: dict[str, list[float]] = {}
     floor: dict[str, list[float]] = {}
     limit_busbw: dict[str, list[float]] = {}
+    same_run: dict[str, list[float]] = {}
     for docs in jobs:
+        for (op, n), runs in same_run_fractions(docs, first).items():
+            same_run.setdefault(f"{op}|{n}", []).extend(runs)
         for (op, n), extra in over_floor(docs, first).items():
             floor.setdefault(f"{op}|{n}", []).append(extra)
         best, limits = best_of_job(docs), _job_limit(docs)
@@ -134,6 +158,7 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
         "best_peer_won_by": peer_won,
         "aa": {k: _spread(v) for k, v in aa.items()},
         "limit_fraction": {k: _spread(v) for k, v in fraction.items()},
+        "limit_fraction_same_run": {k: _spread(v) for k, v in same_run.items()},
         "over_floor_us": {k: _spread(v) for k, v in floor.items()},
         "limit_busbw": {k: _spread(v) for k, v in limit_busbw.items()},
     }

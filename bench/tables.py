@@ -5,7 +5,9 @@
 One table per summary and op: each family's best time (median [min-max] over the jobs,
 and which setting won most often), every pycomm entry's ratio to the best peer (below 1:
 pycomm faster), the A/A ratio (the job's noise floor), the limit busbw and pycomm's
-fraction of it (bench._limit). The README's figures and bench/README.md's tables come
+fraction of it (bench._limit): the job's best time over its best limit, and each run's
+time over the limit that run measured (every run, so the machine's state is paired with
+the time it gave). The README's figures and bench/README.md's tables come
 from here, from committed summaries only.
 """
 
@@ -59,7 +61,8 @@ def table(s: dict, op: str) -> list[str]:
     floor = bool(b.get("over_floor_us"))
     head = ([f"{f} µs" for f in fams] + ["best peer (won)"]
             + [f"{f} / best peer" for f in mine] + ["A/A", "limit busbw GB/s",
-                                                    f"{s['first']} / limit"]
+                                                    f"{s['first']} / limit",
+                                                    f"{s['first']} / limit, same run"]
             + ([f"{s['first']} - torch floor µs"] if floor else []))
     lines = ["| size | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for n in sizes(s, op):
@@ -74,6 +77,7 @@ def table(s: dict, op: str) -> list[str]:
         lim = b["limit_busbw"].get(f"{op}|{n}")
         cells.append(_num(lim[0]) if lim else "-")
         cells.append(_cell(b["limit_fraction"].get(f"{op}|{n}")))
+        cells.append(_cell(b.get("limit_fraction_same_run", {}).get(f"{op}|{n}")))
         if floor:
             cells.append(_cell(b["over_floor_us"].get(f"{op}|{n}")))
         lines.append(f"| {size_label(n)} | " + " | ".join(cells) + " |")

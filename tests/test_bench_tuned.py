@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from bench import _best, _gloo, _load
+from bench import _best, _gloo, _limit, _load
 from bench.collectives import main
 
 TINY = ["-b", "1K", "-e", "16K", "-f", "16", "-n", "2", "-w", "1", "--quiet"]
@@ -83,6 +83,28 @@ def test_over_floor_is_what_a_backend_adds_to_torch_in_the_same_run():
     assert _best.over_floor(job, "pycomm") == {("all_reduce", 1024): 0.5}
     assert _best.summarize([job] * 3, "pycomm")["over_floor_us"]["all_reduce|1024"][:3] == [
         0.5, 0.5, 0.5]
+
+
+def _limit_at(local_gbs):
+    """A run's measured rates: 1 MB rmw at ``local_gbs``, no core-to-core reading."""
+    return {"local_gbs": {str(1 << 20): local_gbs}, "cache_gbs": local_gbs}
+
+
+def test_same_run_fraction_pairs_each_time_with_its_own_runs_limit():
+    """The job's fraction takes its best time over its best limit, which may come from
+    different runs (the machine's state moves); the same-run fraction divides each run's
+    time by that run's limit and keeps every run, not the best one."""
+    n = 1 << 20
+    job = _job([[_row("pycomm", 100.0, n=n)], [_row("pycomm@unpinned", 200.0, n=n)]])
+    job[0]["limit"], job[1]["limit"] = _limit_at(40.0), _limit_at(10.0)
+    s = _best.summarize([job], "pycomm")
+    limit_40 = _limit.limit_busbw("all_reduce", n, 2, 40.0, 40.0, None)
+    limit_10 = _limit.limit_busbw("all_reduce", n, 2, 10.0, 10.0, None)
+    busbw = {t: n / (t * 1e-6) / 1e9 for t in (100.0, 200.0)}
+    [job_fraction] = [s["limit_fraction"][f"all_reduce|{n}"][0]]
+    assert job_fraction == pytest.approx(busbw[100.0] / limit_40)
+    same = s["limit_fraction_same_run"][f"all_reduce|{n}"]
+    assert same[1:] == pytest.approx([busbw[100.0] / limit_40, busbw[200.0] / limit_10, 2])
 
 
 def test_a_failed_run_leaves_no_earlier_file_to_summarize(tmp_path, monkeypatch):
