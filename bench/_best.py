@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 
 from bench import _limit
-from bench._timing import busbw_factor
+from bench._timing import busbw_gbs
 
 PEERS = ("gloo", "mpi", "deepspeed")
 NOT_COMPARED = ("torch-floor",)  # no communication: a floor, not a peer
@@ -107,8 +107,7 @@ def same_run_fractions(docs: list[dict], first: str) -> dict[tuple[str, int], li
                 if family(r["backend"]) == first}
         limits = _limit.limits_of_run(limit, sorted(mine), world)
         for (op, n), t in mine.items():
-            busbw = n / (t * 1e-6) / 1e9 * busbw_factor(op, world)
-            out.setdefault((op, n), []).append(busbw / limits[(op, n)])
+            out.setdefault((op, n), []).append(busbw_gbs(op, n, t, world) / limits[(op, n)])
     return out
 
 
@@ -149,8 +148,8 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
             if fam == first and (op, f"{first}#2", n) in best:
                 aa.setdefault(f"{op}|{n}", []).append(best[(op, f"{first}#2", n)][0] / t)
             if fam == first and (op, n) in limits:
-                busbw = n / (t * 1e-6) / 1e9 * busbw_factor(op, world)
-                fraction.setdefault(f"{op}|{n}", []).append(busbw / limits[(op, n)])
+                fraction.setdefault(f"{op}|{n}", []).append(
+                    busbw_gbs(op, n, t, world) / limits[(op, n)])
     return {
         "best_us": {k: _spread(v) for k, v in fam_times.items()},
         "best_won_by": won,

@@ -37,6 +37,11 @@ def busbw_factor(op: str, world: int) -> float:
     return (world - 1) / world
 
 
+def busbw_gbs(op: str, nbytes: int, time_us: float, world: int) -> float:
+    """nccl-tests' busbw in GB/s (1e9) of an op of ``nbytes`` that took ``time_us``."""
+    return nbytes / (time_us * 1e-6) / 1e9 * busbw_factor(op, world)
+
+
 def total_count(op: str, nbytes: int, elsize: int, world: int) -> int:
     """Elements of S for a sweep size: rounded down so every rank's share is whole."""
     count = nbytes // elsize

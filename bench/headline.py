@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench import _best
 from bench._report import LATENCY_MAX
-from bench._timing import busbw_factor
+from bench._timing import busbw_gbs
 from parallel._optional import available, note
 
 DEFAULT_JSON = Path("bench/results/collectives.json")
@@ -74,7 +74,7 @@ def best_rows(docs: Sequence[dict]) -> list[dict]:
     """One job's rows, one per backend family at its best setting (bench._best)."""
     world = docs[0]["meta"]["nproc"]
     return [{"op": op, "backend": fam, "bytes": n, "time_us": t,
-             "busbw": n / (t * 1e-6) / 1e9 * busbw_factor(op, world)}
+             "busbw": busbw_gbs(op, n, t, world)}
             for (op, fam, n), (t, _) in _best.best_of_job(list(docs)).items()
             if "#" not in fam]
 

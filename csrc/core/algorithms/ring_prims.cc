@@ -12,6 +12,14 @@ namespace {
 // store reads the first's block from L1: 8 KB, which with the input blocks streaming
 // through beside it stays within a 32 KB L1.
 constexpr size_t kCopyBlockBytes = 8 << 10;
+
+// Calls f(offset, length) for each kCopyBlockBytes block of `bytes` (the last may be
+// shorter). kCopyBlockBytes is a multiple of every element size, so no element is split.
+template <typename F>
+void in_blocks(size_t bytes, F f) {
+  for (size_t off = 0; off < bytes; off += kCopyBlockBytes)
+    f(off, std::min(kCopyBlockBytes, bytes - off));
+}
 }  // namespace
 
 Partition::Partition(size_t count, int parts, size_t chunk_elems)
@@ -74,17 +82,14 @@ void Prims::recv_reduce_send(const void* mine, Piece p) {
 void Prims::recv_reduce_copy_send(const void* mine, void* dst, Piece p) {
   const void* in = recv(p);
   auto* out = static_cast<char*>(slot());
-  // The final value is copied on from L1, block by block (kCopyBlockBytes), not read
-  // back from L2 a chunk later.
-  const size_t block = kCopyBlockBytes / esize_;
-  for (size_t at = 0; at < p.count; at += block) {
-    const size_t m = std::min(block, p.count - at);
-    const size_t off = at * esize_;
+  // The final value is copied on from L1, block by block, not read back from L2 a
+  // chunk later.
+  in_blocks(p.count * esize_, [&](size_t off, size_t len) {
     char* d = static_cast<char*>(dst) + off;
     reduce_pair(dtype_, redop_, d, static_cast<const char*>(in) + off,
-                static_cast<const char*>(mine) + off, m, scale_);
-    std::memcpy(out + off, d, m * esize_);
-  }
+                static_cast<const char*>(mine) + off, len / esize_, scale_);
+    std::memcpy(out + off, d, len);
+  });
   publish(p);
   done_recv();
 }
@@ -100,13 +105,11 @@ void Prims::recv_copy_send(void* dst, Piece p) {
   auto* out = static_cast<char*>(slot());
   // The incoming chunk is read once (it sits in the previous rank's cache); the second
   // copy reads this rank's L1.
-  const size_t bytes = p.count * esize_;
-  for (size_t off = 0; off < bytes; off += kCopyBlockBytes) {
-    const size_t m = std::min(kCopyBlockBytes, bytes - off);
+  in_blocks(p.count * esize_, [&](size_t off, size_t len) {
     char* d = static_cast<char*>(dst) + off;
-    std::memcpy(d, static_cast<const char*>(in) + off, m);
-    std::memcpy(out + off, d, m);
-  }
+    std::memcpy(d, static_cast<const char*>(in) + off, len);
+    std::memcpy(out + off, d, len);
+  });
   publish(p);
   done_recv();
 }
