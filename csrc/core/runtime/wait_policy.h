@@ -2,10 +2,12 @@
 // memory collectives' Waiter, the send/recv engine, the CUDA ring's host side) spends
 // its time. Poll briefly (cheap when the peer is about to answer), then poll while
 // yielding the core (so an oversubscribed peer, 4 ranks on 2 cores, gets to run), then
-// sleep in slices. Waking a sleeping thread costs tens to hundreds of microseconds (more
-// in a VM), so short waits must never sleep. Between slices the waiter checks the job:
-// the abort record, the deadline, dead peers. Both polling phases are time-based: how
-// long one `pause` takes differs 40x between CPU generations.
+// sleep in slices. On a core another job keeps busy the yielding phase is skipped: a
+// yield there costs that job's whole time slice, while a sleeper is woken at once.
+// Waking a sleeping thread costs tens to hundreds of microseconds (more in a VM), so
+// short waits must never sleep. Between slices the waiter checks the job: the abort
+// record, the deadline, dead peers. Both polling phases are time-based: how long one
+// `pause` takes differs 40x between CPU generations.
 #pragma once
 
 #include <sched.h>
@@ -52,7 +54,9 @@ struct WaitPolicy {
 
   // The two polling phases; true once ready() holds, false when it is time to sleep.
   // `no_spin`: skip the first phase (another rank waits on this CPU, so the peer we
-  // wait for cannot run until we give the core up).
+  // wait for cannot run until we give the core up); its yields hand the core to that
+  // rank, so however long they take they go on. Otherwise the second phase is skipped
+  // while this thread's core is busy with other jobs (see kLateYield).
   template <class Ready>
   bool poll(Ready ready, bool no_spin = false) const {
     const auto start = Clock::now();
@@ -63,12 +67,34 @@ struct WaitPolicy {
         cpu_relax();
       }
     }
+    if (!no_spin && contended()) return false;
     while (Clock::now() - start < yield) {
       if (ready()) return true;
+      const auto before = Clock::now();
       sched_yield();
+      // A yield that came back late gave the core to another job's thread: on a busy
+      // core each yield costs that thread's whole time slice (milliseconds), while a
+      // sleeper woken by its peer's doorbell is run at once. So stop yielding and sleep.
+      if (!no_spin && Clock::now() - before > kLateYield) {
+        contended_until() = Clock::now() + kRememberContention;
+        return ready();
+      }
     }
     return false;
   }
+
+  // A yield on an idle core returns in about a microsecond; past this, another thread ran.
+  static constexpr auto kLateYield = std::chrono::microseconds(50);
+  // How long a late yield marks this thread's core as busy: waits in that time sleep
+  // right after the spin. Load changes slowly beside an op's microseconds.
+  static constexpr auto kRememberContention = std::chrono::milliseconds(100);
+
+  // Until when this thread's waits skip the yielding phase (a late yield was seen).
+  static Clock::time_point& contended_until() {
+    static thread_local Clock::time_point until{};
+    return until;
+  }
+  static bool contended() { return Clock::now() < contended_until(); }
 
   // How long to sleep before looking again: a slice, never past the deadline.
   static int64_t sleep_us(Clock::time_point deadline) {
