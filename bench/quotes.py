@@ -1,15 +1,20 @@
 """The figures the README quotes, computed from committed summaries only.
 
-    python -m bench.quotes          # every quote, as the README must spell it
+    python -m bench.quotes                  # every quote, as the README must spell it
+    python -m bench.quotes --write-readme   # put them in the README
 
-Each quote is a phrase the README contains word for word; tests/test_readme_figures.py
-recomputes them from ``bench/results/i30/`` and fails when the README says anything else.
-To change a figure, rerun the benchmark, commit its results and paste the new phrase.
+Each quote stands in the README between two invisible markers,
+``<!-- q:NAME -->PHRASE<!-- /q -->``; tests/test_readme_figures.py recomputes every phrase
+from ``bench/results/i30/`` and fails when the README says anything else there. After a
+benchmark's results land, ``--write-readme`` rewrites the phrases (bench/run_i30.sh does it
+with the tables, so results never land without the figures quoted from them).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -143,10 +148,36 @@ def all_quotes() -> dict[str, str]:
     return {name: make() for name, make in QUOTES.items()}
 
 
-def main() -> None:
-    for name, text in all_quotes().items():
+README = ROOT / "README.md"
+
+
+def marked(name: str, text: str) -> str:
+    """The README's spelling of one quote: the phrase between its markers."""
+    return f"<!-- q:{name} -->{text}<!-- /q -->"
+
+
+def write_readme(text: str, quotes: dict[str, str]) -> str:
+    """``text`` with every marked quote's phrase replaced; a quote whose marker is missing
+    is an error (the README must say where each figure goes)."""
+    for name, phrase in quotes.items():
+        pattern = re.compile(re.escape(f"<!-- q:{name} -->") + r".*?" + re.escape("<!-- /q -->"),
+                             re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"README has no marker for the quote {name!r}: {marked(name, '...')}")
+        text = pattern.sub(lambda _m, n=name, q=phrase: marked(n, q), text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.quotes", description=__doc__.split("\n")[0])
+    p.add_argument("--write-readme", action="store_true", help=f"rewrite the phrases in {README}")
+    args = p.parse_args(argv)
+    quotes = all_quotes()
+    for name, text in quotes.items():
         print(f"{name}: {text}")
     print(f"# from {RESULTS.relative_to(ROOT)}: medians over each summary's jobs")
+    if args.write_readme:
+        README.write_text(write_readme(README.read_text(), quotes))
 
 
 if __name__ == "__main__":

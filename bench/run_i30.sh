@@ -2,7 +2,8 @@
 # Issue 30's tables: every peer at its best, 3 fresh jobs each, both timing modes, 2 and
 # 4 ranks, fp32 and bf16, 2 ranks under load (K = 1, 2, 4 per CPU, cpu and mem), small
 # messages beside torch's dispatch floor, and pycomm's own algorithm crossover.
-# Results (each job's raw JSON and the summary) go to bench/results/i30/.
+# Results (each job's raw JSON and the summary) go to bench/results/i30/; each summary's
+# table goes into bench/README.md and the README's quotes are remade from them.
 #
 #   bash bench/run_i30.sh                      # main loaded small crossover
 #   bash bench/run_i30.sh main                 # one group
@@ -18,7 +19,12 @@ run() {  # name, then bench.collectives flags
   local name=$1; shift
   echo "== $name $(date -u +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)"
   python -m bench.collectives "$@" --tuned --aa --jobs 3 --quiet --out "$OUT/$name.json" \
-    > "$OUT/$name.log" 2>&1 || echo "!! $name failed: see $OUT/$name.log"
+    > "$OUT/$name.log" 2>&1 || { echo "!! $name failed: see $OUT/$name.log"; return; }
+  # The new table into bench/README.md and the README's quoted figures from it, so that
+  # results never land without what tests/test_readme_figures.py holds them to.
+  python -m bench.tables --write-readme "$OUT/$name.json" > /dev/null \
+    && python -m bench.quotes --write-readme > /dev/null \
+    || echo "!! $name: bench/README.md or README.md not updated"
 }
 crossover() {  # name, nproc: pycomm's ring against its direct algorithm, one job
   echo "== $1 $(date -u +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)"

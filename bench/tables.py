@@ -130,18 +130,47 @@ def render_summary(s: dict, name: str) -> list[str]:
     return out
 
 
+README = Path(__file__).resolve().parent / "README.md"
+BEGIN, END = "<!-- i30 tables: begin -->", "<!-- i30 tables: end -->"
+
+
+def replace_in_readme(text: str, sections: dict[str, list[str]]) -> str:
+    """``text`` with each named ``#### NAME`` section between the i30 markers replaced by
+    its new lines (a name not there yet is added at the end, before the end marker)."""
+    head, rest = text.split(BEGIN + "\n", 1)
+    block, tail = rest.split(END, 1)
+    order: list[str] = []
+    found: dict[str, list[str]] = {}
+    for chunk in block.split("#### ")[1:]:
+        name = chunk.split("\n", 1)[0].strip()
+        order.append(name)
+        found[name] = ("#### " + chunk).rstrip("\n").split("\n") + [""]
+    for name, lines in sections.items():
+        if name not in found:
+            order.append(name)
+        found[name] = lines
+    body = [line for name in order for line in found[name]]
+    return head + BEGIN + "\n\n" + "\n".join(body) + "\n" + END + tail
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.tables", description=__doc__.split("\n")[0])
     p.add_argument("summaries", nargs="+", type=Path)
     p.add_argument("--rebuild", action="store_true",
                    help="first make each summary again from the raw files it lists")
+    p.add_argument("--write-readme", action="store_true",
+                   help=f"replace each summary's section between the i30 markers of {README}")
     args = p.parse_args(argv)
+    sections = {}
     for path in args.summaries:
         if args.rebuild:
             from bench._jobs import resummarize
 
             resummarize(path)
-        print("\n".join(render(path)))
+        sections[path.stem] = render(path)
+        print("\n".join(sections[path.stem]))
+    if args.write_readme:
+        README.write_text(replace_in_readme(README.read_text(), sections))
 
 
 if __name__ == "__main__":

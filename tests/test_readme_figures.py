@@ -14,8 +14,17 @@ README = (ROOT / "README.md").read_text()
 
 @pytest.mark.parametrize("name", sorted(quotes.QUOTES))
 def test_readme_quotes_the_committed_results(name):
-    text = quotes.QUOTES[name]()
-    assert text in README, f"README should say {text!r} ({name}; python -m bench.quotes)"
+    text = quotes.marked(name, quotes.QUOTES[name]())
+    assert text in README, (f"README should say {text!r} "
+                            f"({name}; python -m bench.quotes --write-readme)")
+
+
+def test_write_readme_rewrites_each_marked_phrase_and_refuses_a_missing_marker():
+    text = "a <!-- q:x -->old one<!-- /q --> b <!-- q:y -->2<!-- /q -->"
+    assert (quotes.write_readme(text, {"x": "new", "y": "3"})
+            == "a <!-- q:x -->new<!-- /q --> b <!-- q:y -->3<!-- /q -->")
+    with pytest.raises(SystemExit, match="no marker for the quote 'z'"):
+        quotes.write_readme(text, {"z": "1"})
 
 
 def _summaries() -> list[Path]:
@@ -53,3 +62,19 @@ def test_headline_regenerates_from_committed_files(tmp_path):
     assert headline.main(["--summary", str(ROOT / headline.README_SUMMARY), "--out",
                           str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_write_readme_replaces_only_the_named_sections():
+    """bench.tables --write-readme: untouched sections stay byte for byte, a named one is
+    replaced where it stands, a new one is added before the end marker."""
+    from bench import tables
+
+    text = (ROOT / "bench" / "README.md").read_text()
+    assert tables.replace_in_readme(text, {}) == text
+    first = text.split(tables.BEGIN, 1)[1].split("#### ", 2)[1].split("\n", 1)[0].strip()
+    changed = tables.replace_in_readme(text, {first: [f"#### {first}", "", "new", ""],
+                                              "brand-new": ["#### brand-new", "", "x", ""]})
+    block = changed.split(tables.BEGIN, 1)[1].split(tables.END, 1)[0]
+    assert block.index(f"#### {first}\n\nnew\n") < block.index("#### brand-new")
+    assert block.endswith("#### brand-new\n\nx\n\n")
+    assert changed.split(tables.END, 1)[1] == text.split(tables.END, 1)[1]
