@@ -162,9 +162,11 @@ def write_readme(text: str, quotes: dict[str, str]) -> str:
     for name, phrase in quotes.items():
         pattern = re.compile(re.escape(f"<!-- q:{name} -->") + r".*?" + re.escape("<!-- /q -->"),
                              re.S)
-        if not pattern.search(text):
+        found = pattern.search(text)
+        if found is None:
             raise SystemExit(f"README has no marker for the quote {name!r}: {marked(name, '...')}")
-        text = pattern.sub(lambda _m, n=name, q=phrase: marked(n, q), text)
+        # str.replace on the match, not re.sub: a phrase is text, never a template
+        text = text.replace(found.group(0), marked(name, phrase))
     return text
 
 
