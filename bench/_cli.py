@@ -149,6 +149,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
+        "--require-all",
+        action="store_true",
+        help="stop before measuring when a named backend cannot run here (not installed, "
+        "cannot start) instead of skipping it: a comparison that must hold every peer",
+    )
+    p.add_argument(
         "--timing",
         choices=["barrier", "b2b"],
         default="barrier",

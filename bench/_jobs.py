@@ -83,6 +83,10 @@ def run_jobs(argv: list[str], args: argparse.Namespace) -> int:
                 print(f"# job {k}/{args.jobs}{suffix}: {shlex.join(cmd)}", file=sys.stderr,
                       flush=True)
                 rc = subprocess.run(cmd, check=False).returncode
+                if rc and args.require_all:  # a summary short of a peer is not written
+                    print(f"# job {k}{suffix} failed (exit {rc}): no summary written to "
+                          f"{args.out}", file=sys.stderr)
+                    return rc
                 failed = failed or rc
                 if out.exists():
                     docs.append(_load_run(out, suffix, args))

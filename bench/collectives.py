@@ -281,6 +281,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     placements: list = [None] * world
     dist.all_gather_object(placements, _provenance.placement(rank))
     groups, skipped = make_groups(args.backends)
+    if skipped and args.require_all:  # every rank has the same `skipped`: all stop
+        raise SystemExit("--require-all: " + "; ".join(f"{b} cannot run: {why}"
+                                                        for b, why in skipped.items()))
     info = _provenance.collect(placements, args.argv) if rank == 0 else {}
     info["cpus"] = sorted(cpus)  # before --bind: what the host gives this job
     dist.barrier()  # the others wait (asleep in gloo) while rank 0 reads the cores

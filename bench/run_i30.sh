@@ -18,7 +18,8 @@ FULL=(-b 1K -e 64M -f 4 -n 10 -w 3)
 run() {  # name, then bench.collectives flags
   local name=$1; shift
   echo "== $name $(date -u +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)"
-  python -m bench.collectives "$@" --tuned --aa --jobs 3 --quiet --out "$OUT/$name.json" \
+  python -m bench.collectives "$@" --tuned --aa --jobs 3 --quiet --require-all \
+    --out "$OUT/$name.json" \
     > "$OUT/$name.log" 2>&1 || { echo "!! $name failed: see $OUT/$name.log"; return; }
   # The new table into bench/README.md and the README's quoted figures from it, so that
   # results never land without what tests/test_readme_figures.py holds them to.

@@ -121,7 +121,20 @@ def test_a_failed_run_leaves_no_earlier_file_to_summarize(tmp_path, monkeypatch)
     monkeypatch.setattr(subprocess, "run",
                         lambda *a, **k: subprocess.CompletedProcess(a, returncode=1))
     args = argparse.Namespace(jobs=1, load=0, load_kind="cpu", out=out, tuned=False,
-                              mpi_tuned=False, backends=["pycomm"])
+                              mpi_tuned=False, backends=["pycomm"], require_all=False)
     assert _jobs.run_jobs(["--backends", "pycomm"], args) == 1
     assert not stale.exists()
     assert not out.exists()  # nothing ran: no summary, rather than one of old files
+
+
+def test_require_all_stops_at_a_peer_that_cannot_run(tmp_path, capfd):
+    """--require-all: a named backend that cannot run here stops the job before it measures
+    (a summary once lost DeepSpeed's column that way, DeepSpeed not being installed), and
+    with --jobs no summary is written."""
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as done:
+        main(["--backends", "pycomm,no-such-backend", "--require-all", "--jobs", "3",
+              *TINY, "--out", str(out)])
+    assert done.value.code
+    assert "no-such-backend cannot run" in capfd.readouterr().err
+    assert not out.exists() and not (tmp_path / "r.job2.json").exists()
