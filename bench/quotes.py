@@ -132,7 +132,16 @@ def loaded_worst(fam: str = "pycomm-api") -> str:
             f"per CPU ({', '.join(sorted(kinds))}; worst at {where})")
 
 
+def made(name: str) -> str:
+    """'DATE, CPU (N CPUs), commit C': where and from what code a summary's first job ran."""
+    from bench.tables import _machine
+
+    prov = _summary(name)["meta"]["provenance"]
+    return f"{prov['started'][:10]}, {_machine(prov)}, commit {prov['commit']}"
+
+
 QUOTES: dict[str, Callable[[], str]] = {
+    "headline run": lambda: made("mpirun-2r-fp32-barrier"),
     "gloo speedup, 2 ranks": lambda: speedup_over("mpirun-2r-fp32-barrier", "gloo"),
     "pycomm-api ahead, 2 ranks": lambda: ahead_from("mpirun-2r-fp32-barrier", "pycomm-api"),
     "pycomm-api below, 2 ranks": lambda: behind_below("mpirun-2r-fp32-barrier", "pycomm-api"),
