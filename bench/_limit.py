@@ -100,6 +100,12 @@ def timed_bytes(nbytes: int) -> int:
     return max(nbytes, MIN_TIMED_BYTES) // 4 * 4
 
 
+def rmw_pass(buf: torch.Tensor) -> None:
+    """One read-modify-write pass over ``buf``: the unit of an op's tensor traffic that the
+    limit's local rate is measured in (time_local, time_one_core, bench.limit_states)."""
+    buf.mul_(1.0)
+
+
 def time_local(nbytes: int, iters: int, group) -> list[float]:
     """Seconds per read-modify-write pass over a private buffer of ``timed_bytes(nbytes)``,
     every rank at once (a barrier before each pass): the rate of an op's tensor traffic
@@ -109,7 +115,7 @@ def time_local(nbytes: int, iters: int, group) -> list[float]:
     for i in range(iters + 1):
         dist.barrier(group=group)
         start = time.perf_counter()
-        buf.mul_(1.0)
+        rmw_pass(buf)
         if i:
             times.append(time.perf_counter() - start)
     return times
@@ -130,11 +136,11 @@ def time_one_core(sizes: list[int], iters: int, group) -> dict[int, float] | Non
         out = {}
         for n in sorted({*sizes, MIN_TIMED_BYTES}):
             buf = torch.ones(timed_bytes(n) // 4)
-            buf.mul_(1.0)
+            rmw_pass(buf)
             times = []
             for _ in range(max(iters, 5)):
                 start = time.perf_counter()
-                buf.mul_(1.0)
+                rmw_pass(buf)
                 times.append(time.perf_counter() - start)
             out[n] = 2 * timed_bytes(n) / statistics.median(times) / GB
     dist.barrier(group=group)

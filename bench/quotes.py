@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.tables import machine
 from bench.tables import size_label as _size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,10 +135,8 @@ def loaded_worst(fam: str = "pycomm-api") -> str:
 
 def made(name: str) -> str:
     """'DATE, CPU (N CPUs), commit C': where and from what code a summary's first job ran."""
-    from bench.tables import _machine
-
     prov = _summary(name)["meta"]["provenance"]
-    return f"{prov['started'][:10]}, {_machine(prov)}, commit {prov['commit']}"
+    return f"{prov['started'][:10]}, {machine(prov)}, commit {prov['commit']}"
 
 
 QUOTES: dict[str, Callable[[], str]] = {

@@ -103,14 +103,14 @@ def describe(s: dict) -> str:
               if load.get("per_cpu") else "no added load")
     prov = meta.get("provenance") or {}
     return (f"{meta['nproc']} ranks, {meta['datatype']}, timing {meta.get('timing', 'barrier')}, "
-            f"{s['jobs']} fresh jobs, {loaded}; {_machine(prov)}; "
+            f"{s['jobs']} fresh jobs, {loaded}; {machine(prov)}; "
             f"commit {prov.get('commit', '?')}; c2c round "
             f"trip {min(rt, default=0):.0f}{DASH}{max(rt, default=0):.0f} ns "
             f"({', '.join(states)}); "
             f"load average {_loadavg(prov)}; #wrong {s['wrong']}")
 
 
-def _machine(prov: dict) -> str:
+def machine(prov: dict) -> str:
     """'CPU model (N CPUs)': the tables of one section may come from different VMs."""
     return f"{prov.get('cpu', '?')} ({len(prov.get('cpus') or []) or '?'} CPUs)"
 
