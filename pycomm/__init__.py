@@ -13,7 +13,7 @@ It raises ImportError, saying why and how to fix it, when the compiled extension
 from importlib import metadata as _metadata
 
 from pycomm._backend import BACKEND_NAME, check_extension, extension_error, register
-from pycomm.arena import arena_stats, empty, in_arena, zeros
+from pycomm.arena import arena_stats, empty, in_arena, use_arena, zeros
 from pycomm.bucketer import Bucketer, plan_buckets
 from pycomm.flat_arena import Arena
 from pycomm.ops import all_reduce_
@@ -36,6 +36,7 @@ __all__ = [
     "in_arena",
     "plan_buckets",
     "register",
+    "use_arena",
     "zeros",
 ]
 

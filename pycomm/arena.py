@@ -14,7 +14,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -51,3 +52,42 @@ def arena_stats() -> dict[str, int]:
     ``slabs`` and ``allocations``; ``largest_free`` is the biggest block free without a
     new slab (a measure of fragmentation)."""
     return dict(_extension().arena_stats())
+
+
+DEFAULT_MIN_BYTES = 1 << 20  # a DDP bucket (1 MiB first, 25 MiB after), not small tensors
+
+
+@contextlib.contextmanager
+def use_arena(min_bytes: int = DEFAULT_MIN_BYTES) -> Iterator[None]:
+    """Inside the block, CPU tensors of at least ``min_bytes`` that this thread allocates
+    (by any torch call) come from the arena, as :func:`empty` would give them.
+
+    What :func:`empty` is for tensors a user makes, this is for tensors a library makes:
+    DDP's gradient buckets, an optimizer's state. Collectives on them are zero-copy
+    (peers read them in place) when every rank's buffer is in the arena. Like
+    ``torch.cuda.use_mem_pool``, it routes the calling thread only; blocks nest (the
+    innermost threshold counts). Tensors keep their arena memory after the block. Wrap
+    what allocates the buffers: for DDP, construction and the first two steps (it
+    rebuilds its buckets in the second forward), or simply the whole training loop.
+
+    Example::
+
+        with pycomm.use_arena():
+            model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+            for batch in loader:
+                ...
+
+    Raises:
+        ValueError: if ``min_bytes`` < 1.
+        RuntimeError: if torch's CPU allocator cannot be routed (another library
+            replaced it with a higher priority).
+        torch.OutOfMemoryError: from an allocation the arena cannot reserve.
+    """
+    if min_bytes < 1:
+        raise ValueError(f"pycomm.use_arena: min_bytes must be at least 1, got {min_bytes}")
+    ext = _extension()
+    previous = ext._arena_block_open(int(min_bytes))
+    try:
+        yield
+    finally:
+        ext._arena_block_close(previous)

@@ -117,6 +117,7 @@ c10::intrusive_ptr<pycomm_torch::ProcessGroupPycomm> create(
 
 void register_islands(py::module_& m);
 void register_env_info(py::module_& m);  // env_info.cc
+void register_arena_allocator(py::module_& m);  // arena_allocator.cc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pycomm::install_fork_guard();  // before any group or arena exists (fork_guard.h)
@@ -155,6 +156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "(no dispatcher), for any group and device.");
   register_islands(m);
   register_env_info(m);
+  register_arena_allocator(m);
   m.def("arena_empty", &arena_empty, py::arg("sizes"), py::arg("dtype"),
         "An uninitialised CPU tensor in the shared-memory arena.");
   m.def(

@@ -146,14 +146,15 @@ void* Arena::allocate(size_t bytes) {
   return p;
 }
 
-void Arena::release(void* ptr) {
+bool Arena::release(void* ptr) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = live_.find(static_cast<char*>(ptr));
-  if (it == live_.end()) return;
+  if (it == live_.end()) return false;
   auto [slab, bytes] = it->second;
   give_back(*slab, static_cast<char*>(ptr) - slab->base, bytes);
   live_bytes_ -= bytes;
   live_.erase(it);
+  return true;
 }
 
 bool Arena::locate(const void* ptr, size_t bytes, ArenaLocation* out) const {

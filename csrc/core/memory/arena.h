@@ -43,7 +43,8 @@ class Arena {
   // 64-byte aligned memory of at least `bytes`; a new slab is reserved when no free
   // block fits (throws CommError, naming the size, if the memory cannot be reserved).
   void* allocate(size_t bytes);
-  void release(void* ptr);
+  // False (and nothing done) when `ptr` is not an allocation of this arena.
+  bool release(void* ptr);
   // True (and *out filled) if [ptr, ptr + bytes) lies inside one slab of this arena.
   bool locate(const void* ptr, size_t bytes, ArenaLocation* out) const;
   ArenaStats stats() const;
