@@ -7,6 +7,7 @@ noise hits all of them alike.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import time
@@ -28,6 +29,9 @@ STRATEGIES = {
     "local": ("none", "sgd", "none"),  # the same step without any communication
     "ddp-gloo": ("ddp", "sgd", "gloo"),
     "ddp-pycomm": ("ddp", "sgd", "pycomm"),
+    # DDP (gradients as bucket views) built and stepped in pycomm.use_arena(): its buckets
+    # in the shared-memory arena, so its all-reduces are zero-copy
+    "ddp-pycomm-arena": ("ddp-arena", "sgd", "pycomm"),
     "parallel.data-pycomm": ("data", "sgd", "pycomm"),
     "parallel.data-gloo": ("data", "sgd", "gloo"),
 }
@@ -77,6 +81,8 @@ class Setup:
 def _wrap(kind: str, group: dist.ProcessGroup | None, net: nn.Module, cap_mb: float) -> nn.Module:
     if kind == "ddp":
         return DDP(net, process_group=group, bucket_cap_mb=cap_mb)
+    if kind == "ddp-arena":
+        return DDP(net, process_group=group, bucket_cap_mb=cap_mb, gradient_as_bucket_view=True)
     if kind == "data":
         return DataParallel(net, process_group=group, bucket_cap_mb=cap_mb)
     if kind.startswith("fsdp2"):
@@ -128,7 +134,9 @@ def build(name: str, setup: Setup, groups: dict[str, Any]) -> tuple[nn.Module, C
     """The wrapped model and a function that runs one training step on it."""
     kind, optim, group = ALL_STRATEGIES[name]
     torch.manual_seed(0)
-    net = _wrap(kind, groups.get(group), GPT(setup.cfg), setup.bucket_cap_mb)
+    in_block = _allocations(kind)
+    with in_block():
+        net = _wrap(kind, groups.get(group), GPT(setup.cfg), setup.bucket_cap_mb)
     opt = _optimizer(optim, net, groups.get(group), setup.bucket_cap_mb)
     net.zero_optimizer = opt if hasattr(opt, "memory_stats") else None  # for peak_memory
     # Tensor-parallel ranks share one batch; data-parallel ones each have their own.
@@ -137,15 +145,25 @@ def build(name: str, setup: Setup, groups: dict[str, Any]) -> tuple[nn.Module, C
 
     def step(i: int) -> float:
         x, y = synthetic_batch(setup.cfg, setup.batch, seed=1000 * rank + i)
-        opt.zero_grad()
-        loss = loss_fn(net(x).float(), y)
-        _sample_memory()
-        loss.backward()
-        _sample_memory()
-        opt.step()
+        with in_block():  # DDP rebuilds its buckets in the second forward
+            opt.zero_grad()
+            loss = loss_fn(net(x).float(), y)
+            _sample_memory()
+            loss.backward()
+            _sample_memory()
+            opt.step()
         return loss.item()
 
     return net, step
+
+
+def _allocations(kind: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """Where a strategy's step allocates: pycomm's arena for the -arena kinds."""
+    if kind.endswith("-arena"):
+        import pycomm
+
+        return pycomm.use_arena
+    return contextlib.nullcontext
 
 
 def _timed_steps(step: Callable, first: int, count: int) -> list[float]:

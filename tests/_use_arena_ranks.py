@@ -18,11 +18,11 @@ import _interop_models as im
 import torch
 import torch.distributed as dist
 from _zero_copy_scenarios import LogTap, _groups
-from parallel.models import lm_loss
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
+from parallel.models import lm_loss
 
 # Small enough that the tiny models fill several buckets, each above the direct size
 # (4 KiB) so that each all-reduce takes zero-copy or its fallback.
@@ -50,8 +50,8 @@ def _paths(log: str) -> list[tuple[int, str]]:
     for line in log.splitlines():
         m = LINE.search(line)
         if m:
-            nbytes = int(m.group(2)) * torch.empty(0, dtype=getattr(torch, m.group(1))).element_size()
-            out.append((nbytes, m.group(3)))
+            itemsize = torch.empty(0, dtype=getattr(torch, m.group(1))).element_size()
+            out.append((int(m.group(2)) * itemsize, m.group(3)))
     return out
 
 

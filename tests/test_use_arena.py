@@ -79,9 +79,9 @@ def test_memory_goes_back_to_the_arena():
 def test_refuses_a_zero_threshold():
     import pycomm
 
-    with pytest.raises(ValueError, match="min_bytes must be at least 1, got 0"):
-        with pycomm.use_arena(min_bytes=0):
-            pass
+    with (pytest.raises(ValueError, match="min_bytes must be at least 1, got 0"),
+          pycomm.use_arena(min_bytes=0)):
+        pass
 
 
 @pytest.fixture(scope="module")

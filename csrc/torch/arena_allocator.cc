@@ -7,10 +7,10 @@
 // router is installed once as torch's CPU allocator and hands every other request to the
 // allocator it replaced, so code outside a block allocates exactly as before. A tensor
 // allocated inside keeps its arena memory (and the arena's deleter) after the block.
+#include <c10/core/CPUAllocator.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
-#include <c10/core/CPUAllocator.h>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -37,8 +37,7 @@ void release_to_arena(void* ptr) {
 // torch frees raw_allocate()'s memory through raw_deleter() (kernels' scratch buffers),
 // whichever allocator served it: one deleter for both kinds of pointer.
 void release_any(void* ptr) {
-  if (g_routed_live.load(std::memory_order_relaxed) > 0 &&
-      pycomm::Arena::instance().release(ptr)) {
+  if (g_routed_live.load(std::memory_order_relaxed) > 0 && pycomm::Arena::instance().release(ptr)) {
     g_routed_live.fetch_sub(1, std::memory_order_relaxed);
     return;
   }
@@ -117,6 +116,7 @@ void register_arena_allocator(py::module_& m) {
         "from the arena; returns the previous threshold (0: none).");
   m.def("_arena_block_close", &close_block, py::arg("previous"),
         "pycomm.use_arena's exit: restores the threshold _arena_block_open returned.");
-  m.def("_arena_block_min_bytes", [] { return t_min_bytes; },
-        "This thread's open threshold (0: no block open).");
+  m.def(
+      "_arena_block_min_bytes", [] { return t_min_bytes; },
+      "This thread's open threshold (0: no block open).");
 }

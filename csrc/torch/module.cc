@@ -116,7 +116,7 @@ c10::intrusive_ptr<pycomm_torch::ProcessGroupPycomm> create(
 }  // namespace
 
 void register_islands(py::module_& m);
-void register_env_info(py::module_& m);  // env_info.cc
+void register_env_info(py::module_& m);         // env_info.cc
 void register_arena_allocator(py::module_& m);  // arena_allocator.cc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
