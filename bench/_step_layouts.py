@@ -25,9 +25,11 @@ from bench import _model_zoo as zoo
 from parallel.compose.mesh import DIMS, MeshShape, ParallelMesh
 from parallel.compose.parallelize import ParallelConfig, parallelize
 
-# ddp-arena: DDP (gradients as bucket views) built and stepped in pycomm.use_arena(), so
-# its buckets are in the shared-memory arena and pycomm's all-reduces are zero-copy
-LAYOUTS = ("ddp", "ddp-arena", "fsdp2", "dp", "zero3", "tp", "pp")
+# -arena: the torch layout built and stepped in pycomm.use_arena(), so the buffers it
+# allocates (DDP's buckets, with gradients as bucket views; FSDP2's all-gather and
+# reduce-scatter buffers) are in the shared-memory arena and pycomm's collectives on
+# them are zero-copy
+LAYOUTS = ("ddp", "ddp-arena", "fsdp2", "fsdp2-arena", "dp", "zero3", "tp", "pp")
 # The trainer's layouts at 2 ranks, as (pp, dp, tp, ZeRO stage).
 ENGINE = {"dp": (1, 2, 1, 0), "zero3": (1, 2, 1, 3), "tp": (1, 1, 2, 0), "pp": (2, 1, 1, 0)}
 MICROBATCHES = 2  # the pipeline's M (each micro-batch: half the global batch)
@@ -167,19 +169,24 @@ def _engine_step(work: Work, layout: str, net: nn.Module, world: dist.ProcessGro
     return step
 
 
-def _ddp_step(work: Work, net: nn.Module, world: dist.ProcessGroup, in_arena: bool) -> Step:
+def _torch_layout(work: Work, layout: str, net: nn.Module, world: dist.ProcessGroup) -> Step:
+    """DDP or FSDP2 as their docs wrap a model; the -arena layouts in pycomm.use_arena."""
     import pycomm
 
+    in_arena = layout.endswith("-arena")
     block = pycomm.use_arena if in_arena else contextlib.nullcontext
     with block():
-        ddp = DDP(net, process_group=world, gradient_as_bucket_view=in_arena)
-    if dist.get_backend(world) == "fake":
-        ddp.register_comm_hook(world, _fake_allreduce_hook)
-    user_step = _user_step(work, ddp)
+        if layout.startswith("fsdp2"):
+            wrapped = _fully_shard(net, world)
+        else:
+            wrapped = DDP(net, process_group=world, gradient_as_bucket_view=in_arena)
+            if dist.get_backend(world) == "fake":
+                wrapped.register_comm_hook(world, _fake_allreduce_hook)
+    user_step = _user_step(work, wrapped)
 
     def step(i: int) -> float:
-        with block():  # DDP rebuilds its buckets in the second forward
-            return user_step(i)
+        with block():  # DDP rebuilds its buckets in the second forward; FSDP2 allocates
+            return user_step(i)  # its buffers every step
 
     return step
 
@@ -188,10 +195,8 @@ def build_step(work: Work, layout: str, world: dist.ProcessGroup,
                single: dist.ProcessGroup) -> Step:
     """The step of ``layout`` over these groups (call under :func:`default_group`)."""
     net = zoo.build(work.model, seed=0, size=work.size)
-    if layout in ("ddp", "ddp-arena"):
-        return _ddp_step(work, net, world, in_arena=layout == "ddp-arena")
-    if layout == "fsdp2":
-        return _user_step(work, _fully_shard(net, world))
+    if layout.startswith(("ddp", "fsdp2")):
+        return _torch_layout(work, layout, net, world)
     if layout in ENGINE:
         return _engine_step(work, layout, net, world, single)
     raise ValueError(f"step_time: unknown layout {layout!r}; choose from {LAYOUTS}")

@@ -29,7 +29,7 @@ from parallel.models import lm_loss
 BUCKET_CAP_MB = {"mlp": 0.006, "transformer": 0.006, "gpt": 0.02}
 MIN_BYTES = 4096  # route the buckets of the tiny models (pycomm's default is 1 MiB)
 DIRECT_BYTES = 4096
-LINE = re.compile(r"all_reduce (\w+)\[(\d+)\] \w+: (.*)$")
+LINE = re.compile(r"seq \d+ (\w+) (\w+)\[(\d+)\][^:]*: (.*)$")
 
 
 def _net(model: str) -> nn.Module:
@@ -44,14 +44,14 @@ def _loss(model: str, net: nn.Module, step: int, world: int, rank: int) -> torch
     return nn.functional.mse_loss(net(im.rank_slice(x, rank)), im.rank_slice(y, rank))
 
 
-def _paths(log: str) -> list[tuple[int, str]]:
-    """(bytes, path) of each all_reduce this rank logged."""
+def _paths(log: str, ops: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(bytes, path) of each of ``ops`` this rank logged."""
     out = []
     for line in log.splitlines():
         m = LINE.search(line)
-        if m:
-            itemsize = torch.empty(0, dtype=getattr(torch, m.group(1))).element_size()
-            out.append((int(m.group(2)) * itemsize, m.group(3)))
+        if m and m.group(1) in ops:
+            itemsize = torch.empty(0, dtype=getattr(torch, m.group(2))).element_size()
+            out.append((int(m.group(3)) * itemsize, m.group(4)))
     return out
 
 
@@ -80,6 +80,42 @@ def train(model: str, who: str) -> dict[str, Any]:
                 optimizer.zero_grad(set_to_none=False)  # views of the buckets stay
         log = tap.take()
     return {"params": im.params_of(net), "losses": losses,
-            "paths": [p for n, p in _paths(log) if n > DIRECT_BYTES],
+            "paths": [p for n, p in _paths(log, ("all_reduce",)) if n > DIRECT_BYTES],
             "grads_in_arena": [pycomm.in_arena(p.grad) for p in net.parameters()]}
 
+
+
+def train_fsdp2(model: str, who: str) -> dict[str, Any]:
+    """Optimizer steps of FSDP2 (``fully_shard`` per layer or block, then the root) on
+    ``model``, with every allocation of 64 bytes or more in the arena where routed."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = _groups()[tuple(range(world))]
+    gpt = model == "gpt"
+    with LogTap() as tap:
+        with pycomm.use_arena(64) if who == "all" or rank == 0 else contextlib.nullcontext():
+            net = _net(model)
+            mesh = DeviceMesh.from_group(group, "cpu")
+            parts = net.blocks if gpt else [m for m in net if isinstance(m, nn.Linear)]
+            for part in parts:
+                fully_shard(part, mesh=mesh)
+            fully_shard(net, mesh=mesh)
+            # SGD on the GPT: Adam's normalised steps magnify reduction-order rounding
+            # in its near-zero gradients beyond the reference's tolerance (the same with
+            # or without the arena)
+            optimizer = (gpt_case.make_optimizer(net.parameters(), "sgd") if gpt
+                         else im.make_optimizer(net.parameters(), "adam"))
+            losses = []
+            for step in range(gpt_case.STEPS if gpt else im.STEPS):
+                loss = _loss(model, net, step, world, rank)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+            full = [p.full_tensor().detach().clone() for p in net.parameters()]
+        log = tap.take()
+    ops = ("all_gather", "reduce_scatter")
+    return {"params": full, "losses": losses,
+            "paths": [p for n, p in _paths(log, ops) if n > DIRECT_BYTES]}

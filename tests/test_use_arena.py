@@ -1,12 +1,14 @@
-"""``pycomm.use_arena``: tensors torch allocates by itself (DDP's gradient buckets) taken
-from pycomm's shared-memory arena, so DDP's all-reduces are zero-copy.
+"""``pycomm.use_arena``: tensors torch allocates by itself (DDP's gradient buckets,
+FSDP2's all-gather and reduce-scatter buffers) taken from pycomm's shared-memory arena,
+so their collectives are zero-copy.
 
 In one process: which allocations are routed (threshold, nesting, the calling thread
 only, tensors outliving the block, memory given back). On 2 ranks: unchanged DDP
 training inside the block, on two models pycomm did not write (an MLP and torch's
-transformer encoder layer) and on its GPT, against a single process on the whole batch;
-every gradient all-reduce zero-copy when every rank opens the block, the streamed
-fallback on all ranks when only one does (tests/_use_arena_ranks.py).
+transformer encoder layer) and on its GPT, and FSDP2 on the MLP and the GPT, against a
+single process on the whole batch; every collective above the direct size zero-copy
+when every rank opens the block, the streamed fallback on all ranks when only one does
+(tests/_use_arena_ranks.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ ZERO_COPY = "zero-copy (every rank's buffer is in the arena)"
 FALLBACK = "(not every rank's buffer is in the arena)"
 SINGLE_TOL = {"rtol": 1e-4, "atol": 1e-5}
 MODELS = ("mlp", "transformer", "gpt")
+FSDP2_MODELS = ("mlp", "gpt")  # fully_shard per Linear / per block, then the root
+EVERY_RUN = [*MODELS, *(f"fsdp2-{m}" for m in FSDP2_MODELS)]
 
 
 def test_routes_this_threads_large_allocations_only():
@@ -90,19 +94,26 @@ def ranks():
     import _use_arena_ranks as ua
 
     with RankPool(2, backend="pycomm", pg_timeout_s=60.0) as pool:
-        yield {(m, who): pool.run(ua.train, m, who, timeout_s=300)
-               for m in MODELS for who in ("all", "rank0")}
+        runs = {(m, who): pool.run(ua.train, m, who, timeout_s=300)
+                for m in MODELS for who in ("all", "rank0")}
+        runs |= {(f"fsdp2-{m}", who): pool.run(ua.train_fsdp2, m, who, timeout_s=300)
+                 for m in FSDP2_MODELS for who in ("all", "rank0")}
+        yield runs
 
 
 def _reference(model: str) -> dict:
     if model == "gpt":
         return gpt_case.reference(2, "sgd")
+    if model == "fsdp2-gpt":
+        return gpt_case.reference(2, "sgd")
+    if model.startswith("fsdp2-"):
+        return im.reference_run(2, model.removeprefix("fsdp2-"), optim="adam")
     return im.reference_run(2, model)
 
 
 @pytest.mark.parametrize("who", ["all", "rank0"])
-@pytest.mark.parametrize("model", MODELS)
-def test_ddp_in_the_arena_matches_one_process(ranks, model, who):
+@pytest.mark.parametrize("model", EVERY_RUN)
+def test_training_in_the_arena_matches_one_process(ranks, model, who):
     results = ranks[(model, who)]
     for rank, r in enumerate(results[1:], start=1):
         for i, (p0, p) in enumerate(zip(results[0]["params"], r["params"], strict=True)):
@@ -111,6 +122,15 @@ def test_ddp_in_the_arena_matches_one_process(ranks, model, who):
     torch.testing.assert_close(results[0]["params"], single["params"], **SINGLE_TOL)
     mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
     torch.testing.assert_close(mean_losses, torch.tensor(single["losses"]), **SINGLE_TOL)
+
+
+@pytest.mark.parametrize("model", EVERY_RUN)
+def test_the_arena_changes_no_bit(ranks, model):
+    """Zero-copy and the streamed path add the same two numbers: the same result."""
+    for rank, (zero_copy, streamed) in enumerate(zip(ranks[(model, "all")],
+                                                     ranks[(model, "rank0")], strict=True)):
+        for i, (a, b) in enumerate(zip(zero_copy["params"], streamed["params"], strict=True)):
+            assert torch.equal(a, b), f"{model}: rank {rank} parameter {i} differs"
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -124,7 +144,15 @@ def test_ddp_buckets_are_zero_copy_when_every_rank_routes(ranks, model):
         assert any(r["grads_in_arena"]), f"{model}: rank {rank}: no .grad is in the arena"
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [f"fsdp2-{m}" for m in FSDP2_MODELS])
+def test_fsdp2_collectives_are_zero_copy_when_every_rank_routes(ranks, model):
+    for rank, r in enumerate(ranks[(model, "all")]):
+        assert len(r["paths"]) >= len(r["losses"]), f"{model}: rank {rank} logged {r['paths']}"
+        wrong = [p for p in r["paths"] if p != ZERO_COPY]
+        assert not wrong, f"{model}: rank {rank}: not zero-copy: {wrong[:3]}"
+
+
+@pytest.mark.parametrize("model", EVERY_RUN)
 def test_every_rank_falls_back_when_one_does_not_route(ranks, model):
     for rank, r in enumerate(ranks[(model, "rank0")]):
         assert r["paths"], f"{model}: rank {rank} logged no all-reduce above the direct size"
