@@ -110,6 +110,17 @@ def step_ratio(names: tuple[str, ...] = ("step_time-1thread", "step_time-default
             f"({len(cells)} model-layout pairs, {threads} threads)")
 
 
+def arena_exposed(name: str = "step_time-1thread") -> str:
+    """'DDP's exposed communication per step from A to B ms (GPT), C to D ms (Llama)':
+    torch DDP on pycomm without and with pycomm.use_arena, from bench.step_time."""
+    rows = json.loads((RESULTS / f"{name}.json").read_text())["rows"]
+    exposed = {(r["model"], r["layout"]): r["exposed_ms"] for r in rows
+               if r["backend"] == "pycomm" and r["exposed_ms"] is not None}
+    parts = [f"{exposed[(m, 'ddp')]:.1f} to {exposed[(m, 'ddp-arena')]:.1f} ms ({label})"
+             for m, label in (("gpt", "GPT"), ("llama", "Llama"))]
+    return f"DDP's exposed communication per step from {', and from '.join(parts)}"
+
+
 def loaded_summaries() -> list[str]:
     """The committed loaded summaries' names (not their jobs' raw files)."""
     return sorted(p.stem for p in RESULTS.glob("loaded-*.json") if ".job" not in p.name)
@@ -149,6 +160,7 @@ QUOTES: dict[str, Callable[[], str]] = {
     "loaded": loaded_worst,
     "over the floor": lambda: over_floor("small-2r-fp32"),
     "training step": step_ratio,
+    "arena ddp": arena_exposed,
 }
 
 

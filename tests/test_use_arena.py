@@ -13,7 +13,10 @@ when every rank opens the block, the streamed fallback on all ranks when only on
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import _dp_scenarios as gpt_case
 import _interop_models as im
@@ -78,6 +81,38 @@ def test_memory_goes_back_to_the_arena():
     assert pycomm.arena_stats()["live"] >= live + 4 * (1 << 18)
     del tensors
     assert pycomm.arena_stats()["live"] == live
+
+
+def test_a_forked_child_frees_and_routes():
+    """A child forked with routed tensors alive frees them (its arena is a new one, which
+    does not own them) and routes its own allocations to that arena."""
+    import pycomm
+
+    with pycomm.use_arena(min_bytes=64):
+        inherited = torch.ones(1 << 12)
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no exceptions out of here
+        ok = False
+        try:
+            ok = inherited.sum().item() == float(1 << 12)
+            del inherited  # freed through the router's deleter, in a fresh arena
+            with pycomm.use_arena(min_bytes=64):
+                mine = torch.empty(1 << 12).fill_(2.0)
+            ok = ok and pycomm.in_arena(mine) and mine.sum().item() == 2.0 * (1 << 12)
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child did not finish within 30 s")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's checks failed"
+    assert pycomm.in_arena(inherited) and inherited.sum().item() == float(1 << 12)
 
 
 def test_refuses_a_zero_threshold():
