@@ -69,6 +69,13 @@ class GlooComm:
     def barrier(self) -> None:
         self.pg.barrier().wait()
 
+    def close(self) -> None:
+        """Ends the group while Python is whole: its worker threads drop their last tensor
+        references (which takes the GIL) before they are joined. Left to interpreter exit,
+        a worker doing so was killed mid-unwind and aborted a finished job (exit 134)."""
+        self.pg.barrier().wait()
+        self.pg = None
+
     def unsupported(self, op: str, dtype: torch.dtype, redop: str) -> str:
         return ""
 

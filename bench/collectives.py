@@ -13,6 +13,7 @@ Example::
 """
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -126,6 +127,18 @@ def make_groups(backends: list[str]) -> tuple[dict, dict]:
         except RuntimeError as e:  # a peer that cannot start here (DeepSpeed's shm op)
             skipped[b] = str(e)
     return groups, skipped
+
+
+def close_groups(groups: dict) -> None:
+    """Ends the communicators this job made itself (torch's groups end with
+    destroy_process_group), before the interpreter exits and with nothing else holding
+    them (the timing closures form cycles, hence the collection)."""
+    for comm in groups.values():
+        close = getattr(comm, "close", None)
+        if close is not None:
+            close()
+    groups.clear()
+    gc.collect()
 
 
 def _progress(total: int, quiet: bool):
@@ -307,6 +320,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         print(f"# no backend to run: {skipped}", file=sys.stderr)
     status = [wrong]
     dist.broadcast_object_list(status, src=0)
+    close_groups(groups)
     dist.destroy_process_group()
     if status[0]:  # every rank fails, so torchrun, mpirun and spawn all report it
         raise SystemExit(1)

@@ -138,3 +138,36 @@ def test_require_all_stops_at_a_peer_that_cannot_run(tmp_path, capfd):
     assert done.value.code
     assert "no-such-backend cannot run" in capfd.readouterr().err
     assert not out.exists() and not (tmp_path / "r.job2.json").exists()
+
+
+def _gloo_variants_end_before_exit():
+    """On a rank: the OS threads after making every gloo variant and closing them."""
+    import gc
+
+    import torch.distributed as dist
+
+    from bench.collectives import close_groups, make_groups
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    dist.barrier()
+    before = threads()
+    groups, skipped = make_groups(list(_gloo.VARIANTS))
+    during = threads()
+    comms = list(groups.values())
+    close_groups(groups)
+    gc.collect()
+    return {"skipped": skipped, "before": before, "during": during, "after": threads(),
+            "closed": all(c.pg is None for c in comms)}
+
+
+def test_gloo_variants_are_closed_before_the_interpreter_exits():
+    """Their worker threads end while Python is whole: a worker left to drop its last
+    tensor reference at interpreter exit aborted a finished job (exit 134)."""
+    from pycomm.testing import run_ranks
+
+    for r in run_ranks(_gloo_variants_end_before_exit, 2, backend="gloo", timeout_s=120):
+        assert not r["skipped"] and r["closed"], r
+        assert r["during"] > r["before"], r  # the variants' workers ran
+        assert r["after"] <= r["before"], r  # and are gone

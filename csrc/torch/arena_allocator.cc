@@ -30,8 +30,9 @@ std::atomic<size_t> g_routed_live{0};
 c10::DeleterFnPtr g_fallback_deleter = nullptr;
 
 void release_to_arena(void* ptr) {
-  pycomm::Arena::instance().release(ptr);
-  g_routed_live.fetch_sub(1, std::memory_order_relaxed);
+  // Not the arena's: a forked child freeing its parent's tensor (the child has an arena
+  // of its own; the parent's slabs stay mapped, privately, as for pycomm.empty's tensors).
+  if (pycomm::Arena::instance().release(ptr)) g_routed_live.fetch_sub(1, std::memory_order_relaxed);
 }
 
 // torch frees raw_allocate()'s memory through raw_deleter() (kernels' scratch buffers),
@@ -70,15 +71,13 @@ class ArenaRouter final : public c10::Allocator {
     std::memcpy(dest, src, count);
   }
 
-  c10::Allocator* fallback() const { return fallback_; }
-
  private:
   c10::Allocator* fallback_;
 };
 
 // Installs the router as torch's CPU allocator (once; it stays: storages made through it
-// keep a pointer to it). Refuses, naming both, when torch's CPU allocator cannot be
-// replaced at the default priority (another library installed its own above it).
+// keep a pointer to it). Refuses when torch's CPU allocator is not the router: another
+// library installed its own at a higher priority, before or after it.
 ArenaRouter& router() {
   static std::once_flag once;
   static ArenaRouter* installed = nullptr;
