@@ -2,8 +2,10 @@
 
 ``python -m bench.training data`` times one SGD step of the project's GPT (``--model
 bench``: ~20M parameters in 101 tensors, 2 sequences of 64 tokens per rank) for: the
-same step without communication (``local``), torch DDP on gloo, torch DDP on pycomm,
-and ``parallel.data`` on pycomm (and on gloo), interleaved in rounds on the same ranks.
+same step without communication (``local``), torch DDP on gloo, torch DDP on pycomm (as
+it is, and built and stepped in ``pycomm.use_arena()``: ``ddp-pycomm-arena``, its buckets
+in the arena), and ``parallel.data`` on pycomm (and on gloo), interleaved in rounds on the
+same ranks.
 Exposed communication = step time - local step time. Peak RSS comes from a fresh set of
 ranks per strategy (and PSS after 3 steps, which counts shared memory once rather than
 on every rank that maps it). The model is sized so communication matters: 80 MB of gradients

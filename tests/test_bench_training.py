@@ -27,8 +27,8 @@ def test_data_runs_every_strategy_and_they_agree(tiny, capsys, require_pycomm):
     out = tmp / "data.json"
     main(["data", *flags, "-o", str(out)])
     rows = json.loads(out.read_text())["results"]
-    assert set(rows) == {"local", "ddp-gloo", "ddp-pycomm", "parallel.data-pycomm",
-                         "parallel.data-gloo"}
+    assert set(rows) == {"local", "ddp-gloo", "ddp-pycomm", "ddp-pycomm-arena",
+                         "parallel.data-pycomm", "parallel.data-gloo"}
     synced = [r["loss"] for name, r in rows.items() if name != "local"]
     assert max(synced) - min(synced) < 1e-4, rows  # same data, same averaged updates
     assert rows["parallel.data-pycomm"]["grad_arena_mb"] > 0
