@@ -182,9 +182,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupIslands::enqueue(c10d::OpType type, c
   check_usable();
   if (!worker_->on_worker_thread()) leftovers_.drop_all();  // (see ProcessGroupPycomm)
   Op op{name, ++seq_};
-  std::string title = std::string("pycomm:") + name;
-  auto work = c10::make_intrusive<PycommWork>(getRank(), type, title.c_str(), std::move(outputs),
-                                              worker_.get());
+  const char* title = interned_title(std::string("pycomm:") + name);
+  auto work =
+      c10::make_intrusive<PycommWork>(getRank(), type, title, std::move(outputs), worker_.get());
   std::function<void()> task = [this, work, op, body = std::move(body)]() mutable {
     std::exception_ptr error;
     try {

@@ -118,6 +118,9 @@ c10::intrusive_ptr<pycomm_torch::ProcessGroupPycomm> create(
 void register_islands(py::module_& m);
 void register_env_info(py::module_& m);         // env_info.cc
 void register_arena_allocator(py::module_& m);  // arena_allocator.cc
+namespace pycomm_torch {
+void register_work(py::module_& m);  // work_binding.cc
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pycomm::install_fork_guard();  // before any group or arena exists (fork_guard.h)
@@ -154,6 +157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("tensor"), py::arg("op"), py::arg("group"), py::call_guard<py::gil_scoped_release>(),
       "pycomm.all_reduce_'s eager entry: the operator's kernel reached by one pybind call "
       "(no dispatcher), for any group and device.");
+  pycomm_torch::register_work(m);
   register_islands(m);
   register_env_info(m);
   register_arena_allocator(m);

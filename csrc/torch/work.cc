@@ -2,6 +2,8 @@
 
 #include <ATen/record_function.h>
 
+#include <set>
+
 #include "core/runtime/errors.h"
 #include "tensor_args.h"
 
@@ -19,12 +21,19 @@ const c10::TypePtr& tensor_list_type() {
 const char* title_if_profiled(const char* title) { return at::hasCallbacks() ? title : nullptr; }
 }  // namespace
 
-PycommWork::PycommWork(int rank, c10d::OpType type, const char* profiling_title,
+PycommWork::PycommWork(int rank, c10d::OpType type, const char* title,
                        std::vector<at::Tensor> outputs, pycomm::Worker* runs_on)
-    : c10d::Work(rank, type, title_if_profiled(profiling_title)),
+    : c10d::Work(rank, type, title_if_profiled(title)),
       outputs_(std::move(outputs)),
       runs_on_(runs_on),
-      title_(profiling_title) {}
+      title_(title) {}
+
+const char* interned_title(const std::string& name) {
+  static std::mutex mu;
+  static std::set<std::string>* titles = new std::set<std::string>;  // never freed: Works
+  std::lock_guard<std::mutex> lock(mu);                              // may outlive statics
+  return titles->insert(name).first->c_str();
+}
 
 c10::intrusive_ptr<c10::ivalue::Future> PycommWork::getFuture() {
   bool settle;
@@ -86,8 +95,8 @@ void dispatch(pycomm::Worker& worker, const c10::intrusive_ptr<PycommWork>& work
   }
   if (!async_op && worker.run_inline(task)) return;
   worker.submit(std::move(task), [work](const std::string& why) {
-    std::string msg = "pycomm: " + work->title() + " on rank " + std::to_string(work->rank()) +
-                      " was cancelled: " + why;
+    std::string msg = std::string("pycomm: ") + work->title() + " on rank " +
+                      std::to_string(work->rank()) + " was cancelled: " + why;
     work->complete(translate_exception(std::make_exception_ptr(pycomm::CommError(msg))));
   });
 }

@@ -18,9 +18,10 @@ namespace pycomm_torch {
 class PycommWork : public c10d::Work {
  public:
   // `runs_on`: the worker that runs the op, if any (a wait from one of its own tasks
-  // must run the op itself).
-  PycommWork(int rank, c10d::OpType type, const char* profiling_title,
-             std::vector<at::Tensor> outputs, pycomm::Worker* runs_on = nullptr);
+  // must run the op itself). `title` must outlive the Work (a string literal, or
+  // interned_title's): copying it would cost every op a heap allocation.
+  PycommWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
+             pycomm::Worker* runs_on = nullptr);
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override { return outputs_; }
@@ -38,7 +39,7 @@ class PycommWork : public c10d::Work {
     std::lock_guard<std::mutex> lock(future_mu_);
     return future_requested_;
   }
-  const std::string& title() const { return title_; }
+  const char* title() const { return title_; }
   int rank() const { return rank_; }
 
  private:
@@ -47,7 +48,7 @@ class PycommWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // guarded by future_mu_
   pycomm::Worker* runs_on_;
-  std::string title_;
+  const char* title_;
   std::atomic<int> source_rank_{-1};
   // The future is settled only once someone asks for it: settling walks the outputs
   // for their storages, microseconds a synchronous op would pay for nothing.
@@ -57,6 +58,10 @@ class PycommWork : public c10d::Work {
   bool future_settled_ = false;
   std::exception_ptr error_;
 };
+
+// "pycomm:" + name, kept for the life of the process (a Work's title must outlive it);
+// for titles made at run time, one allocation per distinct name, not per op.
+const char* interned_title(const std::string& name);
 
 // The group's failure message when the worker's stall watch fires on rank `who`.
 std::string stall_failure(const std::string& who, const std::string& why);

@@ -132,12 +132,15 @@ std::vector<char*> Communicator::negotiate(const OpCall& op, const void* mine, s
 }
 
 // `algo` null: the body logs its own choice (it is made together with the other ranks).
-template <class Body>
-void Communicator::run(OpCall& op, const char* algo, const std::string& why, Body body) {
+// `why` is called only when the trace log is on: a reason is strings built on the heap,
+// which the 1 KB op (a few µs) should not pay for when nobody reads them.
+template <class Why, class Body>
+void Communicator::run_explained(OpCall& op, const char* algo, Why why, Body body) {
   if (algo != nullptr && log_.enabled(LogLevel::TRACE, Subsys::COLL)) {
+    std::string reason = why();
     log_.log(LogLevel::TRACE, Subsys::COLL,
              "seq " + std::to_string(op.desc.seq) + " " + describe(op.desc) + ": " + algo +
-                 (why.empty() ? "" : " (" + why + ")"));
+                 (reason.empty() ? "" : " (" + reason + ")"));
   }
   try {
     body();
@@ -196,13 +199,16 @@ void Communicator::check_root(int root, const char* what) const {
 void Communicator::run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos,
                             const void* offered) {
   if (use_direct(bytes)) {
-    return run(c, "direct", direct_reason(bytes), [&] { algos.direct(*transport_, c, a); });
+    return run_explained(
+        c, "direct", [&] { return direct_reason(bytes); },
+        [&] { algos.direct(*transport_, c, a); });
   }
   if (!try_zero_copy()) {
-    return run(c, algos.streamed_name, direct_reason(bytes),
-               [&] { algos.streamed(*transport_, c, a); });
+    return run_explained(
+        c, algos.streamed_name, [&] { return direct_reason(bytes); },
+        [&] { algos.streamed(*transport_, c, a); });
   }
-  run(c, nullptr, "", [&] {
+  run(c, nullptr, [&] {
     auto bufs = negotiate(c, offered, bytes, algos.streamed_name);
     if (bufs.empty())
       algos.streamed(*transport_, c, a);
@@ -216,7 +222,7 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
   a.in = a.out = data;
   a.count = count;
   OpCall c = begin(OpKind::ALL_REDUCE, dtype, count, op, -1);
-  if (world_ == 1) return run(c, "local", "", [] {});
+  if (world_ == 1) return run(c, "local", [] {});
   run_bulk(c, a, count * dtype_size(dtype),
            {all_reduce_direct, all_reduce_ring, all_reduce_zero_copy, "ring"}, a.in);
 }
@@ -228,7 +234,7 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType
   a.count = count;
   OpCall c = begin(OpKind::REDUCE_SCATTER, dtype, count, op, -1);
   if (world_ == 1) {
-    return run(c, "local", "", [&] { std::memmove(out, in, count * dtype_size(dtype)); });
+    return run(c, "local", [&] { std::memmove(out, in, count * dtype_size(dtype)); });
   }
   run_bulk(c, a, count * world_ * dtype_size(dtype),
            {reduce_scatter_direct, reduce_scatter_ring, reduce_scatter_zero_copy, "ring"}, a.in);
@@ -242,7 +248,7 @@ void Communicator::all_gather(const void* in, void* out, size_t count, DType dty
   a.dtype = dtype;
   OpCall c = begin(OpKind::ALL_GATHER, dtype, count, RedOp::NONE, -1);
   size_t bytes = count * dtype_size(dtype);
-  if (world_ == 1) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
+  if (world_ == 1) return run(c, "local", [&] { std::memmove(out, in, bytes); });
   run_bulk(c, a, bytes, {all_gather_direct, all_gather_ring, all_gather_zero_copy, "ring"}, a.in);
 }
 
@@ -255,7 +261,7 @@ void Communicator::broadcast(void* data, size_t count, DType dtype, int root) {
   a.root = root;
   OpCall c = begin(OpKind::BROADCAST, dtype, count, RedOp::NONE, root);
   size_t bytes = count * dtype_size(dtype);
-  if (world_ == 1) return run(c, "local", "", [] {});
+  if (world_ == 1) return run(c, "local", [] {});
   run_bulk(c, a, bytes, {broadcast_direct, broadcast_chain, broadcast_zero_copy, "chain"}, data);
 }
 
@@ -269,7 +275,7 @@ void Communicator::reduce(const void* in, void* out, size_t count, DType dtype, 
   a.root = root;
   OpCall c = begin(OpKind::REDUCE, dtype, count, op, root);
   size_t bytes = count * dtype_size(dtype);
-  if (world_ == 1) return run(c, "local", "", [&] { std::memmove(out, in, bytes); });
+  if (world_ == 1) return run(c, "local", [&] { std::memmove(out, in, bytes); });
   // Peers write the result into the root's buffer, so the root offers it only when it
   // is also the input (torch's reduce is in place); otherwise all take the chain.
   const void* offered = rank_ == root && in != out ? nullptr : in;
@@ -281,8 +287,8 @@ void Communicator::all_to_all(const AllToAllArgs& args) {
   // Whether to post offers is decided on what every rank knows alike (settings, world),
   // never on its own sizes: uneven splits differ between ranks.
   if (!try_zero_copy() || all_to_all_offer_bytes(world_) > cfg_.direct_bytes)
-    return run(c, "pairwise", "", [&] { all_to_all_pairwise(*transport_, c, args); });
-  run(c, nullptr, "", [&] {
+    return run(c, "pairwise", [&] { all_to_all_pairwise(*transport_, c, args); });
+  run(c, nullptr, [&] {
     int pulled = all_to_all_pull(*transport_, *peers_, c, args);
     if (log_.enabled(LogLevel::TRACE, Subsys::COLL)) {
       log_.log(LogLevel::TRACE, Subsys::COLL,
@@ -302,7 +308,7 @@ void Communicator::gather(const void* in, void* out, size_t count, DType dtype, 
   a.dtype = dtype;
   a.root = root;
   OpCall c = begin(OpKind::GATHER, dtype, count, RedOp::NONE, root);
-  run(c, "to root", "", [&] { gather_to_root(*transport_, c, a); });
+  run(c, "to root", [&] { gather_to_root(*transport_, c, a); });
 }
 
 void Communicator::scatter(const void* in, void* out, size_t count, DType dtype, int root) {
@@ -314,13 +320,13 @@ void Communicator::scatter(const void* in, void* out, size_t count, DType dtype,
   a.dtype = dtype;
   a.root = root;
   OpCall c = begin(OpKind::SCATTER, dtype, count, RedOp::NONE, root);
-  run(c, "from root", "", [&] { scatter_from_root(*transport_, c, a); });
+  run(c, "from root", [&] { scatter_from_root(*transport_, c, a); });
 }
 
 void Communicator::barrier() {
   OpCall c = begin(OpKind::BARRIER, DType::U8, 0, RedOp::NONE, -1);
-  if (world_ == 1) return run(c, "local", "", [] {});
-  run(c, "direct", "", [&] { barrier_direct(*transport_, c); });
+  if (world_ == 1) return run(c, "local", [] {});
+  run(c, "direct", [&] { barrier_direct(*transport_, c); });
 }
 
 }  // namespace pycomm

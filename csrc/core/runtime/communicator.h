@@ -70,8 +70,13 @@ class Communicator {
   void log_init(const Layout& layout, std::chrono::milliseconds timeout) const;
   OpCall begin(OpKind kind, DType dtype, uint64_t count, RedOp op, int root);
   void finish(const OpCall& op);
+  // Runs one op's body, logging `algo` and why it was chosen (`why()`, only when traced).
+  template <class Why, class Body>
+  void run_explained(OpCall& op, const char* algo, Why why, Body body);
   template <class Body>
-  void run(OpCall& op, const char* algo, const std::string& why, Body body);
+  void run(OpCall& op, const char* algo, Body body) {
+    run_explained(op, algo, [] { return std::string(); }, body);
+  }
   // `offered`: this rank's buffer for the zero-copy negotiation (null: not offered).
   void run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos,
                 const void* offered);
