@@ -21,6 +21,7 @@ from parallel import pathways as pw
 from parallel.pathways.fair_share import FairShare
 from parallel.pathways.mesh_context import _slice, _unravel
 from parallel.pathways.protocol import transfer_tag
+from parallel.pathways.scheduler import IslandScheduler, _InFlight
 
 pytestmark = pytest.mark.usefixtures("require_pycomm")
 
@@ -413,3 +414,31 @@ def test_a_killed_worker_is_named_the_other_island_goes_on_and_the_island_restar
         y = client.call(fns.summed, a, x, out=V8)
         z = client.call(fns.plus, b, y, 1.0, out=V8)  # the links to the new island
         torch.testing.assert_close(z.result(1), torch.full((8,), 3.0, dtype=F64))
+
+
+@pytest.mark.parametrize("last", ["cause", "done", "echo"])
+def test_the_scheduler_tells_a_failures_cause_not_the_aborts_echo(last):
+    """A rank whose function raised aborts the mesh, and its peer's failure (the abort
+    reaching it) may reach the scheduler first: the client is told the cause when a rank
+    reports one, the echo only when none does, and never "done" for a node a rank failed."""
+    sched = IslandScheduler(0, 2, b"k")
+    told: list[tuple] = []
+    try:
+        sched._tell = lambda client, message: told.append(message)  # type: ignore[method-assign]
+        sched.in_flight[(7, 3)] = _InFlight(7, "f", {0, 1}, mesh=5)
+        sched.load = [1, 1]
+        echo = "rank 0: DistBackendError: pycomm: rank 1 aborted the process group"
+        sched._on_failed(7, 3, 0, echo)
+        assert told == [], "an echo is held while a rank may still report the cause"
+        if last == "cause":
+            sched._on_failed(7, 3, 1, "rank 1: ValueError: rank-one refuses")
+            assert told == [("failed", 3, "rank 1: ValueError: rank-one refuses")]
+        elif last == "done":
+            sched._on_done(7, 3, 1, 0.0, 1.0)
+            assert told == [("failed", 3, echo)]
+        else:
+            sched._on_failed(7, 3, 1, echo.replace("rank 1", "rank 0"))
+            assert told == [("failed", 3, echo)]
+        assert (7, 3) not in sched.in_flight and 5 in sched.broken_meshes
+    finally:
+        sched.stop()

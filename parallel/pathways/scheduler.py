@@ -50,7 +50,17 @@ class _InFlight:
     mesh: int = -1
     start: float = float("inf")
     end: float = 0.0
-    failed: bool = False
+    failed: bool = False  # the client was told the node failed
+    echo: str | None = None  # a rank's failure that only echoes a peer's abort, held back
+
+
+# What pycomm's ops raise on a rank whose peer aborted the group (csrc/torch/backend.cc).
+ABORT_ECHO = "aborted the process group"
+
+
+def is_abort_echo(error: str) -> bool:
+    """Whether a rank's failure is only its peer's abort reaching it."""
+    return ABORT_ECHO in error
 
 
 class IslandScheduler:
@@ -260,19 +270,32 @@ class IslandScheduler:
             del self.in_flight[(client, node)]
             seconds = state.end - state.start
             self.cost[state.label] = 0.8 * self.cost.get(state.label, seconds) + 0.2 * seconds
-            if not state.failed:  # (a failure was told already)
+            if state.echo is not None:  # a rank failed: the node did
+                self._tell_failed(client, node, state, state.echo)
+            elif not state.failed:  # (a failure was told already)
                 self._tell(client, ("done", node, state.start, state.end))
 
     def _on_failed(self, client: int, node: int, rank: int, error: str) -> None:
         state = self._finish(client, node, rank)
         if state is None:
             return
+        self.broken_meshes.add(state.mesh)
+        # The client is told the cause: a rank whose function raised aborts the mesh,
+        # and its peers' waits end with the abort, possibly reported first. Such an echo
+        # is told only if no rank reports anything else (the raising rank reports at once).
+        if not is_abort_echo(error):
+            self._tell_failed(client, node, state, error)
+        elif state.echo is None:
+            state.echo = error  # the first one, told below if it stays the only kind
+        if not state.pending:
+            if state.echo is not None:
+                self._tell_failed(client, node, state, state.echo)
+            del self.in_flight[(client, node)]
+
+    def _tell_failed(self, client: int, node: int, state: _InFlight, error: str) -> None:
         if not state.failed:
             state.failed = True
-            self.broken_meshes.add(state.mesh)
             self._tell(client, ("failed", node, error))
-        if not state.pending:
-            del self.in_flight[(client, node)]
 
     def _on_value(self, client: int, request: int, value: Any, error: str | None) -> None:
         self._tell(client, ("value", request, value, error))

@@ -177,11 +177,13 @@ class Worker:
         except Exception as e:
             cause = e.__cause__ if isinstance(e, _FunctionRaised) else e
             error = self._describe(node, cause or e)
-            if isinstance(e, _FunctionRaised):
-                self._abort_mesh(node, error)
             for key in node.output_keys():
                 self.objects.fail(key, error)
+            # Told before the abort, so that the cause reaches the scheduler ahead of the
+            # abort's echoes from the other ranks.
             self.tell("failed", node.client, node.node, self.s.rank, error)
+            if isinstance(e, _FunctionRaised):
+                self._abort_mesh(node, error)
             return
         for key, value in zip(node.output_keys(), outputs, strict=True):
             self.objects.put(key, value)
