@@ -158,7 +158,7 @@ def test_debug_trace_logs_init_and_each_algorithm():
         assert f" [{rank}] PYCOMM INFO init: rank {rank} of 2 on host " in text, text
         assert "PYCOMM INFO shm: segment " in text, text
         assert "PYCOMM TRACE seq 1 all_reduce float32[4] SUM: direct" in text, text
-        assert "all_reduce float32[1048576] SUM: ring" in text, text
+        assert "all_reduce float32[1048576] SUM: pair" in text, text  # 2 ranks
 
 
 def test_segments_are_private_and_uniquely_named():

@@ -79,7 +79,7 @@ def test_trace_adds_a_line_per_op(pool):
     for text, _, _ in pool.run(_logged, {"PYCOMM_DEBUG": "TRACE"}):
         assert len(OP_LINE.findall(text)) == 3, text
         assert "all_reduce float32[4] SUM: direct" in text, text
-        assert "all_reduce float32[1048576] SUM: ring" in text, text
+        assert "all_reduce float32[1048576] SUM: pair" in text, text  # 2 ranks
         assert len(re.findall(r"PYCOMM TRACE seq \d+ done in \d+ us", text)) == 3, text
         assert "INFO init: rank " in text, text
 

@@ -62,9 +62,15 @@ py::dict segment_bytes(int world) {
   pycomm::Layout layout(world, s.slots, s.slot_bytes, s.direct_bytes);
   py::dict d;
   d["eager"] = layout.eager_bytes();
-  d["channel"] = world > 1 ? layout.payload(pycomm::COLL, 0, 1).bytes : 0;
-  d["channels"] = 2 * static_cast<size_t>(world) * (world - 1);
-  d["total"] = layout.total_bytes();
+  // A channel takes its first buffers when first used and grows only while its receiver
+  // lags and /dev/shm has room to spare: "total" is what a group needs, "deepest" what
+  // every channel grown to PYCOMM_SLOTS buffers would take.
+  const size_t channels = 2 * static_cast<size_t>(world) * (world - 1);
+  const size_t channel = world > 1 ? layout.first_channel_bytes() : 0;
+  d["channel"] = channel;
+  d["channels"] = channels;
+  d["total"] = layout.eager_bytes() + channels * channel;
+  d["deepest"] = layout.total_bytes();
   return d;
 }
 

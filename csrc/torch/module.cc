@@ -209,6 +209,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("offset_skew") = 0, py::arg("inode_skew") = 0,
       "Tests only: this rank's zero-copy offers post skewed offsets / slab inodes, as a "
       "broken or hostile peer would (0, 0 restores honest offers).");
+  m.def(
+      "_inject_buffer_fault", [](uint32_t skew) { pycomm::Faults::buffer_skew.store(skew); },
+      py::arg("skew") = 0,
+      "Tests only: the chunks this rank publishes name a buffer `skew` past the one that "
+      "holds them, as a corrupted peer would (0 restores honest headers).");
 #ifdef PYCOMM_CUDA
   constexpr bool kCudaBuilt = true;
 #else

@@ -27,6 +27,8 @@ struct Args {
 void all_reduce_ring(Transport& t, const OpCall& op, const Args& a);
 void reduce_scatter_ring(Transport& t, const OpCall& op, const Args& a);  // in: world*count
 void all_gather_ring(Transport& t, const OpCall& op, const Args& a);      // out: world*count
+// Two ranks: each streams its whole buffer to the other and reduces what comes back in.
+void all_reduce_pair(Transport& t, const OpCall& op, const Args& a);
 
 // Chains along the ring, pipelined chunk by chunk.
 void broadcast_chain(Transport& t, const OpCall& op, const Args& a);

@@ -72,19 +72,21 @@ void Communicator::log_init(const Layout& layout, std::chrono::milliseconds time
                  hostname() + ", timeout " + secs + " s, CPU kernels " + kernel_isa());
     log_.log(LogLevel::INFO, Subsys::INIT,
              std::string("init: algorithm ") + algo_name(cfg_.algo) + ": direct up to " +
-                 kib(cfg_.direct_bytes) + ", ring (chain for rooted ops) above; zero-copy " +
+                 kib(cfg_.direct_bytes) + ", ring (chain for rooted ops" +
+                 (world_ == 2 ? ", pair exchange for all_reduce" : "") + ") above; zero-copy " +
                  (try_zero_copy() ? "on for arena tensors" : "off") + "; waits spin " +
                  std::to_string(spin_us_for(cfg_, world_)) + " us, yield until " +
                  std::to_string(cfg_.yield_us) + " us, then sleep on a futex");
   }
   if (log_.enabled(LogLevel::INFO, Subsys::SHM)) {
-    const size_t channel = layout.payload(COLL, 0, world_ > 1 ? 1 : 0).bytes;
     log_.log(LogLevel::INFO, Subsys::SHM,
              "shm: segment " + segment_.name() + " (" + (rank_ == 0 ? "created" : "joined") +
-                 "): " + kib(layout.eager_bytes()) + " at once, channels of " +
-                 std::to_string(cfg_.slots) + " slots x " + kib(cfg_.chunk_bytes) + " (" +
-                 kib(channel) + " each) as they are first used, " + kib(layout.total_bytes()) +
-                 " if every channel is");
+                 "): " + kib(layout.eager_bytes()) + " at once; a channel takes " +
+                 kib(layout.first_channel_bytes()) +
+                 " when first used and grows, while its "
+                 "receiver is behind and /dev/shm has room, to " +
+                 std::to_string(cfg_.slots) + " buffers x " + kib(cfg_.chunk_bytes) + "; " +
+                 kib(layout.total_bytes()) + " if every channel did");
   }
 }
 
@@ -223,8 +225,12 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
   a.count = count;
   OpCall c = begin(OpKind::ALL_REDUCE, dtype, count, op, -1);
   if (world_ == 1) return run(c, "local", [] {});
-  run_bulk(c, a, count * dtype_size(dtype),
-           {all_reduce_direct, all_reduce_ring, all_reduce_zero_copy, "ring"}, a.in);
+  // Two ranks exchange whole buffers (all_reduce_pair.cc); more go round the ring.
+  static constexpr BulkAlgorithms kPair{all_reduce_direct, all_reduce_pair, all_reduce_zero_copy,
+                                        "pair"};
+  static constexpr BulkAlgorithms kRing{all_reduce_direct, all_reduce_ring, all_reduce_zero_copy,
+                                        "ring"};
+  run_bulk(c, a, count * dtype_size(dtype), world_ == 2 ? kPair : kRing, a.in);
 }
 
 void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType dtype, RedOp op) {

@@ -13,7 +13,9 @@ enum class Algo { AUTO, RING, DIRECT };
 
 struct Config {
   size_t chunk_bytes = 256 << 10;  // PYCOMM_CHUNK_BYTES: payload of one slot
-  uint32_t slots = 4;              // PYCOMM_SLOTS: slots per channel (>= 2 for the ring)
+  // PYCOMM_SLOTS: messages a channel holds in flight, each in its own buffer (2..64). A
+  // channel starts with 4 buffers and grows only while its receiver is behind (layout.h).
+  uint32_t slots = 64;
   // PYCOMM_DIRECT_BYTES: largest message the direct algorithm takes. Unset, rank 0
   // picks it from the ranks per core when the communicator is created.
   size_t direct_bytes = 64 << 10;

@@ -53,9 +53,10 @@ bool PackedDesc::load(uint64_t seq, OpDesc* out) const {
 
 Layout::Layout(int world, uint32_t slots, size_t slot_bytes, size_t direct_bytes)
     : world_(world), slots_(slots) {
-  slot_stride_ = sizeof(SlotHeader) + round_up(slot_bytes, kLine);
-  // Whole pages, so reserving one channel never allocates a neighbour's page.
-  channel_stride_ = round_up(slots * slot_stride_, kPage);
+  // Whole pages, so reserving one buffer never allocates a neighbour's page.
+  descs_bytes_ = round_up(slots * sizeof(SlotHeader), kPage);
+  buffer_stride_ = round_up(slot_bytes, kPage);
+  channel_stride_ = descs_bytes_ + slots * buffer_stride_;
   // At least 256 bytes: zero-copy negotiation posts its offers here even when the
   // direct algorithm itself is turned off.
   direct_stride_ = sizeof(DirectHeader) + round_up(std::max<size_t>(direct_bytes, 256), kLine);
@@ -85,14 +86,31 @@ ChannelCtl* Layout::channel(void* base, Lane lane, int src, int dst) const {
   return reinterpret_cast<ChannelCtl*>(p);
 }
 
-Extent Layout::payload(Lane lane, int src, int dst) const {
+Extent Layout::channel_extent(Lane lane, int src, int dst) const {
   return {payloads_off_ + channel_index(lane, src, dst) * channel_stride_, channel_stride_};
 }
 
+Extent Layout::channel_head(Lane lane, int src, int dst, uint32_t buffers) const {
+  return {channel_extent(lane, src, dst).offset, descs_bytes_ + buffers * buffer_stride_};
+}
+
+size_t Layout::first_channel_bytes() const {
+  return descs_bytes_ + std::min(kFirstBuffers, slots_) * buffer_stride_;
+}
+
+Extent Layout::buffer_extent(Lane lane, int src, int dst, uint32_t b) const {
+  return {channel_extent(lane, src, dst).offset + descs_bytes_ + b * buffer_stride_,
+          buffer_stride_};
+}
+
 SlotHeader* Layout::slot(void* base, Lane lane, int src, int dst, uint64_t index) const {
-  auto* p =
-      static_cast<char*>(base) + payload(lane, src, dst).offset + (index % slots_) * slot_stride_;
+  auto* p = static_cast<char*>(base) + channel_extent(lane, src, dst).offset +
+            (index % slots_) * sizeof(SlotHeader);
   return reinterpret_cast<SlotHeader*>(p);
+}
+
+void* Layout::buffer(void* base, Lane lane, int src, int dst, uint32_t b) const {
+  return static_cast<char*>(base) + buffer_extent(lane, src, dst, b).offset;
 }
 
 DirectHeader* Layout::direct(void* base, int rank, int parity) const {

@@ -1,19 +1,25 @@
 // The shared-memory segment of one communicator, as every rank maps it:
 //
-//   SegmentHeader | RankControl x world | ChannelCtl x channels | direct areas | payloads
+//   SegmentHeader | RankControl x world | ChannelCtl x channels | direct areas | channels
 //   '---------------------- reserved at creation ----------------------------' '- holes -'
 //
-// A channel carries messages from one rank to one peer through `slots` fixed-size slots
-// (a single-producer single-consumer ring: the sender owns `head`, the receiver `tail`).
+// A channel carries messages from one rank to one peer: a single-producer single-consumer
+// ring of `slots` descriptors (the sender owns `head`, the receiver `tail`), each naming
+// one of `slots` chunk-sized buffers that holds its payload. The sender picks the
+// lowest-numbered free buffer, so while its receiver keeps up it cycles through the
+// first few, which stay in the two cores' caches; only when the receiver falls behind
+// (a rank descheduled by other load) does it reach further, up to `slots` chunks ahead,
+// instead of stopping to wait for it.
 // Lane COLL serves collectives (run in order by one thread), lane P2P send/recv (run by
 // another thread), so a pending recv can never block a collective or the other way round.
 // Each rank's direct areas (two, used by alternate sequence numbers) hold a whole small
 // message that every peer reads at once.
 //
 // There are 2 x world x (world - 1) channels, but a ring only uses world of them and a
-// pipeline a few more, so their payloads are holes in the file until a sender first uses
-// its channel (Transport reserves it then): shared memory per rank stays about constant
-// as the world grows (a channel's counters, two cache lines, are reserved for all).
+// pipeline a few more, so they are holes in the file until a sender first uses one
+// (Transport reserves its descriptors and first buffers then, and each further buffer
+// when it first needs it): shared memory per rank stays about constant as the world
+// grows (a channel's counters, two cache lines, are reserved for all).
 #pragma once
 
 #include <atomic>
@@ -24,8 +30,12 @@
 
 namespace pycomm {
 
-constexpr uint64_t kSegmentMagic = 0x33766d6d6f637970ull;  // "pycommv3"
+constexpr uint64_t kSegmentMagic = 0x34766d6d6f637970ull;  // "pycommv4"
 constexpr size_t kLine = 64;
+// Buffers a channel starts with: as many as a receiver that keeps up ever has in flight
+// (the chunk being filled, the one being read, one either side). It grows from there
+// only while its receiver is behind.
+constexpr uint32_t kFirstBuffers = 4;
 
 enum Lane : int { COLL = 0, P2P = 1 };
 
@@ -114,12 +124,14 @@ struct alignas(kLine) ChannelCtl {
   alignas(kLine) std::atomic<uint64_t> tail{0};  // messages released by the receiver
 };
 
-// Precedes each slot's payload: who sent what, and where the payload belongs.
+// One message of a channel: who sent what, where the payload belongs, and which of the
+// channel's buffers holds it.
 struct alignas(kLine) SlotHeader {
   OpDesc desc;
   uint64_t offset;     // byte offset of this chunk within the message
   uint64_t bytes;      // bytes in this chunk
   uint64_t msg_bytes;  // bytes of the whole message
+  uint32_t buffer;     // < slots; a receiver checks it (the header is the peer's to write)
 };
 
 struct alignas(kLine) DirectHeader {
@@ -144,11 +156,20 @@ class Layout {
   SegmentHeader* header(void* base) const { return static_cast<SegmentHeader*>(base); }
   RankControl* control(void* base, int rank) const;
   ChannelCtl* channel(void* base, Lane lane, int src, int dst) const;
+  uint32_t slots() const { return slots_; }
+  // The descriptor of message `index` (counted from 1 by head and tail: index % slots).
   SlotHeader* slot(void* base, Lane lane, int src, int dst, uint64_t index) const;
-  // Where the slots of a channel live (reserved by its sender on first use).
-  Extent payload(Lane lane, int src, int dst) const;
+  // Buffer `b` (< slots) of a channel.
+  void* buffer(void* base, Lane lane, int src, int dst, uint32_t b) const;
+  // A channel's descriptors and its first `buffers` buffers; and buffer `b` alone
+  // (each reserved by the sender when it first needs it).
+  Extent channel_head(Lane lane, int src, int dst, uint32_t buffers) const;
+  Extent buffer_extent(Lane lane, int src, int dst, uint32_t b) const;
+  // The whole of a channel, every buffer reserved.
+  Extent channel_extent(Lane lane, int src, int dst) const;
+  // What a channel reserves when first used: its descriptors and kFirstBuffers buffers.
+  size_t first_channel_bytes() const;
   DirectHeader* direct(void* base, int rank, int parity) const;
-  static void* payload(SlotHeader* h) { return h + 1; }
   static void* payload(DirectHeader* h) { return h + 1; }
 
  private:
@@ -156,8 +177,9 @@ class Layout {
 
   int world_;
   uint32_t slots_;
-  size_t slot_stride_;     // header + payload
-  size_t channel_stride_;  // slots
+  size_t descs_bytes_;     // the descriptors, in whole pages
+  size_t buffer_stride_;   // one buffer, in whole pages
+  size_t channel_stride_;  // descriptors + buffers
   size_t direct_stride_;
   size_t controls_off_, ctls_off_, direct_off_, payloads_off_, total_;
 };

@@ -254,7 +254,7 @@ void P2PEngine::copy_chunk(int peer, const SlotHeader& h) {
   char* dst = nullptr;
   if (in.recv && !in.refused) dst = static_cast<char*>(in.recv->req.data);
   if (in.stash && !in.stash->discard) dst = in.stash->data.data();
-  if (dst != nullptr) std::memcpy(dst + in.moved, &h + 1, n);
+  if (dst != nullptr) std::memcpy(dst + in.moved, transport_.payload(peer, h), n);
   transport_.release(peer);
   in.moved += n;
   if (in.moved == in.bytes) finish_message(peer);  // (a 0-byte message is one chunk)

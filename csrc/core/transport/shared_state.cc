@@ -143,12 +143,21 @@ bool Shared::same_pid_namespace(int r) const {
   return mine != 0 && control(r)->pid_ns.load(std::memory_order_relaxed) == mine;
 }
 
-void Shared::reserve_channel(Lane lane, int dst) const {
-  Extent e = layout_.payload(lane, rank_, dst);
+void Shared::reserve_channel(Lane lane, int dst, uint32_t buffers) const {
+  Extent e = layout_.channel_head(lane, rank_, dst, buffers);
   segment_.reserve(e.offset, e.bytes,
                    std::string(lane == COLL ? "the collective" : "the send/recv") +
                        " channel from rank " + std::to_string(rank_) + " to rank " +
                        std::to_string(dst));
+}
+
+// A channel grows only while /dev/shm keeps this much free besides: other groups, the
+// arena and other jobs on the host need it more than this channel needs depth.
+constexpr size_t kKeepShmFree = size_t{256} << 20;
+
+bool Shared::try_reserve_buffer(Lane lane, int dst, uint32_t b) const {
+  Extent e = layout_.buffer_extent(lane, rank_, dst, b);
+  return segment_.try_reserve(e.offset, e.bytes, kKeepShmFree);
 }
 
 std::string where(const OpCall& op, int rank) {

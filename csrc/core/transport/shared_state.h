@@ -63,8 +63,11 @@ class Shared {
   // /proc/<pid> mean the same to all: needed to map peers' arena memory).
   bool same_pid_namespace(int r) const;
 
-  // Allocates the payload of channel (lane, rank() -> dst) in /dev/shm (idempotent).
-  void reserve_channel(Lane lane, int dst) const;
+  // Allocates channel (lane, rank() -> dst)'s descriptors and first `buffers` buffers in
+  // /dev/shm (idempotent); throws CommError naming the channel if it cannot.
+  void reserve_channel(Lane lane, int dst, uint32_t buffers) const;
+  // Allocates one more buffer of it if /dev/shm has room to spare; whether it did.
+  bool try_reserve_buffer(Lane lane, int dst, uint32_t b) const;
 
  private:
   void ring_all(Lane lane, int except) const;  // behind one fence; `except` may be -1

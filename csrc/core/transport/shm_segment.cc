@@ -127,6 +127,12 @@ void ShmSegment::reserve(size_t offset, size_t bytes, const std::string& what) c
   }
 }
 
+bool ShmSegment::try_reserve(size_t offset, size_t bytes, size_t keep_free) const {
+  const size_t free_bytes = shm_free_bytes();
+  if (free_bytes < keep_free || free_bytes - keep_free < bytes) return false;
+  return posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes)) == 0;
+}
+
 ShmSegment ShmSegment::open(const std::string& name, size_t bytes) {
   if (!is_segment_name(name)) {
     throw CommError("pycomm: refusing to map shared-memory segment '" + name +

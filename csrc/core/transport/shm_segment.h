@@ -31,6 +31,9 @@ class ShmSegment {
   // Allocates the pages of [offset, offset + bytes) now (idempotent). Throws CommError
   // naming `what` and the sizes when /dev/shm is full.
   void reserve(size_t offset, size_t bytes, const std::string& what) const;
+  // Allocates them only if /dev/shm would still have `keep_free` bytes free after;
+  // whether it did. For memory that is useful but not needed (a deeper channel).
+  bool try_reserve(size_t offset, size_t bytes, size_t keep_free) const;
   // Removes the name from /dev/shm; the mapping stays valid until unmapped.
   void unlink();
   // Unmaps and closes (releasing this process's locks on the file).

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <string>
 
+#include "core/runtime/faults.h"
+
 namespace pycomm {
 
 Transport::Transport(const Shared& shared, Lane lane, Waiter& waiter)
@@ -14,19 +16,56 @@ Transport::Transport(const Shared& shared, Lane lane, Waiter& waiter)
       slots_(shared.header()->settings.slots),
       sent_(shared.world(), 0),
       received_(shared.world(), 0),
-      reserved_(shared.world(), false),
+      out_(shared.world()),
       finished_(shared.world(), 0) {}
 
 // ---- channels ----------------------------------------------------------------------------
 
-bool Transport::can_acquire(int peer) const {
+void Transport::reserve(int peer) {
+  Outbox& o = out_[peer];
+  if (o.reserved != 0) return;
+  const uint32_t first = std::min(kFirstBuffers, slots_);
+  shared_.reserve_channel(lane_, peer, first);
+  o.reserved = first;
+}
+
+void Transport::retire(int peer) {
+  Outbox& o = out_[peer];
   ChannelCtl* ch = shared_.layout().channel(shared_.base(), lane_, rank(), peer);
-  return sent_[peer] - ch->tail.load(std::memory_order_acquire) < slots_;
+  const uint64_t tail = ch->tail.load(std::memory_order_acquire);
+  for (; o.retired < tail; ++o.retired) o.busy &= ~(uint64_t{1} << o.buffer_of[o.retired % slots_]);
+}
+
+// Room for one more message: a free descriptor and a free buffer, growing the channel by
+// a buffer when every one it has is in flight (its receiver is behind) and /dev/shm has
+// room to spare.
+bool Transport::can_acquire(int peer) {
+  reserve(peer);
+  retire(peer);
+  Outbox& o = out_[peer];
+  const uint64_t in_flight = sent_[peer] - o.retired;
+  if (in_flight >= slots_) return false;
+  if (in_flight < o.reserved) return true;
+  if (o.full) return false;
+  if (!shared_.try_reserve_buffer(lane_, peer, o.reserved)) {
+    o.full = true;
+    return false;
+  }
+  ++o.reserved;
+  return true;
+}
+
+// The lowest-numbered free buffer: a sender its receiver keeps up with reuses the first
+// few, still in cache, whatever the channel's depth.
+uint32_t Transport::free_buffer(int peer) {
+  Outbox& o = out_[peer];
+  const uint64_t usable = o.reserved >= 64 ? ~uint64_t{0} : (uint64_t{1} << o.reserved) - 1;
+  o.chosen = static_cast<uint32_t>(__builtin_ctzll(~o.busy & usable));
+  return o.chosen;
 }
 
 void* Transport::slot_payload_for_send(int peer) {
-  reserve(peer);
-  return Layout::payload(shared_.layout().slot(shared_.base(), lane_, rank(), peer, sent_[peer]));
+  return shared_.layout().buffer(shared_.base(), lane_, rank(), peer, free_buffer(peer));
 }
 
 void* Transport::acquire(int peer, const OpCall& op) {
@@ -37,13 +76,16 @@ void* Transport::acquire(int peer, const OpCall& op) {
 
 void Transport::publish(int peer, const OpCall& op, uint64_t offset, uint64_t bytes,
                         uint64_t msg_bytes) {
-  reserve(peer);
+  Outbox& o = out_[peer];
   ChannelCtl* ch = shared_.layout().channel(shared_.base(), lane_, rank(), peer);
   SlotHeader* h = shared_.layout().slot(shared_.base(), lane_, rank(), peer, sent_[peer]);
   h->desc = op.desc;
   h->offset = offset;
   h->bytes = bytes;
   h->msg_bytes = msg_bytes;
+  h->buffer = o.chosen + Faults::buffer_skew.load(std::memory_order_relaxed);
+  o.busy |= uint64_t{1} << o.chosen;
+  o.buffer_of[sent_[peer] % slots_] = static_cast<uint8_t>(o.chosen);
   ch->head.store(++sent_[peer], std::memory_order_release);
   shared_.ring(peer, lane_);
 }
@@ -65,7 +107,17 @@ const void* Transport::receive(int peer, const OpCall& op, uint64_t offset, uint
   bool same = h->desc.seq == op.desc.seq && same_call(h->desc, op.desc) && h->offset == offset &&
               h->bytes == bytes && h->msg_bytes == msg_bytes;
   if (!same) chunk_mismatch(peer, op, *h, offset, bytes, msg_bytes);
-  return h + 1;
+  return payload(peer, *h);
+}
+
+const void* Transport::payload(int peer, const SlotHeader& h) const {
+  if (h.buffer >= slots_) {
+    waiter_.fail("pycomm: rank " + std::to_string(peer) + " sent rank " + std::to_string(rank()) +
+                 " a chunk of " + describe(h.desc) + " in buffer " + std::to_string(h.buffer) +
+                 " of a channel of " + std::to_string(slots_) +
+                 " (a corrupted or foreign segment)");
+  }
+  return shared_.layout().buffer(shared_.base(), lane_, peer, rank(), h.buffer);
 }
 
 void Transport::release(int peer) {

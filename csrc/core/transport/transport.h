@@ -21,7 +21,7 @@ class Transport {
   size_t chunk_bytes() const { return chunk_bytes_; }
 
   // ---- channels ----------------------------------------------------------------------
-  // Waits for a free slot towards `peer` and returns its payload (chunk_bytes() long).
+  // Waits for a free slot towards `peer` and returns its buffer (chunk_bytes() long).
   void* acquire(int peer, const OpCall& op);
   // Hands the slot filled since acquire() to `peer`; the header says what it holds.
   void publish(int peer, const OpCall& op, uint64_t offset, uint64_t bytes, uint64_t msg_bytes);
@@ -31,9 +31,18 @@ class Transport {
                       uint64_t msg_bytes);
   // Gives the slot returned by receive() back to `peer`.
   void release(int peer);
+  // The payload of a slot from `peer` (peek()'s), once its buffer number is checked.
+  const void* payload(int peer, const SlotHeader& h) const;
 
-  // Non-blocking forms, for the send/recv engine.
-  bool can_acquire(int peer) const;
+  // Waits, as every wait here does, until ready() holds; `peer` is the rank it depends on.
+  template <class Ready>
+  void wait_for(const OpCall& op, int peer, Ready ready) {
+    waiter_.wait(op, ready, [&](std::vector<int>& who) { who.push_back(peer); });
+  }
+
+  // Non-blocking forms, for the send/recv engine. can_acquire() may reserve another
+  // buffer of the channel (the receiver is behind and /dev/shm has room).
+  bool can_acquire(int peer);
   void* slot_payload_for_send(int peer);
   const SlotHeader* peek(int peer) const;  // the next unreleased slot from peer, or null
 
@@ -56,13 +65,21 @@ class Transport {
   template <class Behind>
   void wait_for_peers(const OpCall& op, Behind behind);
   bool peer_finished(int peer, uint64_t seq);
+
+  // What this rank, as a sender, knows of its channel to one peer.
+  struct Outbox {
+    uint32_t reserved = 0;    // buffers allocated in /dev/shm (0: the channel is not yet)
+    bool full = false;        // /dev/shm had no room for another: stop trying
+    uint64_t busy = 0;        // bit b: buffer b holds a message not yet released
+    uint64_t retired = 0;     // messages whose buffers `busy` no longer counts
+    uint32_t chosen = 0;      // the buffer acquire() handed out, for publish()
+    uint8_t buffer_of[64]{};  // message index % slots -> its buffer
+  };
   // The channel to `peer` is reserved in /dev/shm on first use (see layout.h).
-  void reserve(int peer) {
-    if (!reserved_[peer]) {
-      shared_.reserve_channel(lane_, peer);
-      reserved_[peer] = true;
-    }
-  }
+  void reserve(int peer);
+  // Frees the buffers of messages the receiver has released since last asked.
+  void retire(int peer);
+  uint32_t free_buffer(int peer);  // after can_acquire(): the lowest free buffer
   [[noreturn]] void chunk_mismatch(int peer, const OpCall& op, const SlotHeader& h, uint64_t offset,
                                    uint64_t bytes, uint64_t msg_bytes);
 
@@ -73,7 +90,7 @@ class Transport {
   uint32_t slots_;
   std::vector<uint64_t> sent_;      // messages published to each peer (our copy of head)
   std::vector<uint64_t> received_;  // messages released from each peer (our copy of tail)
-  std::vector<bool> reserved_;      // whether our channel to each peer is reserved
+  std::vector<Outbox> out_;         // our channel to each peer
   std::vector<uint64_t> finished_;  // the last collective each peer is known to have finished
 };
 
