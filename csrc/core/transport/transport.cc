@@ -32,7 +32,8 @@ void Transport::reserve(int peer) {
 void Transport::retire(int peer) {
   Outbox& o = out_[peer];
   ChannelCtl* ch = shared_.layout().channel(shared_.base(), lane_, rank(), peer);
-  const uint64_t tail = ch->tail.load(std::memory_order_acquire);
+  // The receiver writes `tail`: no further than what was sent, whatever it wrote.
+  const uint64_t tail = std::min(ch->tail.load(std::memory_order_acquire), sent_[peer]);
   for (; o.retired < tail; ++o.retired) o.busy &= ~(uint64_t{1} << o.buffer_of[o.retired % slots_]);
 }
 
