@@ -159,6 +159,45 @@ class IncrementalBuildExt(cpp_extension.BuildExtension.with_options(use_ninja=Tr
         super().finalize_options()
         self.build_temp = build_dir()
 
+    def build_extension(self, ext) -> None:
+        super().build_extension(ext)
+        problem = cxx_runtime_problem(self.get_ext_fullpath(ext.name))
+        if problem:
+            raise SystemExit(problem)
+
+
+def elf_needed(path: str) -> list[str] | None:
+    """The shared libraries an ELF file names (DT_NEEDED), or None without readelf."""
+    import subprocess
+
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return None
+    out = subprocess.run([readelf, "-d", path], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+
+
+def cxx_runtime_problem(path: str) -> str | None:
+    """Why the built extension would crash in torch's process, or None. It must load the
+    C++ runtime (libstdc++.so or libc++.so) that torch loads: a compiler that links a
+    private copy into it (a CXX wrapper adding -static-libstdc++, as one CUDA image's
+    /opt/gcc/bin/g++ does) gives the process two C++ runtimes, and the extension's copy
+    segfaults at its first stream insertion or exception, seen on a GPU machine. Without
+    readelf this is not checked, and the build says so."""
+    needed = elf_needed(path)
+    if needed is None:
+        print(f"pycomm: readelf not found: not checked that {path} loads libstdc++ dynamically")
+        return None
+    if any(lib.startswith(("libstdc++.so", "libc++.so")) for lib in needed):
+        return None
+    cxx = os.environ.get("CXX", "c++")
+    return (f"pycomm: {os.path.basename(path)} does not load the C++ runtime as a shared "
+            f"library (it needs only {', '.join(needed) or 'nothing'}): the compiler "
+            f"(CXX={cxx}) linked its own copy of libstdc++ into it, and a second C++ runtime "
+            "beside torch's crashes at the first exception or stream output. Build with a "
+            "compiler that links libstdc++ dynamically, e.g. CXX=g++ CC=gcc pip install "
+            "--no-build-isolation -e .")
+
 
 def torch_requirement(building_sdist: bool) -> str:
     """The sdist's torch requirement is the range it compiles against (torch>=TORCH_FLOOR);

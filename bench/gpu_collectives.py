@@ -98,7 +98,8 @@ def main() -> None:
         result["nccl"] = run_ranks(_collectives, args.nproc, sizes, one_gpu, backend="nccl",
                                    timeout_s=300)[0]
     except RankFailure as exc:  # NCCL refuses two ranks on one GPU
-        result["nccl"] = {"error": str(exc).splitlines()[0][:200]}
+        # the first line only counts the failed ranks; the next says why
+        result["nccl"] = {"error": " ".join(str(exc).splitlines()[:3])[:300]}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n# {result['device']}, {args.nproc} ranks{' on one GPU' if one_gpu else ''}")

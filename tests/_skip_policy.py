@@ -35,6 +35,7 @@ ALLOWED: dict[str, str] = {
     "a writable cgroup v1 memory controller": r"^no permission: cgroup v1 memory controller\b",
     "x86-64 CPU": r"^not x86-64\b",
     "objdump": r"^no objdump\b",
+    "readelf": r"^no readelf\b",
     "strace": r"^no strace\b",
     "a torch API (older torch)": r"^no torch API\b",
     "transformers (the [hf] extra)": r"^no transformers\b",

@@ -387,3 +387,45 @@ def test_pycomm_cuda_arch_wins_over_torch_cuda_arch_list(setup_py, monkeypatch):
 def test_unreadable_arch_list_is_an_error(setup_py, monkeypatch, bad):
     with pytest.raises(ValueError, match="CUDA architecture"):
         _flags(setup_py, monkeypatch, torch_list=bad)
+
+
+# The C++ runtime: one CUDA image's CXX (/opt/gcc/bin/g++) links libstdc++ statically; the
+# extension then carried its own copy beside torch's and segfaulted at its first exception
+# or stream insertion (std::ostream inside encode_ipc_info, on an H200). The build refuses
+# such a link, naming the compiler.
+NO_READELF = shutil.which("readelf") is None
+
+
+@pytest.mark.skipif(NO_READELF, reason="no readelf (binutils)")
+def test_the_built_extension_loads_the_cxx_runtime_dynamically(setup_py):
+    from pycomm import _C  # type: ignore[attr-defined]
+
+    assert setup_py.cxx_runtime_problem(_C.__file__) is None, setup_py.elf_needed(_C.__file__)
+
+
+def _tiny_cxx_library(tmp_path: Path, *flags: str) -> str:
+    src = tmp_path / "tiny.cc"
+    src.write_text('#include <sstream>\nstd::string f(long x) { std::ostringstream s; s << x; '
+                   'return s.str(); }\n')
+    out = tmp_path / f"tiny{len(flags)}.so"
+    subprocess.run(["g++", "-shared", "-fPIC", *flags, str(src), "-o", str(out)], check=True)
+    return str(out)
+
+
+@pytest.mark.skipif(NO_READELF, reason="no readelf (binutils)")
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_a_private_copy_of_the_cxx_runtime_is_refused_naming_the_compiler(setup_py, tmp_path,
+                                                                          monkeypatch):
+    assert setup_py.cxx_runtime_problem(_tiny_cxx_library(tmp_path)) is None
+    monkeypatch.setenv("CXX", "/opt/gcc/bin/g++")
+    problem = setup_py.cxx_runtime_problem(_tiny_cxx_library(tmp_path, "-static-libstdc++"))
+    assert problem is not None
+    assert "CXX=/opt/gcc/bin/g++" in problem and "libstdc++" in problem, problem
+    assert "tiny1.so does not load the C++ runtime as a shared library" in problem
+
+
+def test_the_build_checks_the_cxx_runtime_of_what_it_linked(setup_py):
+    """The check runs on every build: IncrementalBuildExt calls it after each extension."""
+    import inspect
+
+    assert "cxx_runtime_problem" in inspect.getsource(setup_py.IncrementalBuildExt.build_extension)
