@@ -226,3 +226,125 @@ def is_completed_follows_the_gpu() -> str:
     torch.cuda.synchronize()
     late = work.is_completed()
     return "" if (not early and late) else f"is_completed(): {early} while queued, {late} after"
+
+
+def _mlp_and_reference(dev: torch.device) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).to(dev)
+    reference = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).to(dev)
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+def _batches(n: int, steps: int, dev: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(4 * n, 32, generator=g).to(dev), torch.randn(4 * n, 8, generator=g)
+             .to(dev)) for _ in range(steps)]
+
+
+def _reference_steps(reference: nn.Module, batches, opt_cls) -> None:
+    opt = opt_cls(reference.parameters(), lr=0.01)
+    for x, y in batches:
+        nn.functional.mse_loss(reference(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _largest_difference(params, reference: nn.Module) -> float:
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
+    return max(float((a.detach() - b.detach()).abs().max())
+               for a, b in zip(full, reference.parameters(), strict=True))
+
+
+def fsdp2_steps_match_single_process() -> float:
+    """Three Adam steps under FSDP2 (fully_shard per layer and at the root) on a CUDA mesh
+    over pycomm: its all-gathers and reduce-scatters run on FSDP's own streams. The largest
+    parameter difference from one process stepping on the concatenated batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dev, rank, n = _device(), dist.get_rank(), dist.get_world_size()
+    model, reference = _mlp_and_reference(dev)
+    mesh = init_device_mesh(dev.type, (n,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    batches = _batches(n, 3, dev)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for x, y in batches:
+        rows = slice(4 * rank, 4 * rank + 4)
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    _reference_steps(reference, batches, torch.optim.Adam)
+    return _largest_difference(model.parameters(), reference)
+
+
+def tensor_parallel_steps_match_single_process() -> float:
+    """Three SGD steps of a column/row-parallel MLP (DTensor, parallelize_module) on a CUDA
+    mesh over pycomm; every rank sees the whole batch. The largest parameter difference
+    from the unsplit MLP in one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dev, n = _device(), dist.get_world_size()
+    model, reference = _mlp_and_reference(dev)
+    mesh = init_device_mesh(dev.type, (n,))
+    model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    batches = _batches(n, 3, dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in batches:
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    _reference_steps(reference, batches, torch.optim.SGD)
+    return _largest_difference(model.parameters(), reference)
+
+
+def rooted_and_coalesced_ops() -> list[str]:
+    """reduce, gather, scatter and the coalesced tensor forms (FSDP2's) on CUDA tensors,
+    float32 and bfloat16, odd sizes, every root; returns the failures."""
+    dev, rank, n = _device(), dist.get_rank(), dist.get_world_size()
+    failures = []
+    for dtype in ("float32", "bfloat16"):
+        for count in (1, 7, 1_000_003):
+            ins = [_input(r, count, dtype) for r in range(n)]
+            total = torch.stack([x.double() for x in ins]).sum(0)
+            for root in range(n):
+                t = ins[rank].to(dev, copy=True)  # (a CPU run of this scenario aliases without)
+                dist.reduce(t, dst=root)
+                want = total if rank == root else ins[rank].double()  # others unchanged
+                failures.append(_close(t, want, dtype, f"reduce {dtype}[{count}] root {root}"))
+                outs = [torch.full((count,), -1.0, device=dev).to(t.dtype) for _ in range(n)]
+                dist.gather(ins[rank].to(dev), outs if rank == root else None, dst=root)
+                if rank == root:
+                    failures.append(_close(torch.cat(outs), torch.cat([x.double() for x in ins]),
+                                           dtype, f"gather {dtype}[{count}] root {root}"))
+                blocks = [_input(100 + r, count, dtype) for r in range(n)]
+                out = torch.full((count,), -1.0, device=dev).to(t.dtype)
+                dist.scatter(out, [b.to(dev) for b in blocks] if rank == root else None, src=root)
+                failures.append(_close(out, blocks[rank].double(), dtype,
+                                       f"scatter {dtype}[{count}] root {root}"))
+        sizes = (3, 1000, 17)
+        parts = [[_input(10 * r + i, c, dtype) for i, c in enumerate(sizes)] for r in range(n)]
+        outs = [torch.empty(c * n, device=dev).to(getattr(torch, dtype)) for c in sizes]
+        group = dist.distributed_c10d._get_default_group()  # the coalesced ops FSDP2 calls
+        group.allgather_into_tensor_coalesced(outs, [p.to(dev) for p in parts[rank]]).wait()
+        for i, out in enumerate(outs):
+            want = torch.cat([parts[r][i].double() for r in range(n)])
+            failures.append(_close(out, want, dtype, f"all_gather coalesced {dtype} #{i}"))
+        bigs = [[_input(20 * r + i, c * n, dtype) for i, c in enumerate(sizes)] for r in range(n)]
+        shards = [torch.empty(c, device=dev).to(getattr(torch, dtype)) for c in sizes]
+        group.reduce_scatter_tensor_coalesced(shards, [b.to(dev) for b in bigs[rank]]).wait()
+        for i, (shard, c) in enumerate(zip(shards, sizes, strict=True)):
+            want = torch.stack([bigs[r][i].double() for r in range(n)]).sum(0)
+            failures.append(_close(shard, want[rank * c:(rank + 1) * c], dtype,
+                                   f"reduce_scatter coalesced {dtype} #{i}"))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return [f for f in failures if f]

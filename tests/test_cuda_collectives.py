@@ -1,6 +1,7 @@
 """The pycomm backend on CUDA tensors (``pytest -m gpu``): 2 and 4 ranks sharing one GPU
 through the CUDA-IPC ring, every collective x dtype against the CPU reference, async
-ops on side streams, a DDP step, and a CuPy array via DLPack. Skipped without a GPU, or
+ops on side streams, a DDP step, FSDP2 and tensor-parallel (DTensor) steps, and a CuPy
+array via DLPack. Skipped without a GPU, or
 with a CPU-only pycomm._C where no nvcc could have built a CUDA one; a pycomm._C that
 does not load fails them (require_pycomm)."""
 
@@ -48,6 +49,11 @@ def test_every_collective_matches_the_cpu_reference(pool):
         assert failures == [], f"rank {rank}: {failures}"
 
 
+def test_rooted_and_coalesced_ops_match_the_cpu_reference(pool):
+    for rank, failures in enumerate(pool.run(sc.rooted_and_coalesced_ops, timeout_s=300)):
+        assert failures == [], f"rank {rank}: {failures}"
+
+
 def test_the_fast_paths_take_the_cuda_path(pool):
     for rank, failures in enumerate(pool.run(sc.fast_paths_take_the_cuda_path)):
         assert failures == [], f"rank {rank}: {failures}"
@@ -60,6 +66,16 @@ def test_async_op_on_a_side_stream(pool):
 
 def test_ddp_step_on_cuda_matches_one_process(pool):
     for rank, diff in enumerate(pool.run(sc.ddp_step_matches_single_process)):
+        assert diff < 1e-5, f"rank {rank}: parameters differ by {diff}"
+
+
+def test_fsdp2_steps_on_cuda_match_one_process(pool):
+    for rank, diff in enumerate(pool.run(sc.fsdp2_steps_match_single_process)):
+        assert diff < 1e-5, f"rank {rank}: parameters differ by {diff}"
+
+
+def test_tensor_parallel_steps_on_cuda_match_one_process(pool):
+    for rank, diff in enumerate(pool.run(sc.tensor_parallel_steps_match_single_process)):
         assert diff < 1e-5, f"rank {rank}: parameters differ by {diff}"
 
 

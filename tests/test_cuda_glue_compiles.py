@@ -15,7 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 GLUE = ["csrc/torch/backend.cc", "csrc/torch/backend_collectives.cc",
-        "csrc/torch/cuda_collectives.cc", "csrc/torch/cuda_host.cc"]
+        "csrc/torch/cuda_collectives.cc", "csrc/torch/cuda_host.cc", "csrc/torch/tensor_args.cc"]
 
 
 def _cuda_include() -> Path | None:

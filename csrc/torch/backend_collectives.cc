@@ -65,6 +65,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::broadcast(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::ReduceOptions& opts) {
   at::Tensor t = single(tensors, "reduce", getRank());
+#ifdef PYCOMM_CUDA
+  if (t.defined() && t.is_cuda())
+    return cuda().reduce(t, opts.reduceOp, static_cast<int>(opts.rootRank));
+#endif
   pycomm::DType dt = checked_dtype(t, "reduce", getRank());
   ReduceSpec rs = reduce_spec(opts.reduceOp, dt, "reduce", getRank());
   int root = static_cast<int>(opts.rootRank);
@@ -152,6 +156,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allgather_into_tensor_coalesc
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const char* name = "all_gather_into_tensor_coalesced";
+#ifdef PYCOMM_CUDA
+  if (any_cuda(inputs)) return cuda().all_gather_into_tensor_coalesced(outputs, inputs);
+#endif
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "pycomm: ", name, ": ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
   std::vector<pycomm::DType> dts;
@@ -193,8 +200,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
   at::Tensor in = single(inputs, "gather", getRank());
-  pycomm::DType dt = checked_dtype(in, "gather", getRank());
   int root = static_cast<int>(opts.rootRank);
+#ifdef PYCOMM_CUDA
+  if (in.defined() && in.is_cuda()) {
+    TORCH_CHECK_VALUE(outputs.size() <= 1, "pycomm: gather takes one output list per rank");
+    std::vector<at::Tensor> outs = outputs.empty() ? std::vector<at::Tensor>{} : outputs[0];
+    return cuda().gather(outs, in, root);
+  }
+#endif
+  pycomm::DType dt = checked_dtype(in, "gather", getRank());
   std::vector<at::Tensor> outs;
   if (getRank() == root) {
     TORCH_CHECK_VALUE(outputs.size() == 1, "pycomm: gather: the root takes one output list");
@@ -220,8 +234,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
   at::Tensor out = single(outputs, "scatter", getRank());
-  pycomm::DType dt = checked_dtype(out, "scatter", getRank());
   int root = static_cast<int>(opts.rootRank);
+#ifdef PYCOMM_CUDA
+  if (out.defined() && out.is_cuda()) {
+    TORCH_CHECK_VALUE(inputs.size() <= 1, "pycomm: scatter takes one input list per rank");
+    std::vector<at::Tensor> ins = inputs.empty() ? std::vector<at::Tensor>{} : inputs[0];
+    return cuda().scatter(out, ins, root);
+  }
+#endif
+  pycomm::DType dt = checked_dtype(out, "scatter", getRank());
   std::vector<at::Tensor> ins;
   if (getRank() == root) {
     TORCH_CHECK_VALUE(inputs.size() == 1, "pycomm: scatter: the root takes one input list");
@@ -293,6 +314,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::reduce_scatter_tensor_coalesc
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const char* name = "reduce_scatter_tensor_coalesced";
+#ifdef PYCOMM_CUDA
+  if (any_cuda(inputs))
+    return cuda().reduce_scatter_tensor_coalesced(outputs, inputs, opts.reduceOp);
+#endif
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "pycomm: ", name, ": ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
   std::vector<pycomm::DType> dts;

@@ -279,6 +279,119 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::reduce_scatter(at::Tensor& out,
   });
 }
 
+c10::intrusive_ptr<c10d::Work> CudaCollectives::all_gather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins) {
+  const char* name = "all_gather_into_tensor_coalesced";
+  check_pairs(outs, ins, name);
+  std::vector<pycomm::DType> dts;
+  for (size_t i = 0; i < ins.size(); ++i) {
+    dts.push_back(cuda_dtype(ins[i], name, rank_));
+    cuda_dtype(outs[i], name, rank_);
+    check_same_dtype(outs[i], ins[i], name, rank_);
+    check_same_device(ins[0], ins[i], name, rank_);
+    check_same_device(ins[i], outs[i], name, rank_);
+    check_numel_ratio(outs[i], ins[i], size_, name, "output", "input", rank_);
+  }
+  return on_stream(c10d::OpType::COALESCED, ins[0], outs, [&](cudaStream_t s) {
+    for (size_t i = 0; i < ins.size(); ++i) {
+      at::Tensor src = ins[i].contiguous();
+      Staged dst(outs[i]);
+      ring(ins[i], name).all_gather(dst.ptr(), src.data_ptr(), src.numel(), dts[i], s);
+      dst.commit();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CudaCollectives::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins, const c10d::ReduceOp& op) {
+  const char* name = "reduce_scatter_tensor_coalesced";
+  check_pairs(outs, ins, name);
+  std::vector<pycomm::DType> dts;
+  std::vector<ReduceSpec> specs;
+  for (size_t i = 0; i < ins.size(); ++i) {
+    dts.push_back(cuda_dtype(ins[i], name, rank_));
+    cuda_dtype(outs[i], name, rank_);
+    check_same_dtype(outs[i], ins[i], name, rank_);
+    check_same_device(ins[0], ins[i], name, rank_);
+    check_same_device(ins[i], outs[i], name, rank_);
+    check_numel_ratio(ins[i], outs[i], size_, name, "input", "output", rank_);
+    specs.push_back(cuda_reduce_spec(op, dts.back(), name, rank_));
+  }
+  return on_stream(c10d::OpType::COALESCED, ins[0], outs, [&](cudaStream_t s) {
+    for (size_t i = 0; i < ins.size(); ++i) {
+      at::Tensor src = specs[i].input_of(ins[i]);
+      Staged dst(outs[i]);
+      ring(ins[i], name)
+          .reduce_scatter(dst.ptr(), src.data_ptr(), dst.numel(), dts[i], specs[i].op, s);
+      dst.commit();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CudaCollectives::reduce(at::Tensor& t, const c10d::ReduceOp& op,
+                                                       int root) {
+  auto dt = cuda_dtype(t, "reduce", rank_);
+  check_root(root, "reduce");
+  auto r = cuda_reduce_spec(op, dt, "reduce", rank_);
+  return on_stream(c10d::OpType::REDUCE, t, {t}, [&](cudaStream_t s) {
+    at::Tensor work = t.contiguous().clone();  // non-root tensors come back unchanged
+    r.scale_owned(work);
+    ring(t, "reduce").all_reduce(work.data_ptr(), work.data_ptr(), work.numel(), dt, r.op, s);
+    if (rank_ == root) t.copy_(work.view(t.sizes()));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CudaCollectives::gather(std::vector<at::Tensor>& outs,
+                                                       at::Tensor& in, int root) {
+  auto dt = cuda_dtype(in, "gather", rank_);
+  check_root(root, "gather");
+  if (rank_ == root) check_cuda_list(outs, in, "gather", "the output list");
+  return on_stream(c10d::OpType::GATHER, in, outs, [&](cudaStream_t s) {
+    at::Tensor src = in.contiguous();
+    at::Tensor flat = at::empty({src.numel() * size_}, src.options());
+    ring(in, "gather").all_gather(flat.data_ptr(), src.data_ptr(), src.numel(), dt, s);
+    if (rank_ == root) unflatten_into(flat, outs);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> CudaCollectives::scatter(at::Tensor& out,
+                                                        std::vector<at::Tensor>& ins, int root) {
+  auto dt = cuda_dtype(out, "scatter", rank_);
+  check_root(root, "scatter");
+  if (rank_ == root) check_cuda_list(ins, out, "scatter", "the input list");
+  return on_stream(c10d::OpType::SCATTER, out, {out}, [&](cudaStream_t s) {
+    at::Tensor flat =
+        rank_ == root ? flat_copy(ins) : at::empty({out.numel() * size_}, out.options());
+    ring(out, "scatter").broadcast(flat.data_ptr(), flat.numel(), dt, root, s);
+    out.copy_(flat.narrow(0, rank_ * out.numel(), out.numel()).view(out.sizes()));
+  });
+}
+
+void CudaCollectives::check_pairs(const std::vector<at::Tensor>& outs,
+                                  const std::vector<at::Tensor>& ins, const char* op) const {
+  TORCH_CHECK_VALUE(!ins.empty() && outs.size() == ins.size(), who(op, rank_), ": ", outs.size(),
+                    " outputs for ", ins.size(), " inputs");
+}
+
+void CudaCollectives::check_root(int root, const char* op) const {
+  TORCH_CHECK_VALUE(root >= 0 && root < size_, who(op, rank_), ": root ", root,
+                    " is not a rank of this group of ", size_);
+}
+
+// The root's list: one CUDA tensor per rank, each like `like` (dtype, device, size).
+void CudaCollectives::check_cuda_list(const std::vector<at::Tensor>& list, const at::Tensor& like,
+                                      const char* op, const char* what) const {
+  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == size_, who(op, rank_), ": ", what, " has ",
+                    list.size(), " tensors for a group of ", size_);
+  for (const auto& t : list) {
+    cuda_dtype(t, op, rank_);
+    check_same_dtype(t, like, op, rank_);
+    check_same_device(like, t, op, rank_);
+    TORCH_CHECK_VALUE(t.numel() == like.numel(), who(op, rank_), ": ", what, " holds ",
+                      shape_str(t), " where ", shape_str(like), " was expected");
+  }
+}
+
 }  // namespace pycomm_torch
 
 #endif  // PYCOMM_CUDA

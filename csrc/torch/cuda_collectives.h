@@ -43,6 +43,22 @@ class CudaCollectives {
                                                      const c10d::ReduceOp& op);
   c10::intrusive_ptr<c10d::Work> reduce_scatter(at::Tensor& out, std::vector<at::Tensor>& ins,
                                                 const c10d::ReduceOp& op);
+  // One ring op per pair, in order, on the one stream (as the CPU path does): FSDP2's
+  // all-gathers and reduce-scatters of several parameters at once.
+  c10::intrusive_ptr<c10d::Work> all_gather_into_tensor_coalesced(std::vector<at::Tensor>& outs,
+                                                                  std::vector<at::Tensor>& ins);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outs,
+                                                                 std::vector<at::Tensor>& ins,
+                                                                 const c10d::ReduceOp& op);
+  // Rooted ops through the ring's collectives, moving more bytes than a rooted algorithm
+  // would (every rank gets what only the root needs): correct first, for DTensor's
+  // distribute_tensor (scatter) and the like, which are not on a training step's path.
+  // reduce: an all_reduce of a copy, committed on the root only (the others' tensors
+  // come back unchanged); gather: an all_gather, unpacked on the root; scatter: the root's
+  // list broadcast, each rank keeping its block.
+  c10::intrusive_ptr<c10d::Work> reduce(at::Tensor& t, const c10d::ReduceOp& op, int root);
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<at::Tensor>& outs, at::Tensor& in, int root);
+  c10::intrusive_ptr<c10d::Work> scatter(at::Tensor& out, std::vector<at::Tensor>& ins, int root);
   void set_timeout(std::chrono::milliseconds t);
   // Records `why` as the job's failure in the ring: peers waiting in a CUDA op raise it
   // at once (no-op before the first CUDA op, when there is no ring yet).
@@ -50,6 +66,11 @@ class CudaCollectives {
 
  private:
   pycomm::cuda::IpcRing& ring(const at::Tensor& t, const char* op);
+  void check_pairs(const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& ins,
+                   const char* op) const;
+  void check_root(int root, const char* op) const;
+  void check_cuda_list(const std::vector<at::Tensor>& list, const at::Tensor& like, const char* op,
+                       const char* what) const;
   template <class F>
   c10::intrusive_ptr<c10d::Work> on_stream(c10d::OpType type, const at::Tensor& t,
                                            std::vector<at::Tensor> outputs, F body);

@@ -37,9 +37,17 @@ at::Tensor single(const std::vector<at::Tensor>& tensors, const char* op, int ra
 
 pycomm::DType checked_dtype(const at::Tensor& t, const char* op, int rank) {
   TORCH_CHECK_VALUE(t.defined(), who(op, rank), ": got an undefined tensor");
+#ifdef PYCOMM_CUDA
+  TORCH_CHECK_VALUE(t.device().is_cpu(), who(op, rank), ": got a tensor on ", t.device(),
+                    "; pycomm has no CUDA implementation of this op (CUDA tensors take "
+                    "all_reduce, broadcast, reduce, all_gather, gather, scatter, "
+                    "reduce_scatter and their tensor and coalesced forms); for the others "
+                    "use init_process_group(\"cpu:pycomm,cuda:nccl\")");
+#else
   TORCH_CHECK_VALUE(t.device().is_cpu(), who(op, rank), ": got a tensor on ", t.device(),
                     "; this path takes CPU tensors only (CUDA tensors need a CUDA build of "
                     "pycomm._C and every rank of the group on one host)");
+#endif
   return dense_dtype(t, op, rank);
 }
 
