@@ -53,7 +53,31 @@ def missing(world: int | None = None) -> str:
     if world is not None and local_size(world) != world:
         return (f"DeepSpeed's shm all-reduce needs every rank on one host; "
                 f"{local_size(world)} of {world} ranks are on this one")
-    return ""
+    return stale_build_lock()
+
+
+# DeepSpeed JIT-builds its shm op through torch's extension loader, which takes a lock file
+# in the build folder and waits, without bound, for whoever holds it. A build killed part
+# way (a timed-out job) leaves the lock behind, and every later job then waits forever.
+# A fresh build takes about a minute here; a lock far older than that is left over.
+STALE_LOCK_S = 900.0
+
+
+def stale_build_lock(now: float | None = None) -> str:
+    """Why the shm op cannot be loaded (a lock left by a killed build), or ''."""
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory("deepspeed_shm_comm", verbose=False), "lock")
+    try:
+        age = (now if now is not None else time.time()) - os.path.getmtime(lock)
+    except OSError:
+        return ""
+    if age < STALE_LOCK_S:
+        return ""
+    return (f"DeepSpeed's shm op build is locked by {lock}, {age / 60:.0f} min old: a build "
+            "killed part way left it, and loading would wait for it forever; remove it")
 
 
 def oversubscribed(world: int, cpus: int | None = None) -> str:

@@ -38,6 +38,23 @@ def test_missing_refuses_ranks_on_two_hosts(monkeypatch):
     assert _deepspeed.missing() == ""
 
 
+def test_a_lock_left_by_a_killed_build_is_named_not_waited_on(monkeypatch, tmp_path):
+    """torch's extension loader waits forever on a build lock; a killed build leaves one."""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert _deepspeed.missing() == ""  # no lock
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory("deepspeed_shm_comm", verbose=False), "lock")
+    open(lock, "w").close()
+    assert _deepspeed.missing() == ""  # a build may be running now
+    old = os.path.getmtime(lock) - _deepspeed.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    why = _deepspeed.missing()
+    assert why.startswith("DeepSpeed's shm op build is locked by ") and lock in why, why
+
+
 def _check_results(comm) -> None:
     """Every count and dtype, REPEATS times each, exact against the float64 reference."""
     for dtype in (torch.float32, torch.bfloat16):
