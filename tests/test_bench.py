@@ -334,6 +334,22 @@ def test_barrier_skew_times_every_barrier_and_op_pair():
     assert all(MIN_COLLECTIVE_S * 1e6 <= us < 1e5 for us in got.values()), got
 
 
+@pytest.mark.usefixtures("require_pycomm")
+def test_sched_share_accounts_each_ranks_call(capsys):
+    """bench.sched_share: a row per rank, with a positive wall time and counters that are
+    counts."""
+    from bench import sched_share
+
+    sched_share.main(["--backends", "pycomm", "--size", "1M", "--iters", "3", "--rounds", "1",
+                      "--load", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("pycomm ")]
+    assert [int(r[1]) for r in rows] == [0, 1], rows
+    for _, _, wall, cpu, vol, invol, runq, slices in rows:
+        assert float(wall) > 0 and float(cpu) >= 0 and float(runq) >= 0, rows
+        assert all(float(x) == int(float(x)) >= 0 for x in (vol, invol, slices)), rows
+
+
 def test_algo_crossover_times_each_variant_in_one_job(tmp_path, capsys):
     """bench.algo_crossover: one group per variant's settings, every size timed on each."""
     from bench import algo_crossover
