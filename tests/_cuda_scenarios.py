@@ -108,14 +108,9 @@ def ddp_step_matches_single_process() -> float:
     """One DDP step on pycomm with CUDA tensors; the largest parameter difference from a
     single-process step on the concatenated batch."""
     dev, rank, n = _device(), dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).to(dev)
-    reference = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).to(dev)
-    reference.load_state_dict(model.state_dict())
+    model, reference = _mlp_and_reference(dev)
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0])
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(4 * n, 32, generator=g).to(dev)
-    y = torch.randn(4 * n, 8, generator=g).to(dev)
+    [(x, y)] = _batches(n, 1, dev)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     nn.functional.mse_loss(ddp(x[4 * rank:4 * rank + 4]), y[4 * rank:4 * rank + 4]).backward()
     opt.step()

@@ -196,8 +196,7 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::all_reduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> CudaCollectives::broadcast(at::Tensor& t, int root) {
   auto dt = cuda_dtype(t, "broadcast", rank_);
-  TORCH_CHECK_VALUE(root >= 0 && root < size_, who("broadcast", rank_), ": root ", root,
-                    " is not a rank of this group of ", size_);
+  check_root(root, "broadcast");
   return on_stream(c10d::OpType::BROADCAST, t, {t}, [&](cudaStream_t s) {
     Staged buf(t);
     ring(t, "broadcast").broadcast(buf.ptr(), buf.numel(), dt, root, s);
@@ -282,16 +281,7 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::reduce_scatter(at::Tensor& out,
 c10::intrusive_ptr<c10d::Work> CudaCollectives::all_gather_into_tensor_coalesced(
     std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins) {
   const char* name = "all_gather_into_tensor_coalesced";
-  check_pairs(outs, ins, name);
-  std::vector<pycomm::DType> dts;
-  for (size_t i = 0; i < ins.size(); ++i) {
-    dts.push_back(cuda_dtype(ins[i], name, rank_));
-    cuda_dtype(outs[i], name, rank_);
-    check_same_dtype(outs[i], ins[i], name, rank_);
-    check_same_device(ins[0], ins[i], name, rank_);
-    check_same_device(ins[i], outs[i], name, rank_);
-    check_numel_ratio(outs[i], ins[i], size_, name, "output", "input", rank_);
-  }
+  std::vector<pycomm::DType> dts = checked_pairs(outs, ins, name, /*outputs_larger=*/true);
   return on_stream(c10d::OpType::COALESCED, ins[0], outs, [&](cudaStream_t s) {
     for (size_t i = 0; i < ins.size(); ++i) {
       at::Tensor src = ins[i].contiguous();
@@ -305,18 +295,9 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::all_gather_into_tensor_coalesced
 c10::intrusive_ptr<c10d::Work> CudaCollectives::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins, const c10d::ReduceOp& op) {
   const char* name = "reduce_scatter_tensor_coalesced";
-  check_pairs(outs, ins, name);
-  std::vector<pycomm::DType> dts;
+  std::vector<pycomm::DType> dts = checked_pairs(outs, ins, name, /*outputs_larger=*/false);
   std::vector<ReduceSpec> specs;
-  for (size_t i = 0; i < ins.size(); ++i) {
-    dts.push_back(cuda_dtype(ins[i], name, rank_));
-    cuda_dtype(outs[i], name, rank_);
-    check_same_dtype(outs[i], ins[i], name, rank_);
-    check_same_device(ins[0], ins[i], name, rank_);
-    check_same_device(ins[i], outs[i], name, rank_);
-    check_numel_ratio(ins[i], outs[i], size_, name, "input", "output", rank_);
-    specs.push_back(cuda_reduce_spec(op, dts.back(), name, rank_));
-  }
+  for (auto dt : dts) specs.push_back(cuda_reduce_spec(op, dt, name, rank_));
   return on_stream(c10d::OpType::COALESCED, ins[0], outs, [&](cudaStream_t s) {
     for (size_t i = 0; i < ins.size(); ++i) {
       at::Tensor src = specs[i].input_of(ins[i]);
@@ -367,10 +348,28 @@ c10::intrusive_ptr<c10d::Work> CudaCollectives::scatter(at::Tensor& out,
   });
 }
 
-void CudaCollectives::check_pairs(const std::vector<at::Tensor>& outs,
-                                  const std::vector<at::Tensor>& ins, const char* op) const {
+// The coalesced forms' (output, input) pairs: CUDA tensors on one GPU, each pair of one
+// dtype, one side `size_` times the other. Returns each pair's dtype.
+std::vector<pycomm::DType> CudaCollectives::checked_pairs(const std::vector<at::Tensor>& outs,
+                                                          const std::vector<at::Tensor>& ins,
+                                                          const char* op,
+                                                          bool outputs_larger) const {
   TORCH_CHECK_VALUE(!ins.empty() && outs.size() == ins.size(), who(op, rank_), ": ", outs.size(),
                     " outputs for ", ins.size(), " inputs");
+  std::vector<pycomm::DType> dts;
+  for (size_t i = 0; i < ins.size(); ++i) {
+    dts.push_back(cuda_dtype(ins[i], op, rank_));
+    cuda_dtype(outs[i], op, rank_);
+    check_same_dtype(outs[i], ins[i], op, rank_);
+    check_same_device(ins[0], ins[i], op, rank_);
+    check_same_device(ins[i], outs[i], op, rank_);
+    if (outputs_larger) {
+      check_numel_ratio(outs[i], ins[i], size_, op, "output", "input", rank_);
+    } else {
+      check_numel_ratio(ins[i], outs[i], size_, op, "input", "output", rank_);
+    }
+  }
+  return dts;
 }
 
 void CudaCollectives::check_root(int root, const char* op) const {

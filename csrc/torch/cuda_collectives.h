@@ -17,6 +17,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
+#include "core/runtime/types.h"
+
 namespace pycomm {
 namespace cuda {
 class IpcRing;
@@ -66,8 +68,9 @@ class CudaCollectives {
 
  private:
   pycomm::cuda::IpcRing& ring(const at::Tensor& t, const char* op);
-  void check_pairs(const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& ins,
-                   const char* op) const;
+  std::vector<pycomm::DType> checked_pairs(const std::vector<at::Tensor>& outs,
+                                           const std::vector<at::Tensor>& ins, const char* op,
+                                           bool outputs_larger) const;
   void check_root(int root, const char* op) const;
   void check_cuda_list(const std::vector<at::Tensor>& list, const at::Tensor& like, const char* op,
                        const char* what) const;
