@@ -44,6 +44,7 @@ KNOWN_VARIABLES: dict[str, str] = {
     "PYCOMM_ZERO_COPY": "1 (read arena tensors in place)",
     "PYCOMM_SPIN_US": "20, or 0 with more ranks than cores",
     "PYCOMM_YIELD_US": "1000",
+    "PYCOMM_WAIT_SLICE_US": "100 (time slice a sleeping wait asks for; 0: the scheduler's)",
     "PYCOMM_TIMEOUT_S": "torch's default group timeout (1800)",
     "PYCOMM_LOCAL_SIZE": "unset (islands by host)",
     "PYCOMM_ARENA_SLAB_BYTES": "67108864 (arena slab)",

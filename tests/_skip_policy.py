@@ -37,6 +37,7 @@ ALLOWED: dict[str, str] = {
     "objdump": r"^no objdump\b",
     "readelf": r"^no readelf\b",
     "strace": r"^no strace\b",
+    "per-thread time slices (Linux >= 6.12)": r"^no per-thread time slices\b",
     "a torch API (older torch)": r"^no torch API\b",
     "transformers (the [hf] extra)": r"^no transformers\b",
     "Ray (the [ray] extra)": r"^no Ray\b",

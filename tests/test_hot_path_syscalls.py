@@ -4,7 +4,8 @@ op (a stat() of /proc per op once tripled a 64 KB all_reduce's time).
 Two runs of the same ranks under ``strace -f -c``, one with N1 and one with N2 calls of
 every fast path (tests/_hot_path_ranks.py); a system call made per op shows up as a
 count that grows with N. Waiting (futex, sched_yield, sleeps) may: how long a peer takes
-decides whether a rank yields or sleeps.
+decides whether a rank yields or sleeps; and a wait that sleeps asks for a short time
+slice while asleep (sched_getattr/sched_setattr, csrc/core/runtime/wait_slice.h).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-WAITING = {"futex", "sched_yield", "clock_nanosleep", "nanosleep", "restart_syscall"}
+WAITING = {"futex", "sched_yield", "clock_nanosleep", "nanosleep", "restart_syscall",
+           "sched_getattr", "sched_setattr"}
 N1, N2 = 50, 1050  # calls of each path; 8 paths
 
 

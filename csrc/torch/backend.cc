@@ -48,7 +48,8 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
       throw;
     }
   });
-  p2p_ = std::make_unique<pycomm::P2PEngine>(comm_->shared(), comm_->logger(), timeout);
+  p2p_ = std::make_unique<pycomm::P2PEngine>(comm_->shared(), comm_->logger(), timeout,
+                                             comm_->config().wait_slice_us);
   worker_ = std::make_unique<pycomm::Worker>(timeout);
   // A stall fails the group through its failure record, so every rank fails alike.
   worker_->watch_stalls(

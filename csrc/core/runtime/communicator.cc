@@ -54,8 +54,8 @@ Communicator::Communicator(Rendezvous& rdv, int rank, int world, const Config& c
   segment_ = std::move(g.segment);
   shared_ = std::make_unique<Shared>(segment_, g.layout, rank_, world_);
   shared_->join();
-  waiter_ = std::make_unique<Waiter>(*shared_, COLL,
-                                     WaitPolicy(spin_us_for(cfg_, world_), cfg_.yield_us));
+  waiter_ = std::make_unique<Waiter>(
+      *shared_, COLL, WaitPolicy(spin_us_for(cfg_, world_), cfg_.yield_us, cfg_.wait_slice_us));
   transport_ = std::make_unique<Transport>(*shared_, COLL, *waiter_);
   peers_ = std::make_unique<PeerMemory>(*shared_);
   log_init(g.layout, timeout);
@@ -76,7 +76,10 @@ void Communicator::log_init(const Layout& layout, std::chrono::milliseconds time
                  (world_ == 2 ? ", pair exchange for all_reduce" : "") + ") above; zero-copy " +
                  (try_zero_copy() ? "on for arena tensors" : "off") + "; waits spin " +
                  std::to_string(spin_us_for(cfg_, world_)) + " us, yield until " +
-                 std::to_string(cfg_.yield_us) + " us, then sleep on a futex");
+                 std::to_string(cfg_.yield_us) + " us, then sleep on a futex" +
+                 (cfg_.wait_slice_us
+                      ? " asking for a " + std::to_string(cfg_.wait_slice_us) + " us time slice"
+                      : std::string()));
   }
   if (log_.enabled(LogLevel::INFO, Subsys::SHM)) {
     log_.log(LogLevel::INFO, Subsys::SHM,

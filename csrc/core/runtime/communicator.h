@@ -45,6 +45,8 @@ class Communicator {
   uint64_t seq() const { return seq_.load(std::memory_order_relaxed); }
   const Logger& logger() const { return log_; }
   const Shared& shared() const { return *shared_; }
+  // The group's settings (rank 0's, after the segment is established).
+  const Config& config() const { return cfg_; }
   size_t segment_bytes() const { return segment_.size(); }
   // May be called from any thread while ops run (torch's setTimeout).
   void set_timeout(std::chrono::milliseconds t) { timeout_ms_.store(t.count()); }

@@ -39,6 +39,8 @@ Config Config::from_env() {
       (env_uint("PYCOMM_DIRECT_BYTES", c.direct_bytes, 0, 1ull << 30) + 63) & ~size_t(63);
   c.spin_us = static_cast<uint32_t>(env_uint("PYCOMM_SPIN_US", c.spin_us, 0, 1u << 30));
   c.yield_us = static_cast<uint32_t>(env_uint("PYCOMM_YIELD_US", c.yield_us, 0, 1u << 30));
+  c.wait_slice_us =
+      static_cast<uint32_t>(env_uint("PYCOMM_WAIT_SLICE_US", c.wait_slice_us, 0, 100000));
   c.zero_copy = env_uint("PYCOMM_ZERO_COPY", 1, 0, 1) == 1;
   c.cuda_chunk_bytes =
       env_uint("PYCOMM_CUDA_CHUNK_BYTES", c.cuda_chunk_bytes, 16, 1ull << 40) / 16 * 16;

@@ -26,7 +26,10 @@ struct Config {
   // time-based: how long one `pause` takes differs 40x between CPU generations.
   uint32_t spin_us = 20;     // PYCOMM_SPIN_US (default 0 when ranks > cores)
   uint32_t yield_us = 1000;  // PYCOMM_YIELD_US
-  bool zero_copy = true;     // PYCOMM_ZERO_COPY=0 turns off in-place reads of arena tensors
+  // PYCOMM_WAIT_SLICE_US: the time slice a thread asks the scheduler for while it sleeps
+  // for a peer (wait_slice.h), 0 to leave the scheduler's. 100 us is the least Linux grants.
+  uint32_t wait_slice_us = 100;
+  bool zero_copy = true;  // PYCOMM_ZERO_COPY=0 turns off in-place reads of arena tensors
   // The CUDA-IPC ring (csrc/cuda): bytes per window slot (16-byte multiple) and slots.
   size_t cuda_chunk_bytes = size_t{4} << 20;  // PYCOMM_CUDA_CHUNK_BYTES
   uint32_t cuda_slots = 4;                    // PYCOMM_CUDA_SLOTS (>= 2)

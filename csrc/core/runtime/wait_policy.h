@@ -46,11 +46,13 @@ struct WaitPolicy {
 
   Clock::duration spin{};
   Clock::duration yield{};
+  uint32_t sleep_slice_us = 0;  // the slice a sleeper asks for (wait_slice.h); 0: its own
 
   WaitPolicy() = default;
-  WaitPolicy(uint32_t spin_us, uint32_t yield_us)
+  WaitPolicy(uint32_t spin_us, uint32_t yield_us, uint32_t slice_us = 0)
       : spin(std::chrono::microseconds(spin_us)),
-        yield(std::chrono::microseconds(std::max(spin_us, yield_us))) {}
+        yield(std::chrono::microseconds(std::max(spin_us, yield_us))),
+        sleep_slice_us(slice_us) {}
 
   // The two polling phases; true once ready() holds, false when it is time to sleep.
   // `no_spin`: skip the first phase (another rank waits on this CPU, so the peer we

@@ -15,6 +15,7 @@
 
 #include "core/runtime/futex.h"
 #include "core/runtime/wait_policy.h"
+#include "core/runtime/wait_slice.h"
 #include "core/transport/shared_state.h"
 
 namespace pycomm {
@@ -31,6 +32,10 @@ class Waiter {
     if (ready()) return;
     if (policy_.poll(ready, shares_cpu_with_a_peer())) return;
     Bell& bell = shared_.bell(shared_.rank(), lane_);
+    // Woken by the peer, run at once rather than after the core's busy threads; awake,
+    // it runs on with its own slice (a short one would be preempted sooner while it works).
+    shorten_slice_for_wait(policy_.sleep_slice_us);
+    SliceRestorer restore_on_exit;
     std::vector<int> who;
     for (;;) {
       uint32_t seen = bell.prepare_sleep();

@@ -5,6 +5,7 @@
 #include <new>
 
 #include "core/runtime/errors.h"
+#include "core/runtime/wait_slice.h"
 
 namespace pycomm {
 
@@ -22,10 +23,12 @@ std::string rank_name(int peer) {
 
 }  // namespace
 
-P2PEngine::P2PEngine(const Shared& shared, const Logger& log, std::chrono::milliseconds timeout)
+P2PEngine::P2PEngine(const Shared& shared, const Logger& log, std::chrono::milliseconds timeout,
+                     uint32_t wait_slice_us)
     : shared_(shared),
       log_(log),
       timeout_ms_(timeout.count()),
+      wait_slice_us_(wait_slice_us),
       waiter_(shared, P2P, WaitPolicy()),
       transport_(shared, P2P, waiter_),
       sends_(shared.world()),
@@ -363,6 +366,7 @@ bool P2PEngine::idle_check() {
 }
 
 void P2PEngine::loop() {
+  shorten_slice_for_wait(wait_slice_us_);  // for the thread's life: it is the engine's
   Bell& bell = shared_.bell(shared_.rank(), P2P);
   while (!stop_.load()) {
     take_inbox();

@@ -44,7 +44,10 @@ struct P2PRequest {
 
 class P2PEngine {
  public:
-  P2PEngine(const Shared& shared, const Logger& log, std::chrono::milliseconds timeout);
+  // `wait_slice_us`: the time slice the engine's thread keeps (wait_slice.h; 0: the
+  // scheduler's): it only ever wakes for peers and posts, so it should run when woken.
+  P2PEngine(const Shared& shared, const Logger& log, std::chrono::milliseconds timeout,
+            uint32_t wait_slice_us = 0);
   ~P2PEngine();
   P2PEngine(const P2PEngine&) = delete;
   P2PEngine& operator=(const P2PEngine&) = delete;
@@ -105,6 +108,7 @@ class P2PEngine {
   const Shared& shared_;
   const Logger& log_;
   std::atomic<int64_t> timeout_ms_;
+  uint32_t wait_slice_us_;
   Waiter waiter_;
   Transport transport_;
   std::vector<std::deque<Active>> sends_;
