@@ -82,7 +82,7 @@ RingOptions RingOptions::from_env(std::chrono::milliseconds timeout) {
   o.slot_bytes = c.cuda_chunk_bytes;
   o.slots = static_cast<int>(c.cuda_slots);
   o.log = c.log;
-  o.wait = WaitPolicy(c.spin_us, c.yield_us);
+  o.wait = WaitPolicy(c.spin_us, c.yield_us, c.wait_slice_us);
   o.timeout = timeout;
   return o;
 }
