@@ -70,6 +70,9 @@ void shorten_slice_for_wait(uint32_t us) {
   s.shortened = true;
 }
 
+// The slice goes back by value: sched_getattr reports the scheduler's default as a
+// number, so a thread that had the default keeps the same length as its own request
+// (it no longer follows a later change of the system-wide default).
 void restore_wait_slice() {
   ThreadSlice& s = tls_slice;
   if (!s.shortened) return;
