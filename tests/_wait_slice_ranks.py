@@ -61,7 +61,7 @@ def _all_reduce_sampled(late_rank: int) -> tuple[list[int], float]:
         sampler.start()
     dist.all_reduce(x)
     stop.set()
-    if sampler.is_alive() or sampler.ident is not None:
+    if sampler.ident is not None:  # started: on the waiting rank only
         sampler.join()
     return seen, float(x[0])
 

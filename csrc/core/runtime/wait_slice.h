@@ -25,12 +25,14 @@ void shorten_slice_for_wait(uint32_t us);
 // shortened: one thread-local flag.
 void restore_wait_slice();
 
-// restore_wait_slice() when the scope ends, by return or by exception.
-struct SliceRestorer {
-  SliceRestorer() = default;
-  SliceRestorer(const SliceRestorer&) = delete;
-  SliceRestorer& operator=(const SliceRestorer&) = delete;
-  ~SliceRestorer() { restore_wait_slice(); }
+// A short slice for one scope: shorten_slice_for_wait(us) now, restore_wait_slice() when
+// the scope ends, by return or by exception. What a wait about to sleep holds.
+class ShortSlice {
+ public:
+  explicit ShortSlice(uint32_t us) { shorten_slice_for_wait(us); }
+  ShortSlice(const ShortSlice&) = delete;
+  ShortSlice& operator=(const ShortSlice&) = delete;
+  ~ShortSlice() { restore_wait_slice(); }
 };
 
 }  // namespace pycomm

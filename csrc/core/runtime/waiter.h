@@ -34,8 +34,7 @@ class Waiter {
     Bell& bell = shared_.bell(shared_.rank(), lane_);
     // Woken by the peer, run at once rather than after the core's busy threads; awake,
     // it runs on with its own slice (a short one would be preempted sooner while it works).
-    shorten_slice_for_wait(policy_.sleep_slice_us);
-    SliceRestorer restore_on_exit;
+    ShortSlice asleep(policy_.sleep_slice_us);
     std::vector<int> who;
     for (;;) {
       uint32_t seen = bell.prepare_sleep();

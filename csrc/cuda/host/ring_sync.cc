@@ -212,8 +212,7 @@ void RingSync::wait(const OpCall& call, Ready ready, const Awaited& what) {
   if (ready() || opts_.wait.poll(ready)) return;
   Bell& bell = mine()->bell;
   // Woken by its peer, run at once rather than behind the core's busy threads (wait_slice.h).
-  shorten_slice_for_wait(opts_.wait.sleep_slice_us);
-  SliceRestorer restore_on_exit;
+  ShortSlice asleep(opts_.wait.sleep_slice_us);
   for (;;) {
     const uint32_t seen = bell.seq.load(std::memory_order_seq_cst);
     bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
