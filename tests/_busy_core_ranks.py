@@ -1,7 +1,9 @@
 """The ranks of tests/test_busy_core_waits.py: 2 ranks, each pinned to its own CPU beside
 a busy loop pinned to the same CPU (another job's thread), run N all_reduces of 1 MB.
 
-``python tests/_busy_core_ranks.py INIT_FILE N`` prints the seconds the N ops took.
+``python tests/_busy_core_ranks.py INIT_FILE N`` prints the seconds rank 0 spent in the
+group, from init_process_group to its last barrier: every wait strace counts (the
+rendezvous, the warm-up op and the barriers as well as the N ops) falls in that span.
 """
 
 import os
@@ -26,12 +28,12 @@ def rank(r: int, init_file: str, n: int) -> None:
 
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {r})
+    start = time.perf_counter()
     dist.init_process_group("pycomm", init_method=f"file://{init_file}", rank=r,
                             world_size=WORLD)
     x = torch.ones(1 << 18)
     dist.all_reduce(x)
     dist.barrier()
-    start = time.perf_counter()
     for _ in range(n):
         dist.all_reduce(x)
     dist.barrier()
