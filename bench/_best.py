@@ -2,7 +2,8 @@
 
 A job's runs (bench._jobs) label each column by what made it: ``gloo-1t`` (a gloo
 variant, bench._gloo), ``mpi-nocma`` (Open MPI with single copy off), ``...@unpinned``
-(the run with ``--bind none``). A *family* is a backend whatever its settings: ``gloo``
+(the run with ``--bind none``), ``pycomm-api+stripes4`` (a striped group,
+bench._stripes). A *family* is a backend whatever its settings: ``gloo``
 takes the best of gloo and its variants pinned and unpinned, ``mpi`` of Open MPI with
 and without CMA, pinned and unpinned; every pycomm entry (``pycomm``, ``pycomm-api``,
 ...) is its own family, pinned or unpinned, as is the A/A column (``pycomm#2``).
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 
-from bench import _limit
+from bench import _limit, _stripes
 from bench._timing import busbw_gbs
 
 PEERS = ("gloo", "mpi", "deepspeed")
@@ -25,7 +26,7 @@ NOT_COMPARED = ("torch-floor",)  # no communication: a floor, not a peer
 
 def family(label: str) -> str:
     """The backend a column measures, whatever its settings (module docstring)."""
-    base = label.split("@")[0]
+    base = _stripes.split(label.split("@")[0])[0]  # pycomm-api+stripes4: pycomm-api
     if "#" in base:
         return base
     for peer in PEERS:
@@ -43,7 +44,8 @@ def best_of_job(docs: list[dict]) -> dict[tuple[str, str, int], tuple[float, str
     best: dict[tuple[str, str, int], tuple[float, str]] = {}
     for doc in docs:
         for r in doc["results"]:
-            if family(r["backend"]) in NOT_COMPARED:
+            if family(r["backend"]) in NOT_COMPARED or not _stripes.counts_at(r["backend"],
+                                                                              r["bytes"]):
                 continue
             key = (r["op"], family(r["backend"]), r["bytes"])
             if key not in best or r["time_us"] < best[key][0]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from bench import _mpi
+from bench import _mpi, _stripes
 from bench._timing import OPS, REDOPS
 
 DTYPES = {
@@ -223,7 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--load must be 0 or more, got {args.load}")
     chosen = _backends(args, args.notes)
     if args.tuned:
-        chosen = _with_gloo_variants(chosen)
+        chosen = _stripes.with_striped_twins(_with_gloo_variants(chosen))
         args.mpi_tuned = args.mpi_tuned or "mpi" in chosen
     if args.aa and chosen:
         chosen.append(chosen[0])

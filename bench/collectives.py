@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from bench import _c2c, _deepspeed, _gloo, _limit, _mpi, _provenance, _report
+from bench import _c2c, _deepspeed, _gloo, _limit, _mpi, _provenance, _report, _stripes
 from bench._cli import DTYPES, parse_args
 from bench._launch import bind_rank, launch
 from bench._timing import (
@@ -123,7 +123,8 @@ def make_groups(backends: list[str]) -> tuple[dict, dict]:
             skipped[b] = why
             continue
         try:
-            groups[b] = _comm(b.split("#")[0])
+            with _stripes.group_settings(b.split("#")[0]):
+                groups[b] = _comm(_stripes.split(b.split("#")[0])[0])
         except RuntimeError as e:  # a peer that cannot start here (DeepSpeed's shm op)
             skipped[b] = str(e)
     return groups, skipped

@@ -45,6 +45,8 @@ KNOWN_VARIABLES: dict[str, str] = {
     "PYCOMM_SPIN_US": "20, or 0 with more ranks than cores",
     "PYCOMM_YIELD_US": "1000",
     "PYCOMM_WAIT_SLICE_US": "100 (time slice a sleeping wait asks for; 0: the scheduler's)",
+    "PYCOMM_STRIPES": "1 (communicators, each on its own thread, a large all_reduce is cut over)",
+    "PYCOMM_STRIPE_BYTES": "4194304 (the least all_reduce striped)",
     "PYCOMM_TIMEOUT_S": "torch's default group timeout (1800)",
     "PYCOMM_LOCAL_SIZE": "unset (islands by host)",
     "PYCOMM_ARENA_SLAB_BYTES": "67108864 (arena slab)",
@@ -120,7 +122,8 @@ def platform_section() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ShmNeed:
-    """Bytes of /dev/shm one group of ``ranks`` takes (its segment; see transport/layout.h)."""
+    """Bytes of /dev/shm one group of ``ranks`` takes (its segments, one per stripe of
+    PYCOMM_STRIPES; see transport/layout.h)."""
 
     ranks: int
     at_init: int  # reserved when the group is created
@@ -131,7 +134,8 @@ class ShmNeed:
 def shm_need(ext: ModuleType, ranks: int) -> ShmNeed:
     seg = ext._segment_bytes(ranks)
     ring = seg["eager"] + ranks * seg["channel"] if ranks > 1 else seg["eager"]
-    return ShmNeed(ranks, seg["eager"], ring, seg["total"])
+    stripes = seg["stripes"]
+    return ShmNeed(ranks, stripes * seg["eager"], stripes * ring, stripes * seg["total"])
 
 
 def check_shm(size: int, free: int, need: ShmNeed) -> list[str]:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from bench import _best, _gloo, _limit, _load
+from bench import _best, _gloo, _limit, _load, _stripes
 from bench.collectives import main
 
 TINY = ["-b", "1K", "-e", "16K", "-f", "16", "-n", "2", "-w", "1", "--quiet"]
@@ -25,6 +25,8 @@ def test_families_take_every_setting_of_a_backend():
     assert _best.family("deepspeed-api") == "deepspeed"
     assert _best.family("pycomm-api@unpinned") == "pycomm-api"
     assert _best.family("pycomm#2@unpinned") == "pycomm#2"
+    assert _best.family("pycomm-api+stripes4@unpinned") == "pycomm-api"
+    assert _best.family("pycomm+stripes4") == "pycomm"
     assert _best.family("torch-floor") == "torch-floor"
 
 
@@ -40,6 +42,21 @@ def test_best_of_a_job_and_the_best_peer_name_what_won():
     s = _best.summarize([job, job, job], "pycomm")
     assert s["vs_best_peer"]["all_reduce|pycomm|1024"][:3] == [2.0, 2.0, 2.0]
     assert s["best_peer_won_by"]["all_reduce|1024"] == {"mpi-nocma@unpinned": 3}
+
+
+def test_a_striped_twin_counts_only_where_it_stripes():
+    # Below PYCOMM_STRIPE_BYTES the twin runs the plain column's code: a second sample of
+    # one setting must not make pycomm's best a best of more draws than the setting has.
+    small, large = 1 << 20, _stripes.STRIPE_BYTES
+    job = _job([[_row("pycomm-api", 10.0, n=small), _row("pycomm-api+stripes4", 9.0, n=small),
+                 _row("pycomm-api", 900.0, n=large),
+                 _row("pycomm-api+stripes4", 300.0, n=large)]])
+    best = _best.best_of_job(job)
+    assert best[("all_reduce", "pycomm-api", small)] == (10.0, "pycomm-api")
+    assert best[("all_reduce", "pycomm-api", large)] == (300.0, "pycomm-api+stripes4")
+    assert _stripes.with_striped_twins(["pycomm", "gloo", "pycomm-api"]) == [
+        "pycomm", "pycomm+stripes4", "pycomm+stripes8", "gloo", "pycomm-api",
+        "pycomm-api+stripes4", "pycomm-api+stripes8"]
 
 
 def test_competing_load_runs_pinned_and_is_gone_after():
@@ -69,7 +86,8 @@ def test_tuned_loaded_run_times_every_setting_and_keeps_its_raw_files(tmp_path):
         raw = json.loads((tmp_path / name).read_text())
         assert raw["meta"]["wrong"] == 0 and raw["meta"]["load"]["per_cpu"] == 1
         labels |= set(raw["meta"]["backends"])
-    assert labels == {f"{b}{pin}" for b in ("pycomm", "gloo", *_gloo.VARIANTS)
+    assert labels == {f"{b}{pin}" for b in ("pycomm", "pycomm+stripes4", "pycomm+stripes8", "gloo",
+                                            *_gloo.VARIANTS)
                       for pin in ("", "@unpinned")}
     for key, counts in s["best"]["best_won_by"].items():
         assert set(counts) <= labels and sum(counts.values()) == 1, key

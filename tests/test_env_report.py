@@ -109,3 +109,13 @@ def test_extension_that_does_not_load_exits_1_and_says_why(monkeypatch, capsys):
     assert env.main(["--ranks", "2"]) == 1
     assert "NOT LOADED: pycomm: the C++ extension pycomm._C cannot be loaded (test)" in (
         capsys.readouterr().out)
+
+
+def test_shm_need_counts_a_segment_per_stripe(monkeypatch):
+    from pycomm import _C
+
+    base = env.shm_need(_C, 2)
+    monkeypatch.setenv("PYCOMM_STRIPES", "4")
+    striped = env.shm_need(_C, 2)
+    assert (striped.at_init, striped.ring, striped.every_channel) == (
+        4 * base.at_init, 4 * base.ring, 4 * base.every_channel)

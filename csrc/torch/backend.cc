@@ -48,13 +48,16 @@ ProcessGroupPycomm::ProcessGroupPycomm(const c10::intrusive_ptr<c10d::Store>& st
       throw;
     }
   });
+  if (comm_->config().stripes > 1) {
+    translated([&] { stripes_ = std::make_unique<Stripes>(store, *comm_, timeout); });
+  }
   p2p_ = std::make_unique<pycomm::P2PEngine>(comm_->shared(), comm_->logger(), timeout,
                                              comm_->config().wait_slice_us);
   worker_ = std::make_unique<pycomm::Worker>(timeout);
   // A stall fails the group through its failure record, so every rank fails alike.
   worker_->watch_stalls(
       [this](const std::string& why) {
-        comm_->shared().set_abort(stall_failure("rank " + std::to_string(getRank()), why));
+        fail_with(stall_failure("rank " + std::to_string(getRank()), why));
         return comm_->shared().abort_message();
       },
       [comm = comm_.get()] { return comm->seq(); });
@@ -69,6 +72,7 @@ ProcessGroupPycomm::~ProcessGroupPycomm() { close(pycomm::Departure::EXITED); }
 
 void ProcessGroupPycomm::setTimeout(std::chrono::milliseconds timeout) {
   if (comm_) comm_->set_timeout(timeout);
+  if (stripes_) stripes_->set_timeout(timeout);
   if (p2p_) p2p_->set_timeout(timeout);
   if (worker_) worker_->set_stall_after(timeout);
 #ifdef PYCOMM_CUDA
@@ -90,6 +94,8 @@ void ProcessGroupPycomm::close(pycomm::Departure how) {
     (void)worker_.release();
     (void)p2p_.release();
     (void)p2p_callbacks_.release();
+    if (stripes_) stripes_->forget_after_fork();
+    (void)stripes_.release();
     (void)comm_.release();
 #ifdef PYCOMM_CUDA
     (void)cuda_.release();
@@ -105,6 +111,8 @@ void ProcessGroupPycomm::close(pycomm::Departure how) {
   p2p_callbacks_.reset();
   p2p_.reset();
   worker_.reset();
+  if (stripes_) stripes_->close(how);  // no op runs: the worker and its caller are done
+  stripes_.reset();
   if (comm_) comm_->depart(how);
   comm_.reset();
   leftovers_.drop_all();
@@ -115,11 +123,15 @@ void ProcessGroupPycomm::abort() {
   if (cuda_)
     cuda_->abort("pycomm: rank " + std::to_string(getRank()) + " aborted the process group");
 #endif
-  if (comm_) {
-    comm_->shared().set_abort("pycomm: rank " + std::to_string(getRank()) +
-                              " aborted the process group");
-  }
+  fail_with("pycomm: rank " + std::to_string(getRank()) + " aborted the process group");
   shutdown();
+}
+
+void ProcessGroupPycomm::fail_with(const std::string& msg) {
+  if (stripes_)
+    stripes_->fail_all(msg);  // the group's own communicator first, then each stripe's
+  else if (comm_)
+    comm_->shared().set_abort(msg);
 }
 
 void ProcessGroupPycomm::check_open() const {
@@ -301,8 +313,15 @@ void ProcessGroupPycomm::reduce_in_place(const at::Tensor& t, pycomm::DType dt,
                                          const ReduceSpec& rs) {
   Staged buf(t);
   rs.scale_owned(buf.get());
-  comm().all_reduce(buf.ptr(), buf.numel(), dt, rs.op);
+  all_reduce_flat(buf.ptr(), buf.numel(), dt, rs.op);
   buf.commit();
+}
+
+void ProcessGroupPycomm::all_reduce_flat(void* data, size_t count, pycomm::DType dt,
+                                         pycomm::RedOp op) {
+  pycomm::Communicator& own = comm();
+  if (stripes_) return stripes_->all_reduce(data, count, dt, op);
+  own.all_reduce(data, count, dt, op);
 }
 
 void ProcessGroupPycomm::all_reduce_now(at::Tensor& t, const std::string& op) {

@@ -18,6 +18,7 @@
 #include "core/runtime/worker.h"
 #include "core/transport/p2p_engine.h"
 #include "cuda_collectives.h"  // empty unless PYCOMM_CUDA
+#include "stripes.h"
 #include "work.h"
 
 namespace pycomm_torch {
@@ -137,9 +138,7 @@ class ProcessGroupPycomm : public c10d::Backend {
   size_t segment_bytes() const { return comm_ ? comm_->segment_bytes() : 0; }
   // Marks the group failed with `msg` (an islands group whose other half failed):
   // ranks waiting in a collective raise it at once, as they do after a timeout.
-  void fail_with(const std::string& msg) {
-    if (comm_) comm_->shared().set_abort(msg);
-  }
+  void fail_with(const std::string& msg);
 
  private:
   // all_reduce_direct's CPU body on the calling thread; false when it must queue.
@@ -156,6 +155,9 @@ class ProcessGroupPycomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> all_gather_uneven(std::vector<at::Tensor> outs, at::Tensor in,
                                                    pycomm::DType dt, bool async_op);
   void reduce_in_place(const at::Tensor& t, pycomm::DType dt, const ReduceSpec& rs);
+  // The core all_reduce of a flat buffer, striped when the group has stripes and it is
+  // large enough (stripes.h).
+  void all_reduce_flat(void* data, size_t count, pycomm::DType dt, pycomm::RedOp op);
   void complete_p2p(const c10::intrusive_ptr<PycommWork>& work, std::exception_ptr error,
                     std::shared_ptr<void> staged);
   pycomm::Communicator& comm();
@@ -172,6 +174,7 @@ class ProcessGroupPycomm : public c10d::Backend {
   std::unique_ptr<CudaCollectives> cuda_;  // CUDA tensors: the CUDA-IPC ring
 #endif
   std::unique_ptr<pycomm::Communicator> comm_;
+  std::unique_ptr<Stripes> stripes_;  // PYCOMM_STRIPES > 1: more communicators for all_reduce
   std::unique_ptr<pycomm::P2PEngine> p2p_;
   std::unique_ptr<pycomm::Worker> worker_;
   // Completes p2p Works whose future was asked for (started on first need).

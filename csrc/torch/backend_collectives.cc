@@ -41,7 +41,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupPycomm::allreduce_coalesced(
                  opts.asyncOp, [this, tensors, dt, rs]() mutable {
                    at::Tensor flat = flat_copy(tensors);
                    rs.scale_owned(flat);
-                   comm().all_reduce(flat.data_ptr(), flat.numel(), dt, rs.op);
+                   all_reduce_flat(flat.data_ptr(), flat.numel(), dt, rs.op);
                    unflatten_into(flat, tensors);
                  });
 }

@@ -71,6 +71,7 @@ py::dict segment_bytes(int world) {
   d["channels"] = channels;
   d["total"] = layout.eager_bytes() + channels * channel;
   d["deepest"] = layout.total_bytes();
+  d["stripes"] = cfg.stripes;  // a torch group takes one segment per stripe (stripes.h)
   return d;
 }
 

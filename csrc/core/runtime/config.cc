@@ -42,6 +42,9 @@ Config Config::from_env() {
   c.wait_slice_us =
       static_cast<uint32_t>(env_uint("PYCOMM_WAIT_SLICE_US", c.wait_slice_us, 0, 100000));
   c.zero_copy = env_uint("PYCOMM_ZERO_COPY", 1, 0, 1) == 1;
+  c.stripes = static_cast<uint32_t>(env_uint("PYCOMM_STRIPES", c.stripes, 1, kMaxStripes));
+  // Every stripe holds whole cache lines of any dtype: at least 64 bytes each.
+  c.stripe_bytes = env_uint("PYCOMM_STRIPE_BYTES", c.stripe_bytes, 64 * kMaxStripes, 1ull << 50);
   c.cuda_chunk_bytes =
       env_uint("PYCOMM_CUDA_CHUNK_BYTES", c.cuda_chunk_bytes, 16, 1ull << 40) / 16 * 16;
   c.cuda_slots = static_cast<uint32_t>(env_uint("PYCOMM_CUDA_SLOTS", c.cuda_slots, 2, 64));

@@ -11,6 +11,8 @@ namespace pycomm {
 
 enum class Algo { AUTO, RING, DIRECT };
 
+constexpr uint32_t kMaxStripes = 16;  // PYCOMM_STRIPES' upper bound
+
 struct Config {
   size_t chunk_bytes = 256 << 10;  // PYCOMM_CHUNK_BYTES: payload of one slot
   // PYCOMM_SLOTS: messages a channel holds in flight, each in its own buffer (2..64). A
@@ -30,6 +32,12 @@ struct Config {
   // for a peer (wait_slice.h), 0 to leave the scheduler's. 100 us is the least Linux grants.
   uint32_t wait_slice_us = 100;
   bool zero_copy = true;  // PYCOMM_ZERO_COPY=0 turns off in-place reads of arena tensors
+  // PYCOMM_STRIPES: communicators a torch group stripes its large CPU all_reduces over,
+  // each on its own thread (csrc/torch/stripes.h); 1, the default, is the group's own
+  // only. A rank that shares its core with busy threads gets one scheduler share per
+  // thread, as gloo's worker threads do. PYCOMM_STRIPE_BYTES: the least all_reduce striped.
+  uint32_t stripes = 1;
+  size_t stripe_bytes = size_t{4} << 20;
   // The CUDA-IPC ring (csrc/cuda): bytes per window slot (16-byte multiple) and slots.
   size_t cuda_chunk_bytes = size_t{4} << 20;  // PYCOMM_CUDA_CHUNK_BYTES
   uint32_t cuda_slots = 4;                    // PYCOMM_CUDA_SLOTS (>= 2)

@@ -152,6 +152,9 @@ std::string setting_mismatches(const GroupSettings& mine, const GroupSettings& g
   note("PYCOMM_SLOTS", std::to_string(mine.slots), std::to_string(group.slots));
   note("PYCOMM_DIRECT_BYTES", std::to_string(mine.direct_bytes),
        std::to_string(group.direct_bytes));
+  note("PYCOMM_STRIPES", std::to_string(mine.stripes), std::to_string(group.stripes));
+  note("PYCOMM_STRIPE_BYTES", std::to_string(mine.stripe_bytes),
+       std::to_string(group.stripe_bytes));
   return out;
 }
 
@@ -162,7 +165,7 @@ Layout checked_layout(const ShmSegment& seg, size_t total, int world, int rank) 
   const GroupSettings& s = h->settings;
   std::string why;
   if (h->magic != kSegmentMagic)
-    why = "its header is not a pycomm v2 header (another version of pycomm on rank 0?)";
+    why = "its header is not this pycomm's (segment format v5; another version on rank 0?)";
   else if (h->world != world)
     why = "it is for " + std::to_string(h->world) + " ranks, not " + std::to_string(world);
   else if (h->total_bytes != total)
@@ -170,7 +173,8 @@ Layout checked_layout(const ShmSegment& seg, size_t total, int world, int rank) 
           std::to_string(total);
   else if (s.slots < 2 || s.slots > 64 || s.slot_bytes < 64 || s.slot_bytes % 64 != 0 ||
            s.slot_bytes > (1ull << 40) || s.direct_bytes > (1ull << 30) || s.zero_copy > 1 ||
-           s.algo > static_cast<uint32_t>(Algo::DIRECT))
+           s.algo > static_cast<uint32_t>(Algo::DIRECT) || s.stripes < 1 ||
+           s.stripes > kMaxStripes || s.stripe_bytes < 64 * kMaxStripes)
     why = "its settings are out of range";
   else if (Layout(world, s.slots, s.slot_bytes, s.direct_bytes).total_bytes() != total)
     why = "its settings describe a layout of another size";
@@ -187,6 +191,8 @@ void apply(const GroupSettings& s, Config& cfg) {
   cfg.direct_bytes = s.direct_bytes;
   cfg.algo = static_cast<Algo>(s.algo);
   cfg.zero_copy = s.zero_copy != 0;
+  cfg.stripes = s.stripes;
+  cfg.stripe_bytes = s.stripe_bytes;
 }
 
 GroupSegment create(Rendezvous& rdv, int world, Config& cfg) {
@@ -282,6 +288,8 @@ GroupSettings group_settings(const Config& cfg, int world) {
   s.slot_bytes = cfg.chunk_bytes;
   s.direct_bytes = direct_bytes_for(cfg, world);
   s.zero_copy = cfg.zero_copy ? 1 : 0;
+  s.stripes = cfg.stripes;
+  s.stripe_bytes = cfg.stripe_bytes;
   return s;
 }
 

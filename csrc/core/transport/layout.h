@@ -30,7 +30,7 @@
 
 namespace pycomm {
 
-constexpr uint64_t kSegmentMagic = 0x34766d6d6f637970ull;  // "pycommv4"
+constexpr uint64_t kSegmentMagic = 0x35766d6d6f637970ull;  // "pycommv5"
 constexpr size_t kLine = 64;
 // Buffers a channel starts with: as many as a receiver that keeps up ever has in flight
 // (the chunk being filled, the one being read, one either side). It grows from there
@@ -102,7 +102,8 @@ struct GroupSettings {
   uint64_t slot_bytes;
   uint64_t direct_bytes;
   uint32_t zero_copy;  // 0 or 1
-  uint32_t pad;
+  uint32_t stripes;    // 1..kMaxStripes (csrc/torch/stripes.h)
+  uint64_t stripe_bytes;
 };
 
 struct alignas(kLine) SegmentHeader {
