@@ -14,6 +14,11 @@ if __name__ == '__main__':
                 "pycomm-stripes2": ("pycomm", {"PYCOMM_STRIPES": "2"}),
                 "pycomm-stripes4": ("pycomm", {"PYCOMM_STRIPES": "4"}),
                 "pycomm-stripes8": ("pycomm", {"PYCOMM_STRIPES": "8"}),
+                # striped from 1 MiB rather than the default 4 MiB
+                "pycomm-stripes2-1M": ("pycomm", {"PYCOMM_STRIPES": "2",
+                                                  "PYCOMM_STRIPE_BYTES": "1048576"}),
+                "pycomm-stripes4-1M": ("pycomm", {"PYCOMM_STRIPES": "4",
+                                                  "PYCOMM_STRIPE_BYTES": "1048576"}),
                 "gloo-lo": ("gloo", {"GLOO_SOCKET_IFNAME": "lo"})}
     only = sys.argv[5].split(",") if len(sys.argv) > 5 else list(variants)
     out = {k: [] for k in only}
