@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 
 from bench import _mpi
-from bench._ports import free_port
+from bench._ports import hosted_store
 
 Worker = Callable[[int, int, argparse.Namespace], None]
 
@@ -41,16 +41,8 @@ def _spawn(worker: Worker, args: argparse.Namespace) -> None:
     """``--nproc`` local ranks through torch.multiprocessing, sharing a fresh rendezvous."""
     import torch.multiprocessing as mp
 
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    try:  # the spawned ranks inherit the rendezvous address from this environment
+    with hosted_store(args.nproc):  # the spawned ranks inherit its port from the environment
         mp.spawn(_rank, args=(worker, args.nproc, args), nprocs=args.nproc, join=True)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _rank(rank: int, worker: Worker, world: int, args: argparse.Namespace) -> None:

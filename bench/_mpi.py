@@ -15,13 +15,14 @@ from collections.abc import Callable
 
 import torch
 
+from bench import _ports
 from bench._ports import free_port
 from bench._timing import REDUCING, ROOT, Buffers
 from parallel._optional import require
 
 INSTALL = "apt-get install -y openmpi-bin libopenmpi-dev && pip install mpi4py"
 # Besides PYCOMM_*: what every rank needs to behave as a spawned rank would.
-FORWARD = ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "PYTHONPATH")
+FORWARD = ("MASTER_ADDR", "MASTER_PORT", _ports.PORT_VAR, "OMP_NUM_THREADS", "PYTHONPATH")
 # Open MPI's own (lower-case) names of MCA settings its ranks see in the environment.
 OVERSUBSCRIBED, YIELD = "OMPI_MCA_mpi_oversubscribe", "OMPI_MCA_mpi_yield_when_idle"
 
@@ -55,7 +56,7 @@ def _mpi():
 
 def ensure_rendezvous() -> None:
     """Under a hand-typed ``mpirun`` without MASTER_PORT: rank 0 picks one, MPI shares it."""
-    if "MASTER_PORT" in os.environ:
+    if "MASTER_PORT" in os.environ or _ports.PORT_VAR in os.environ:
         return
     if missing():
         raise SystemExit(f"started by mpirun without MASTER_PORT and {missing()}")
@@ -70,17 +71,18 @@ def reexec(argv: list[str], nproc: int, extra: str) -> int:
 
     ``--oversubscribe`` lets more ranks than cores start (Open MPI then makes idle
     ranks yield instead of spin); ``-x`` hands every rank the rendezvous the
-    launcher chose and the PYCOMM_* settings, as a spawned rank would inherit them.
+    launcher holds (bench._ports) and the PYCOMM_* settings, as a spawned rank would inherit them.
     """
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nproc)]
-    cmd += shlex.split(extra)
-    for name in sorted(env):
-        if name in FORWARD or name.startswith("PYCOMM_"):
-            cmd += ["-x", name]
-    cmd += [sys.executable, "-m", "bench.collectives", *argv]
-    print("# re-executing under mpirun: " + shlex.join(cmd), file=sys.stderr, flush=True)
-    return subprocess.run(cmd, env=env, check=False).returncode
+    with _ports.hosted_store(nproc):  # the ranks join it (bench._ports: no port race)
+        env = dict(os.environ)
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nproc)]
+        cmd += shlex.split(extra)
+        for name in sorted(env):
+            if name in FORWARD or name.startswith("PYCOMM_"):
+                cmd += ["-x", name]
+        cmd += [sys.executable, "-m", "bench.collectives", *argv]
+        print("# re-executing under mpirun: " + shlex.join(cmd), file=sys.stderr, flush=True)
+        return subprocess.run(cmd, env=env, check=False).returncode
 
 
 def oversubscribed(world: int) -> str:

@@ -1,10 +1,77 @@
-"""A free TCP port for a job's rendezvous (shared by every launcher of the benchmarks)."""
+"""The job's rendezvous: a TCPStore whose port is bound once, by whoever holds it.
 
-import socket
+Picking a free port and handing it to ranks that bind it later is a race: between the
+two, anything on the host may take the port (an outgoing connection's ephemeral port,
+another job), and the job dies with EADDRINUSE (it did, once, in a 2-rank loaded table).
+So a launcher hosts the store itself on port 0 (the kernel picks, and the socket keeps
+it) and tells its ranks the port through ``BENCH_STORE_PORT``; a rank joins it as a
+client (``job_store``). Ranks started by hand (torchrun, mpirun) use env:// as given.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+HOST = "127.0.0.1"
+PORT_VAR = "BENCH_STORE_PORT"  # set by a launcher that holds the job's TCPStore
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@contextmanager
+def hosted_store(world: int) -> Iterator[int]:
+    """A TCPStore for ``world`` ranks, held here on a port the kernel picked; its port,
+    also in ``BENCH_STORE_PORT`` for the ranks started inside the block, which inherit
+    the environment. MASTER_ADDR and MASTER_PORT name it too: DeepSpeed's shm all-reduce
+    names its segments after them (unique per job, as this port is while it is held)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(HOST, 0, world, is_master=True, timeout=TIMEOUT,
+                          wait_for_workers=False)
+    saved = {k: os.environ.get(k) for k in (PORT_VAR, "MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update({PORT_VAR: str(store.port), "MASTER_ADDR": HOST,
+                       "MASTER_PORT": str(store.port)})
+    try:
+        yield store.port
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        del store
+
+
+def job_store(world: int):
+    """The launcher's store as a client (a rank's side of hosted_store), or None when no
+    launcher hosts one (then init_process_group takes env:// as the user set it)."""
+    port = os.environ.get(PORT_VAR)
+    if not port:
+        return None
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ.get("MASTER_ADDR", HOST), int(port), world,
+                         is_master=False, timeout=TIMEOUT)
+
+
+def init_default_group(backend: str, rank: int, world: int) -> None:
+    """init_process_group on the launcher's store when there is one, else env://."""
+    import torch.distributed as dist
+
+    store = job_store(world)
+    if store is None:
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a hand-typed mpirun whose
+    ranks agree on it over MPI; launchers use hosted_store)."""
+    import socket
+
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((HOST, 0))
         return s.getsockname()[1]

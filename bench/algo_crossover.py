@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from bench._cli import parse_size
 from bench._launch import bind_rank
-from bench._ports import free_port
+from bench._ports import hosted_store, init_default_group
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, out) -> None:
     import pycomm
 
     bind_rank(rank, world, args.bind)
-    dist.init_process_group("pycomm", rank=rank, world_size=world)
+    init_default_group("pycomm", rank, world)
     ranks = list(range(world))
     groups = {name: _group(ranks, env) for name, env in args.variants}
     names = list(groups)
@@ -115,12 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     args.variants = args.variants or default_variants(args.max)
     import pycomm  # noqa: F401  registers the backend before the ranks start
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.start_processes(_spawned, args=(args.nproc, args, out), nprocs=args.nproc,
-                       start_method="spawn")
-    rows = out.get()
+    with hosted_store(args.nproc):  # the ranks inherit its port (bench._ports)
+        mp.start_processes(_spawned, args=(args.nproc, args, out), nprocs=args.nproc,
+                           start_method="spawn")
+        rows = out.get()
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     print(f"# {args.nproc} ranks, float32 sum, pycomm.all_reduce_, barrier before each call, "

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench._ports import free_port
+from bench._ports import hosted_store, init_default_group
 
 WARMUP = 100
 
@@ -42,12 +42,11 @@ def _cases(x: torch.Tensor):
     return {(b, o): (bf, of) for b, bf in barriers.items() for o, of in ops.items()}
 
 
-def _time_rank(rank: int, world: int, port: int, calls: int, rounds: int, queue) -> None:
+def _time_rank(rank: int, world: int, calls: int, rounds: int, queue) -> None:
     import pycomm  # noqa: F401  (registers the backend in this fresh process)
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
-    dist.init_process_group("pycomm", rank=rank, world_size=world)
+    init_default_group("pycomm", rank, world)
     cases = _cases(torch.ones(4))
     mine: dict = {key: [] for key in cases}
     for round_ in range(rounds):
@@ -78,20 +77,20 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    ranks = [
-        ctx.Process(target=_time_rank, args=(r, args.nproc, port, args.calls, args.rounds, queue))
-        for r in range(args.nproc)
-    ]
-    for proc in ranks:
-        proc.start()
-    try:
-        results = _collect(queue, ranks, args.nproc)
-    finally:
+    with hosted_store(args.nproc):  # the ranks inherit its port (bench._ports)
+        ranks = [
+            ctx.Process(target=_time_rank, args=(r, args.nproc, args.calls, args.rounds, queue))
+            for r in range(args.nproc)
+        ]
         for proc in ranks:
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()
+            proc.start()
+        try:
+            results = _collect(queue, ranks, args.nproc)
+        finally:
+            for proc in ranks:
+                proc.join(timeout=60)
+                if proc.is_alive():
+                    proc.kill()
     return results
 
 

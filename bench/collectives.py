@@ -21,7 +21,17 @@ import sys
 import torch
 import torch.distributed as dist
 
-from bench import _c2c, _deepspeed, _gloo, _limit, _mpi, _provenance, _report, _stripes
+from bench import (
+    _c2c,
+    _deepspeed,
+    _gloo,
+    _limit,
+    _mpi,
+    _ports,
+    _provenance,
+    _report,
+    _stripes,
+)
 from bench._cli import DTYPES, parse_args
 from bench._launch import bind_rank, launch
 from bench._timing import (
@@ -291,7 +301,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     cpus = os.sched_getaffinity(0)
     if bind_rank(rank, world, args.bind) is not None:
         args.notes.append(f"each rank pinned to one CPU (--bind {args.bind})")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _ports.init_default_group("gloo", rank, world)
     placements: list = [None] * world
     dist.all_gather_object(placements, _provenance.placement(rank))
     groups, skipped = make_groups(args.backends)

@@ -35,12 +35,13 @@ import gc
 import glob
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
+
+from bench._ports import hosted_store, init_default_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo
 PATHS = ("ring", "arena")
@@ -70,12 +71,6 @@ def parse_size(text: str) -> int:
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_main(nbytes: int, path: str, ops: int) -> None:
     """One rank (under valgrind): set up, then run ``ops`` all_reduces in place."""
     gc.disable()  # a collection that only the longer run reaches would count as its ops'
@@ -84,7 +79,8 @@ def rank_main(nbytes: int, path: str, ops: int) -> None:
 
     import pycomm
 
-    dist.init_process_group("pycomm")  # rank, world and store from the environment
+    # rank and world from the environment, the launcher's store (bench._ports)
+    init_default_group("pycomm", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     alloc = pycomm.empty if path == "arena" else torch.empty
     tensor = alloc(nbytes // 4, dtype=torch.float32).fill_(1.0)
@@ -98,23 +94,24 @@ def rank_main(nbytes: int, path: str, ops: int) -> None:
 
 def launch(nproc: int, nbytes: int, path: str, ops: int, args, prefix: str) -> list[str]:
     """Run every rank under cachegrind; return their output files. Raises on failure."""
-    port, procs, outs = free_port(), [], []
+    procs, outs = [], []
     tool = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", "--trace-children=no"]
     tool += [f"--LL={args.ll}"] if args.ll else []
     child = [sys.executable, "-m", "bench.profile_cachegrind", "--rank", str(nbytes), path]
-    try:
-        for rank in range(nproc):
-            outs.append(f"{prefix}.{rank}.out")
-            env = dict(os.environ, **ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            env.update(RANK=str(rank), WORLD_SIZE=str(nproc))
-            cmd = [*tool, f"--cachegrind-out-file={outs[-1]}", *child, str(ops)]
-            log = open(f"{prefix}.{rank}.log", "w")  # noqa: SIM115 (the child has its own copy)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=ROOT))
-            log.close()
-        end = time.monotonic() + args.timeout
-        codes = [p.wait(timeout=max(0, end - time.monotonic())) for p in procs]
-    finally:
-        stop(procs)
+    # The ranks join a store held here on a port bound once (bench._ports).
+    with hosted_store(nproc):
+        try:
+            for rank in range(nproc):
+                outs.append(f"{prefix}.{rank}.out")
+                env = dict(os.environ, **ENV, RANK=str(rank), WORLD_SIZE=str(nproc))
+                cmd = [*tool, f"--cachegrind-out-file={outs[-1]}", *child, str(ops)]
+                log = open(f"{prefix}.{rank}.log", "w")  # noqa: SIM115 (the child has its own)
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=ROOT))
+                log.close()
+            end = time.monotonic() + args.timeout
+            codes = [p.wait(timeout=max(0, end - time.monotonic())) for p in procs]
+        finally:
+            stop(procs)
     if any(codes):
         raise RuntimeError(f"{prefix}: ranks exited with {codes}; see {prefix}.*.log")
     return outs

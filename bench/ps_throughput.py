@@ -159,18 +159,18 @@ def gpt_ps_worker(args: argparse.Namespace) -> None:
 # -- DDP ranks: gloo and pycomm in turn ----------------------------------------------------
 
 
-def ddp_rank(rank: int, world: int, args: argparse.Namespace, port: int, result: str) -> None:
+def ddp_rank(rank: int, world: int, args: argparse.Namespace, result: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import pycomm  # noqa: F401  (registers the "pycomm" backend)
+    from bench._ports import init_default_group
     from parallel.models import lm_loss
     from parallel.ps.examples.dense_model import gpt_batch, init_gpt
 
     torch.set_num_threads(1)
-    dist.init_process_group("pycomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    init_default_group("pycomm", rank, world)
     groups = {"ddp-pycomm": dist.group.WORLD, "ddp-gloo": dist.new_group(backend="gloo")}
     cfg = gpt_config()
     models = {name: DDP(init_gpt(cfg, seed=0), process_group=g) for name, g in groups.items()}
@@ -226,13 +226,14 @@ def throughput(args: argparse.Namespace, tmp: str) -> list[Row]:
 def gpt_compare(args: argparse.Namespace, tmp: str) -> Row:
     import torch.multiprocessing as mp
 
-    from bench._ports import free_port
+    from bench._ports import hosted_store
 
     per_round: dict[str, list[float]] = {"ps-bsp": [], "ddp-gloo": [], "ddp-pycomm": []}
     for rnd in range(args.gpt_rounds):
         ddp_file = f"{tmp}/ddp-{rnd}.jsonl"
-        mp.spawn(ddp_rank, args=(args.gpt_ranks, args, free_port(), ddp_file),
-                 nprocs=args.gpt_ranks, join=True)
+        with hosted_store(args.gpt_ranks):  # the ranks inherit its port (bench._ports)
+            mp.spawn(ddp_rank, args=(args.gpt_ranks, args, ddp_file), nprocs=args.gpt_ranks,
+                     join=True)
         ddp = read(ddp_file)
         for name in ("ddp-gloo", "ddp-pycomm"):
             per_round[name].append(_slowest_median([r[name] for r in ddp]))

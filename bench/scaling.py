@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench._ports import free_port
+from bench._ports import hosted_store, init_default_group
 
 
 def shm_used_bytes() -> int:
@@ -45,12 +45,11 @@ def _latency_us(group: dist.ProcessGroup, nbytes: int, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def _rank(rank: int, world: int, args: argparse.Namespace, port: int, out: str) -> None:
+def _rank(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
     if "pycomm" in args.backends:
         import pycomm  # noqa: F401  (registers the backend)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    init_default_group("gloo", rank, world)
     rows = {}
     for backend in args.backends:
         dist.barrier()
@@ -92,7 +91,8 @@ def measure(world: int, args: argparse.Namespace) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_rank, args=(world, args, free_port(), out), nprocs=world, join=True)
+        with hosted_store(world):  # the ranks inherit its port (bench._ports)
+            mp.spawn(_rank, args=(world, args, out), nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)
 
