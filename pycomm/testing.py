@@ -73,8 +73,30 @@ def live_rank_pids() -> set[int]:
     return set(_LIVE_PIDS)
 
 
+@contextlib.contextmanager
+def held_store(world_size: int, timeout_s: float = 120.0):
+    """A TCPStore held by this process on a port the kernel picked; yields the port.
+
+    Ranks started inside the block join it as clients (``is_master=False``). Unlike a
+    port from :func:`free_port`, which a rank binds later, nothing else on the host can
+    take it in between.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                          timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
+
+
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    """Return a TCP port on 127.0.0.1 that was free a moment ago (racy when another
+    process binds it later: prefer :func:`held_store`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -34,7 +34,8 @@ if mode == "stall":
             time.sleep(3600)
 
     _backend._extension = lambda: _NeverJoins()  # type: ignore[assignment]
-store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+# The test holds the store (pycomm.testing.held_store): every rank joins as a client.
+store = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=60))
 try:
     dist.init_process_group(pycomm.BACKEND_NAME, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))

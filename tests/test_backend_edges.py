@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pycomm.testing import RankFailure, RankPool, free_port, run_ranks
+from pycomm.testing import RankFailure, RankPool, held_store, run_ranks
 from tests import _backend_edge_scenarios as sc
 
 pytestmark = pytest.mark.usefixtures("require_pycomm")
@@ -133,18 +133,18 @@ def lambda_free_noop() -> None:
 def two_ranks(mode0: str, mode1: str) -> Iterator[tuple[subprocess.Popen, subprocess.Popen]]:
     """Ranks 0 and 1 of a 2-rank job running tests/_edge_rank.py in those modes; neither
     outlives the block."""
-    port = free_port()
     script = str(HERE / "_edge_rank.py")
     env = dict(os.environ, PYTHONPATH=str(HERE.parent))
-    procs = [subprocess.Popen([sys.executable, script, str(r), "2", str(port), m],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for r, m in ((0, mode0), (1, mode1))]
-    try:
-        yield procs[0], procs[1]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    with held_store(2) as port:  # the ranks join it as clients
+        procs = [subprocess.Popen([sys.executable, script, str(r), "2", str(port), m],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=env) for r, m in ((0, mode0), (1, mode1))]
+        try:
+            yield procs[0], procs[1]
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
 
 
 def _wait_in_the_window(rank0: subprocess.Popen, rank1: subprocess.Popen) -> None:

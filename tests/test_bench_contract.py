@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from bench import _jobs, _limit, _timing
+from bench._ports import hosted_store
 from bench.collectives import main
-from pycomm.testing import free_port
 
 TINY = ["-b", "1K", "-e", "4K", "-f", "4", "-n", "3", "-w", "1", "--quiet", "--bind", "none"]
 
@@ -23,11 +23,11 @@ def one_rank_in_place(monkeypatch):
     torchrun), so a test can patch what a backend does. A rank may pin itself to a CPU
     (--bind): the test process gets its CPUs back afterwards, or every later test (and
     every rank it spawns) would run on one CPU."""
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(free_port())}.items():
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(k, v)
     cpus = os.sched_getaffinity(0)
-    yield
+    with hosted_store(1):  # the rank joins it (bench._ports): no port to race for
+        yield
     os.sched_setaffinity(0, cpus)
 
 

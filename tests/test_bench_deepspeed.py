@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench import _deepspeed
-from bench._ports import free_port
+from bench._ports import hosted_store, init_default_group
 from bench._timing import count_wrong, expected, make_buffers
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -83,11 +83,10 @@ def _check_refusals(comm) -> None:
         assert comm.unsupported("all_reduce", dtype, "sum") == ""
 
 
-def _rank(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, world: int) -> None:
     for name in _deepspeed.LOCAL_SIZE_VARS:  # spawned ranks: the world is the local size
         os.environ.pop(name, None)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_default_group("gloo", rank, world)  # the test's store (hosted_store)
     try:
         for comm in (_deepspeed.DeepSpeedComm(), _deepspeed.DeepSpeedCommApi()):
             _check_refusals(comm)
@@ -102,6 +101,7 @@ def _rank(rank: int, world: int, port: int) -> None:
 @pytest.mark.timeout(300)  # the first run JIT-builds DeepSpeed's shm extension
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="no DeepSpeed (deepspeed is not installed)")
 def test_two_ranks_sum_exactly_and_keep_stdout_clean(capfd):
-    mp.spawn(_rank, args=(2, free_port()), nprocs=2, join=True)
+    with hosted_store(2):
+        mp.spawn(_rank, args=(2,), nprocs=2, join=True)
     out = capfd.readouterr().out
     assert out == "", f"DeepSpeed wrote to stdout, where the benchmark's table goes: {out!r}"

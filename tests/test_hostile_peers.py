@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pycomm.testing import free_port, run_ranks
+from pycomm.testing import held_store, run_ranks
 
 pytestmark = pytest.mark.usefixtures("require_pycomm")
 
@@ -130,7 +130,7 @@ PIDNS_RANK = textwrap.dedent("""
     # Arena tensors first: both ranks' slabs get the same descriptor number, so
     # "/proc/1/fd/<it>" opens a valid slab in either namespace: the rank's own.
     xs = [pycomm.empty((n,), dtype=torch.float64) for n in (1000, 1 << 20)]
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)  # the test holds it
     dist.init_process_group("pycomm", store=store, rank=rank, world_size=world)
     print("pid", os.getpid(), flush=True)
     for x in xs:  # direct, then zero-copy-eligible sizes
@@ -173,20 +173,20 @@ def test_ranks_in_separate_pid_namespaces(tmp_path):
         pytest.skip(reason)
     script = tmp_path / "rank.py"
     script.write_text(PIDNS_RANK)
-    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYCOMM_DEBUG="TRACE",
                PYCOMM_TIMEOUT_S=str(int(PG_TIMEOUT_S)))
-    procs = [subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
-                               str(script), str(rank), "2", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-             for rank in range(2)]
-    try:
-        outs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait()
+    with held_store(2) as port:
+        procs = [subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable,
+                                   str(script), str(rank), "2", str(port)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+                 for rank in range(2)]
+        try:
+            outs = [p.communicate(timeout=120)[0].decode() for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGKILL)
+                    p.wait()
     for rank, out in enumerate(outs):
         assert "pid 1\n" in out, f"rank {rank} is not pid 1 of its namespace:\n{out}"
         assert "sums ok" in out, f"rank {rank}:\n{out}"
