@@ -14,6 +14,7 @@ import datetime
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from unittest.mock import patch
 
 HOST = "127.0.0.1"
 PORT_VAR = "BENCH_STORE_PORT"  # set by a launcher that holds the job's TCPStore
@@ -30,17 +31,11 @@ def hosted_store(world: int) -> Iterator[int]:
 
     store = dist.TCPStore(HOST, 0, world, is_master=True, timeout=TIMEOUT,
                           wait_for_workers=False)
-    saved = {k: os.environ.get(k) for k in (PORT_VAR, "MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update({PORT_VAR: str(store.port), "MASTER_ADDR": HOST,
-                       "MASTER_PORT": str(store.port)})
     try:
-        yield store.port
+        with patch.dict(os.environ, {PORT_VAR: str(store.port), "MASTER_ADDR": HOST,
+                                     "MASTER_PORT": str(store.port)}):
+            yield store.port
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         del store
 
 

@@ -12,8 +12,8 @@ code as its plain column, and a second sample of one setting is not a second set
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
+from unittest.mock import patch
 
 SETTINGS = {"stripes4": 4, "stripes8": 8}  # label suffix -> PYCOMM_STRIPES
 ENTRIES = ("pycomm", "pycomm-api")  # the columns that get a striped twin
@@ -42,19 +42,9 @@ def counts_at(label: str, nbytes: int) -> bool:
     return not setting.startswith("stripes") or nbytes >= STRIPE_BYTES
 
 
-@contextmanager
-def group_settings(label: str) -> Iterator[None]:
+def group_settings(label: str) -> AbstractContextManager:
     """The environment a striped twin's group is created in (rank 0's applies)."""
     setting = split(label)[1]
     if not setting:
-        yield
-        return
-    old = os.environ.get("PYCOMM_STRIPES")
-    os.environ["PYCOMM_STRIPES"] = str(SETTINGS[setting])
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("PYCOMM_STRIPES", None)
-        else:
-            os.environ["PYCOMM_STRIPES"] = old
+        return nullcontext()
+    return patch.dict(os.environ, {"PYCOMM_STRIPES": str(SETTINGS[setting])})

@@ -10,7 +10,7 @@ import contextlib
 import copy
 import os
 import time
-from contextlib import contextmanager
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -20,22 +20,9 @@ import pycomm
 STRIPE_BYTES = 4096  # small, so that modest tensors are striped
 
 
-@contextmanager
-def _env(**values: str):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def striped_group(stripes: int = 4, stripe_bytes: int = STRIPE_BYTES):
-    with _env(PYCOMM_STRIPES=str(stripes), PYCOMM_STRIPE_BYTES=str(stripe_bytes)):
+    with patch.dict(os.environ, {"PYCOMM_STRIPES": str(stripes),
+                                 "PYCOMM_STRIPE_BYTES": str(stripe_bytes)}):
         return dist.new_group(backend="pycomm")
 
 

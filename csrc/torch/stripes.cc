@@ -115,27 +115,21 @@ void Stripes::all_reduce(void* data, size_t count, pycomm::DType dtype, pycomm::
   auto pending = std::make_shared<Pending>();
   pending->running = extra_.size();
   auto part = [&](size_t i) {
-    Part p;
-    p.first = stripe_start(count, elem, n, i);
+    Part p{i, n, count, stripe_start(count, elem, n, i), 0, nullptr};
     p.count = stripe_start(count, elem, n, i + 1) - p.first;
     p.data = bytes + p.first * elem;
-    // A failure names the user's whole op as well as the part the core saw.
-    p.context = "pycomm: rank " + std::to_string(own_.rank()) + ": an all_reduce of " +
-                std::to_string(count) + " elements striped over " + std::to_string(n) +
-                " communicators (PYCOMM_STRIPES), part " + std::to_string(i) + " = elements [" +
-                std::to_string(p.first) + ", " + std::to_string(p.first + p.count) + "): ";
     return p;
   };
   for (size_t i = 1; i < n; ++i) {
     Stripe* s = extra_[i - 1].get();
     s->run([this, s, p = part(i), dtype, op, pending] {
-      run_part(*pending, p.context, [&] { s->comm().all_reduce(p.data, p.count, dtype, op); });
+      run_part(*pending, p, [&] { s->comm().all_reduce(p.data, p.count, dtype, op); });
       std::lock_guard<std::mutex> lock(pending->mu);
       if (--pending->running == 0) pending->cv.notify_one();
     });
   }
   Part mine = part(0);
-  run_part(*pending, mine.context, [&] { own_.all_reduce(mine.data, mine.count, dtype, op); });
+  run_part(*pending, mine, [&] { own_.all_reduce(mine.data, mine.count, dtype, op); });
   std::unique_lock<std::mutex> lock(pending->mu);
   if (pending->running != 0) {
     pycomm::ShortSlice asleep(own_.config().wait_slice_us);
@@ -157,15 +151,23 @@ void Stripes::whole(void* data, size_t count, pycomm::DType dtype, pycomm::RedOp
   }
 }
 
-void Stripes::run_part(Pending& p, const std::string& context, const std::function<void()>& part) {
+// A failure names the user's whole op as well as the part the core saw.
+std::string Stripes::describe(const Part& part) const {
+  return "pycomm: rank " + std::to_string(own_.rank()) + ": an all_reduce of " +
+         std::to_string(part.whole) + " elements striped over " + std::to_string(part.of) +
+         " communicators (PYCOMM_STRIPES), part " + std::to_string(part.index) + " = elements [" +
+         std::to_string(part.first) + ", " + std::to_string(part.first + part.count) + "): ";
+}
+
+void Stripes::run_part(Pending& p, const Part& part, const std::function<void()>& body) {
   try {
-    part();
+    body();
   } catch (const pycomm::InvalidArgument& e) {
-    record_failure(p, pycomm::InvalidArgument(context + e.what()));
+    record_failure(p, pycomm::InvalidArgument(describe(part) + e.what()));
   } catch (const std::exception& e) {
-    record_failure(p, pycomm::CommError(context + e.what()));
+    record_failure(p, pycomm::CommError(describe(part) + e.what()));
   } catch (...) {
-    record_failure(p, pycomm::CommError(context + "failed"));
+    record_failure(p, pycomm::CommError(describe(part) + "failed"));
   }
 }
 

@@ -71,8 +71,6 @@ class Stripes {
   ~Stripes();
 
   size_t count() const { return extra_.size() + 1; }
-  // Whether an all_reduce of `bytes` is striped (the same answer on every rank).
-  bool splits(size_t bytes) const;
   // `own.all_reduce` of the whole buffer, cut over every stripe when splits(): part 0
   // here, on the calling thread, the rest on their stripes' threads; returns when all
   // are done, and rethrows the first failure after failing every stripe's group.
@@ -87,15 +85,18 @@ class Stripes {
 
  private:
   struct Pending;
+  // Whether an all_reduce of `bytes` is striped (the same answer on every rank).
+  bool splits(size_t bytes) const;
   // An all_reduce too small to stripe, on the group's own communicator.
   void whole(void* data, size_t count, pycomm::DType dtype, pycomm::RedOp op);
+  // Part `index` of `of` of an op of `whole` elements: `count` from element `first`.
   struct Part {
+    size_t index, of, whole, first, count;
     char* data;
-    size_t first, count;
-    std::string context;  // what a failure of this part is prefixed with
   };
+  std::string describe(const Part& part) const;  // what a failure of it is prefixed with
   // Runs one part; a failure is recorded (the first one fails every stripe's group).
-  void run_part(Pending& p, const std::string& context, const std::function<void()>& part);
+  void run_part(Pending& p, const Part& part, const std::function<void()>& body);
   template <class Error>
   void record_failure(Pending& p, const Error& error);
 
