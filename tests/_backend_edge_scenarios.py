@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -19,17 +20,20 @@ def _outcome(fn) -> str:
         return f"error {exc}"
 
 
-def slow_callback_then_ops(slow_s: dict[int, float]) -> tuple[str, str]:
+def slow_callback_then_ops(slow_s: dict[int, float]) -> tuple[str, str, bool]:
     """An op whose future callback is slow on some ranks, then an op queued behind it
-    (B) and one issued after (D). Returns B's and D's outcomes."""
+    (B) and one issued after (D). Returns B's and D's outcomes, and whether the callback
+    ran on the caller's thread (the op was complete when it was attached, so torch ran
+    it at once: nothing held the group's order, and the case did not happen)."""
     r = dist.get_rank()
-    # 16 MB: the op is still moving when the callback is attached on every rank. A small
-    # one could be complete by then on the rank that came second, and torch then runs
-    # the callback at once on the caller's thread: nothing would hold the group's order.
+    # 16 MB: the op is usually still moving when the callback is attached on every rank
+    # (a small one is complete by then on the rank that came second).
     a = torch.ones(1 << 22)
     w = dist.all_reduce(a, async_op=True)
+    on_caller: list[bool] = []
 
     def slow(fut):
+        on_caller.append(threading.current_thread() is threading.main_thread())
         time.sleep(slow_s.get(r, 0.0))
         return fut.value()
 
@@ -40,7 +44,7 @@ def slow_callback_then_ops(slow_s: dict[int, float]) -> tuple[str, str]:
     time.sleep(max(0.0, max(slow_s.values()) + 0.3 - 0.0))
     d = torch.ones(10)
     got_d = _outcome(lambda: (dist.all_reduce(d), d[0].item())[1])
-    return got_b, got_d
+    return got_b, got_d, any(on_caller)
 
 
 def progressing_callback_then_op(seconds: float, steps: int) -> tuple[str, list[float]]:

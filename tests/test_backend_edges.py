@@ -33,12 +33,24 @@ def pool2():
         yield pool
 
 
+def slow_callbacks(slow_s: dict[int, float]) -> list[tuple[str, str]]:
+    """sc.slow_callback_then_ops in fresh ranks, again while a rank's op was complete
+    before its callback was attached (a rank descheduled between the two, as under CI's
+    load: torch then runs the callback on the caller's thread and nothing holds the
+    group's order; seen once in CI as a stall that never came)."""
+    for _ in range(3):
+        results = run_ranks(sc.slow_callback_then_ops, 2, slow_s,
+                            pg_timeout_s=STALL_TIMEOUT_S, timeout_s=60)
+        if not any(on_caller for _, _, on_caller in results):
+            return [(b, d) for b, d, _ in results]
+    pytest.fail("3 runs in a row had an op complete before its callback was attached")
+
+
 def test_a_stalled_callback_fails_the_group_on_every_rank():
     """Rank 0's callback holds the order 6 s (timeout 3 s), rank 1's 0.5 s. Before: rank
     0's queued op was cancelled on rank 0 only, and its next op paired with rank 1's
     cancelled one (both 201.0, no error). Now every rank fails both, with one cause."""
-    results = run_ranks(sc.slow_callback_then_ops, 2, {0: 6.0, 1: 0.5},
-                        pg_timeout_s=STALL_TIMEOUT_S, timeout_s=60)
+    results = slow_callbacks({0: 6.0, 1: 0.5})
     # Whichever comes first, rank 0's stall watch or rank 1's timeout waiting for rank 0
     # in B, is the group's one failure record: every rank reports that same cause.
     causes = {"held the group's order", "did not arrive"}
@@ -53,8 +65,7 @@ def test_a_callback_slow_on_every_rank_is_named_as_the_stall():
     """Both ranks' callbacks hold the order 6 s: no peer waits in an op, so the stall
     watch alone finds it (before: "... waits for an op queued after it, which can never
     run", a diagnosis it could not know)."""
-    results = run_ranks(sc.slow_callback_then_ops, 2, {0: 6.0, 1: 6.0},
-                        pg_timeout_s=STALL_TIMEOUT_S, timeout_s=60)
+    results = slow_callbacks({0: 6.0, 1: 6.0})
     for rank, (b, d) in enumerate(results):
         assert "held the group's order" in b and "queued behind it" in b, (rank, b)
         assert "which can never run" not in b, (rank, b)  # the old, wrong diagnosis
@@ -64,7 +75,7 @@ def test_a_callback_slow_on_every_rank_is_named_as_the_stall():
 def test_a_slow_callback_within_the_timeout_is_not_a_stall(pool2):
     """Rank-dependent slowness below the timeout: every op completes with its sum."""
     results = pool2.run(sc.slow_callback_then_ops, {0: 1.5, 1: 0.3}, timeout_s=60)
-    assert results == [("ok 300.0", "ok 2.0")] * 2
+    assert [(b, d) for b, d, _ in results] == [("ok 300.0", "ok 2.0")] * 2
 
 
 def test_a_task_that_makes_progress_is_not_a_stall(pool2):

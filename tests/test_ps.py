@@ -81,6 +81,36 @@ def test_gate_answers_pulls_by_the_slowest_workers_clock(mode, tau, answers):
     assert Gate(mode, tau).may_answer(3, vc)
 
 
+def test_a_request_that_comes_before_the_servers_own_start_is_answered_after_it(tmp_path):
+    """The scheduler's start reaches a worker and a server on separate connections: a
+    worker may ask before the server knows the ring. Before: that declare was held until
+    a ring change that never came, and the job hung (seen once in CI: "no answer from
+    server(s) in 60 s")."""
+    from parallel.ps.config import JobConfig
+    from parallel.ps.server import Server
+
+    server = Server(JobConfig(f"ipc://{tmp_path}/sched", 1, 1), "tcp://127.0.0.1:*")
+    replies: list[dict] = []
+    server._reply = lambda who, header, tensors=(): replies.append(header)  # type: ignore
+    spec = {"name": "t", "dim": 2, "updater": {"name": "sgd", "lr": 0.1}, "init": "zeros"}
+    ring = Ring([0], replicas=0)
+    try:
+        server._from_router([b"w0", *(bytes(f) for f in wire.pack(
+            {"op": "declare", "table": spec, "id": 7, "epoch": 0}))])
+        assert replies == []  # held: this server has no ring yet
+        server._from_scheduler([bytes(f) for f in wire.pack(
+            {"op": "start", "sid": 0, "ring": ring.spec(), "epoch": 0,
+             "endpoints": {"0": server.endpoint}})])
+        assert [(r["op"], r["id"]) for r in replies] == [("ok", 7)], replies
+        assert "t" in server.tables
+    finally:
+        if server.heartbeat is not None:
+            server.heartbeat.stop()
+        for sock in (server.router, server.sched):
+            sock.close(linger=0)
+        server.ctx.term()
+
+
 # --- jobs -----------------------------------------------------------------------------------
 
 

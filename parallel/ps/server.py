@@ -127,6 +127,9 @@ class Server:
             self.ring, self.epoch = Ring.from_spec(header["ring"]), int(header["epoch"])
             if header.get("restore"):
                 self._restore(list(header["files"]), int(header["clock"]))
+            # A worker may have had its own start first and asked before ours came (two
+            # connections, no order between them): what it sent was held, for this epoch.
+            self._take_held()
         elif op == "prepare":
             self._set_members(header)
             self._prepare(Ring.from_spec(header["ring"]), int(header["epoch"]))
@@ -491,10 +494,14 @@ class Server:
                 self.pending[name] = [_without(e, dropped) for e in self.pending[name]]
         self.ring, self.epoch, self.paused = new, epoch, False
         self._reforward()
+        self._take_held()
+        self._step_complete()
+
+    def _take_held(self) -> None:
+        """Handle the requests held for a ring epoch this server now has."""
         held, self.held = self.held, []
         for frames in held:
             self._from_router(frames)
-        self._step_complete()
 
     # -- checkpoints -------------------------------------------------------------------------
 
