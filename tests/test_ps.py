@@ -244,6 +244,59 @@ def test_a_scheduler_that_does_not_answer_is_named():
         KVWorker(rank=0, cfg=cfg)
 
 
+@pytest.mark.parametrize("answer_after_s", [0.4, None])
+def test_a_worker_closes_once_the_scheduler_has_counted_it_done(tmp_path, monkeypatch,
+                                                                answer_after_s):
+    """close() returns after the scheduler's answer to "done" (before: a 50 ms sleep, so
+    a slow scheduler could see the process exit first and end the job as failed), and
+    after DONE_ACK_S when no answer comes (the scheduler is gone)."""
+    import threading
+    import time
+
+    import zmq
+
+    from parallel.ps import KVWorker, worker
+    from parallel.ps.config import JobConfig
+    from parallel.ps.node import send
+
+    monkeypatch.setattr(worker, "DONE_ACK_S", 1.5)
+    ctx = zmq.Context()
+    sched = ctx.socket(zmq.ROUTER)
+    sched.bind(f"ipc://{tmp_path}/sched")
+    got: list[dict] = []
+
+    def fake_scheduler() -> None:  # start the worker; answer its done (or not)
+        while True:
+            frames = sched.recv_multipart()
+            header, _ = wire.unpack(frames[1:])
+            got.append(header)
+            if header["op"] == "register":
+                send(sched, {"op": "start", "ring": Ring([0], replicas=0).spec(), "epoch": 0,
+                             "endpoints": {"0": f"ipc://{tmp_path}/server0"}}, to=frames[0])
+            elif header["op"] == "done":
+                if answer_after_s is not None:
+                    time.sleep(answer_after_s)
+                    send(sched, {"op": "done", "id": header["id"]}, to=frames[0])
+                return
+
+    thread = threading.Thread(target=fake_scheduler, daemon=True)
+    thread.start()
+    try:
+        kv = KVWorker(rank=0, cfg=JobConfig(f"ipc://{tmp_path}/sched", 1, 1, timeout_s=10))
+        start = time.monotonic()
+        kv.close()
+        took = time.monotonic() - start
+        thread.join(5)
+        assert [h["op"] for h in got if h["op"] != "heartbeat"] == ["register", "done"]
+        if answer_after_s is None:
+            assert 1.5 <= took < 3.5, took
+        else:
+            assert answer_after_s <= took < 1.5, took
+    finally:
+        sched.close(linger=0)
+        ctx.term()
+
+
 def test_a_worker_failing_before_the_start_ends_the_job(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text("import os, sys\nif os.environ['PS_RANK'] == '1':\n    sys.exit(3)\n"

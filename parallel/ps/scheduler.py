@@ -123,8 +123,7 @@ class Scheduler:
         finally:
             for node in self.servers.values():
                 send(self.sock, {"op": "stop"}, to=node.identity)
-            time.sleep(0.2)
-            self.sock.close(linger=500)
+            self.sock.close(linger=500)  # term() waits (up to that) for the stops to leave
             self.ctx.term()
 
     # -- messages ----------------------------------------------------------------------------
@@ -406,9 +405,11 @@ class Scheduler:
         for s in self._live_servers():
             send(self.sock, {"op": "stats"}, to=self.servers[s].identity)
 
-    def _on_done(self, _: bytes, header: dict[str, Any]) -> None:
+    def _on_done(self, who: bytes, header: dict[str, Any]) -> None:
         self.done.add(int(header["worker"]))
         self._release_barrier()
+        # The worker exits on this answer: its exit is then never taken for a death.
+        send(self.sock, {"op": "done", "id": header.get("id")}, to=who)
 
 
 def main() -> None:

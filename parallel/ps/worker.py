@@ -31,6 +31,7 @@ from parallel.ps.ring import Ring
 from parallel.ps.store import TableSpec
 
 DENSE_BLOCK = 4096  # elements per key of a dense tensor: one key is one block
+DONE_ACK_S = 5.0  # how long close() waits for the scheduler to count this worker done
 
 
 class PSError(RuntimeError):
@@ -230,8 +231,13 @@ class KVWorker:
 
     def close(self) -> None:
         """Tell the scheduler this worker is done (the job ends when all are)."""
-        send(self.sched, {"op": "done", "worker": self.rank})
-        time.sleep(0.05)
+        rid = self._control({"op": "done", "worker": self.rank})
+        # Acknowledged, so the scheduler has counted this worker done before its process
+        # exits (else the launcher may see every worker gone first and end the job as
+        # failed); a scheduler that does not answer in DONE_ACK_S is gone already.
+        deadline = time.monotonic() + min(DONE_ACK_S, self.cfg.timeout_s)
+        while rid not in self.control and time.monotonic() < deadline:
+            self._poll(50)
         self.heartbeat.stop()
         for sock in [self.sched, *self.servers.values()]:
             sock.close(linger=500)
