@@ -16,7 +16,6 @@ from collections.abc import Callable
 import torch
 
 from bench import _ports
-from bench._ports import free_port
 from bench._timing import REDUCING, ROOT, Buffers
 from parallel._optional import require
 
@@ -55,15 +54,17 @@ def _mpi():
 
 
 def ensure_rendezvous() -> None:
-    """Under a hand-typed ``mpirun`` without MASTER_PORT: rank 0 picks one, MPI shares it."""
+    """Under a hand-typed ``mpirun`` without MASTER_PORT: rank 0 hosts the job's store on
+    a port the kernel picked (bench._ports: no port race), MPI tells the others."""
     if "MASTER_PORT" in os.environ or _ports.PORT_VAR in os.environ:
         return
     if missing():
         raise SystemExit(f"started by mpirun without MASTER_PORT and {missing()}")
     comm = _mpi().COMM_WORLD
-    port = comm.bcast(free_port() if comm.Get_rank() == 0 else None, root=0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+    world = comm.Get_size()
+    port = comm.bcast(_ports.host_for_process(world) if comm.Get_rank() == 0 else None, root=0)
+    os.environ.update({_ports.PORT_VAR: str(port), "MASTER_ADDR": _ports.HOST,
+                       "MASTER_PORT": str(port)})
 
 
 def reexec(argv: list[str], nproc: int, extra: str) -> int:

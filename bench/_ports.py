@@ -5,7 +5,9 @@ two, anything on the host may take the port (an outgoing connection's ephemeral 
 another job), and the job dies with EADDRINUSE (it did, once, in a 2-rank loaded table).
 So a launcher hosts the store itself on port 0 (the kernel picks, and the socket keeps
 it) and tells its ranks the port through ``BENCH_STORE_PORT``; a rank joins it as a
-client (``job_store``). Ranks started by hand (torchrun, mpirun) use env:// as given.
+client (``job_store``). Ranks started by hand (torchrun, mpirun) with MASTER_PORT use
+env:// as given; under a hand-typed mpirun without it, rank 0 hosts the store
+(``host_for_process``) and MPI tells the others its port.
 """
 
 from __future__ import annotations
@@ -62,11 +64,15 @@ def init_default_group(backend: str, rank: int, world: int) -> None:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a hand-typed mpirun whose
-    ranks agree on it over MPI; launchers use hosted_store)."""
-    import socket
+_JOB_STORE = []  # the store this process hosts for a hand-typed mpirun (held to its end)
 
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+
+def host_for_process(world: int) -> int:
+    """Host the job's store here, on a port the kernel picked, for this process's life
+    (rank 0 of a hand-typed mpirun: the other ranks learn the port over MPI); its port."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(HOST, 0, world, is_master=True, timeout=TIMEOUT,
+                          wait_for_workers=False)
+    _JOB_STORE.append(store)
+    return int(store.port)

@@ -36,7 +36,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -78,8 +77,8 @@ def held_store(world_size: int, timeout_s: float = 120.0):
     """A TCPStore held by this process on a port the kernel picked; yields the port.
 
     Ranks started inside the block join it as clients (``is_master=False``). Unlike a
-    port from :func:`free_port`, which a rank binds later, nothing else on the host can
-    take it in between.
+    port picked free and bound later by a rank, nothing else on the host can take it in
+    between.
     """
     import datetime
 
@@ -92,14 +91,6 @@ def held_store(world_size: int, timeout_s: float = 120.0):
         yield store.port
     finally:
         del store
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago (racy when another
-    process binds it later: prefer :func:`held_store`)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pycomm.testing import RankFailure, RankPool, free_port, run_ranks
+from pycomm.testing import RankFailure, RankPool, held_store, run_ranks
 
 BACKEND = "gloo"
 
@@ -172,8 +172,17 @@ def test_run_ranks_reports_peer_stuck_in_collective():
     assert failures[1].kind == "raised"  # gloo's own timeout error, not "killed"
 
 
-def test_free_port_is_bindable():
+def test_a_held_store_keeps_its_port_until_the_block_ends():
+    """The port is bound while the block runs (no other process can take it: the race
+    of a port picked free and bound later), and a client joins it."""
+    import datetime
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", free_port()))
+    with held_store(1) as port:
+        with socket.socket() as sock, pytest.raises(OSError):
+            sock.bind(("127.0.0.1", port))
+        client = dist.TCPStore("127.0.0.1", port, 1, is_master=False,
+                               timeout=datetime.timedelta(seconds=10))
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        del client
