@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     sections = {}
     for path in args.summaries:
         if args.rebuild:
-            from bench._jobs import resummarize
+            from bench._summary import resummarize
 
             resummarize(path)
         sections[path.stem] = render(path)

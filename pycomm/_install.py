@@ -62,3 +62,12 @@ def built_against(package_dir: Path = PACKAGE_DIR) -> str | None:
         if m:
             return m.group(1)
     return None
+
+
+def version() -> str:
+    """pycomm's version: pyproject.toml's (the one source), read back from the installed
+    metadata; "0+unknown" for a source tree that was never installed."""
+    try:
+        return metadata.version("pycomm")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"

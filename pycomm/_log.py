@@ -8,7 +8,7 @@ callers log after the extension has been loaded.
 
 from __future__ import annotations
 
-from pycomm._backend import _extension
+from pycomm._extension import load as _extension
 
 
 def enabled(level: str, subsys: str) -> bool:

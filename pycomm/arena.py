@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from pycomm._backend import _extension
+from pycomm._extension import load as _extension
 
 
 def _sizes(size: tuple[int | Sequence[int], ...]) -> list[int]:

@@ -28,7 +28,7 @@ import torch
 
 import pycomm
 from pycomm import islands
-from pycomm._backend import _extension
+from pycomm._extension import load as _extension
 
 MiB = 1 << 20
 

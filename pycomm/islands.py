@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pycomm import _startup
+from pycomm import _log, _startup
+from pycomm._install import version
 
 _KEY = "pycomm/islands/host/"
 
@@ -147,11 +148,8 @@ def create(store: dist.Store, rank: int, size: int, timeout_s: float, ids: list[
 
 def log_choice(rank: int, size: int, ids: list[int]) -> None:
     """With PYCOMM_DEBUG=INFO, log (once per group and rank) the version and the islands."""
-    import pycomm
-    from pycomm import _log
-
     if _log.enabled("INFO", "INIT"):
-        _log.info("INIT", rank, f"init: pycomm {pycomm.__version__} on torch "
+        _log.info("INIT", rank, f"init: pycomm {version()} on torch "
                                 f"{torch.__version__}, group rank {rank} of {size}")
     if _log.enabled("INFO", "ISLANDS"):
         n = max(ids) + 1

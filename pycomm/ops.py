@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from pycomm._backend import _extension
+from pycomm._extension import load as _extension
 
 _fakes_registered = False
 

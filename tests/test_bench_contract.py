@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from bench import _jobs, _limit, _timing
+from bench import _jobs, _limit, _summary, _timing
 from bench._ports import hosted_store
 from bench.collectives import main
 
@@ -127,10 +127,10 @@ def test_jobs_summary_takes_medians_of_in_job_ratios_and_the_best_mpi():
     jobs = []
     for pycomm, mpi, nocma in ((2.0, 4.0, 3.0), (3.0, 4.0, 6.0), (4.0, 4.0, 2.0)):
         main_run = _doc({"pycomm": pycomm, "mpi": mpi}, ["pycomm", "mpi"])
-        tuned = _jobs._load_doc(_doc({"pycomm": pycomm * 2, "mpi": nocma}, ["pycomm", "mpi"]),
+        tuned = _summary.load_doc(_doc({"pycomm": pycomm * 2, "mpi": nocma}, ["pycomm", "mpi"]),
                                 ".nocma")
         jobs.append([main_run, tuned])
-    s = _jobs.summarize(jobs)
+    s = _summary.summarize(jobs)
     assert s["time_us"]["all_reduce|pycomm|1024"][:3] == [3.0, 2.0, 4.0]  # main runs only
     assert s["ratio"]["all_reduce|mpi|1024"][:3] == [0.75, 0.5, 1.0]
     # best per job: nocma 3.0 (ratio 4/3), mpi 4.0 (ratio 0.75), nocma 2.0 (ratio 4.0)

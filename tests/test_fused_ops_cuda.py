@@ -21,7 +21,8 @@ def _cuda_missing() -> str | None:
     """A named missing resource, or None (then the tests run, and fail if the build is bad)."""
     if not torch.cuda.is_available():
         return "no CUDA device"
-    from pycomm._backend import _extension, extension_error
+    from pycomm._extension import extension_error
+    from pycomm._extension import load as _extension
 
     if extension_error() is not None:
         return None  # require_pycomm fails every test, saying why
@@ -184,7 +185,7 @@ def test_empty_tensors_launch_nothing():
 
 
 def test_bad_inputs_name_both_sides():
-    from pycomm._backend import _extension
+    from pycomm._extension import load as _extension
 
     (_, b, _, _), (xc, bc, rc, _) = _inputs((4, 6))
     with pytest.raises(ValueError, match=r"bias is on cpu, the input on cuda:0"):

@@ -49,7 +49,7 @@ def test_bench_readme_tables_are_the_committed_summaries():
     """Every table line bench.tables renders from a committed summary (remade from its
     raw files) is in bench/README.md word for word."""
     from bench import tables
-    from bench._jobs import remake
+    from bench._summary import remake
 
     text = (ROOT / "bench" / "README.md").read_text()
     for path in _summaries():

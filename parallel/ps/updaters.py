@@ -37,7 +37,7 @@ Tensor = torch.Tensor
 @functools.cache
 def _kernels() -> ModuleType:
     """pycomm._C, loaded on first use: importing this module needs no build."""
-    from pycomm._backend import _extension
+    from pycomm._extension import load as _extension
 
     return _extension()
 

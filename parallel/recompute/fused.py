@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pycomm._backend import _extension
+from pycomm._extension import load as _extension
 
 
 def _kernel(name: str, x: torch.Tensor, **others: torch.Tensor) -> Callable[..., torch.Tensor]:

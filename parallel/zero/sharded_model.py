@@ -33,7 +33,7 @@ from parallel.zero.shard_layout import ShardLayout
 from parallel.zero.slot_pool import SlotPool
 from parallel.zero.unit_grads import UnitGradReducer
 from parallel.zero.units import Unit, plan_units
-from pycomm._backend import _extension
+from pycomm._extension import load as _extension
 from pycomm.flat_arena import Arena
 
 SHARD_NAME = "zero3_shard"
