@@ -1,9 +1,11 @@
-"""The CUDA path's host-side logic, tested without a GPU.
+"""The ring schedule and the CUDA path's host-side logic, tested without a GPU.
 
-The GPU walks the steps of ``plan_ring``; here every rank's plan is walked by the host
-simulator under the executor's ordering rules (read a slot only once its writer posted
-it, rewrite a slot only once the reader has read it), in many interleavings, and
-checked against float64 references. The IPC handle format is round-tripped and its
+The GPU and the CPU path both walk the steps of ``plan_ring`` (the CPU's rings and
+chains are its walk over shared-memory channels); here every rank's plan is walked by
+the host simulator under the executor's ordering rules (read a slot only once its writer
+posted it, rewrite a slot only once the reader has read it, and find the chunk where in
+the message the reader expects it, as the CPU receiver checks), in many interleavings,
+and checked against float64 references. The IPC handle format is round-tripped and its
 errors checked. None of this needs CUDA, so it runs in every CI.
 """
 
@@ -22,7 +24,7 @@ try:
 except ImportError:  # every test then fails in require_pycomm (a named skip on gloo)
     _C = None
 
-KINDS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]
+KINDS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
 
 
 def _inputs(kind: str, n: int, count: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -40,6 +42,8 @@ def _expected(kind: str, inputs: list[np.ndarray], count: int, root: int) -> lis
         return [total[r * count:(r + 1) * count] for r in range(n)]
     if kind == "all_gather":
         return [np.concatenate(inputs)] * n
+    if kind == "reduce":  # the root's output; the others' are never written
+        return [total if r == root else np.zeros(count) for r in range(n)]
     return [inputs[root]] * n
 
 
@@ -68,6 +72,21 @@ def test_every_rank_plans_the_same_number_of_steps_within_the_chunk(kind):
         assert max(s["count"] for p in plans for s in p) <= chunk
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_chunk_is_read_where_its_writer_put_it_in_the_message(kind):
+    """Each step that reads the predecessor's window names the same place in the message
+    as the predecessor's step that wrote it (the CPU receiver refuses a chunk elsewhere)."""
+    for n, count, chunk in [(4, 1000, 64), (3, 10, 4), (5, 3, 100), (2, 7, 2)]:
+        plans = [_C._ring_plan(kind, count, r, n, root=1, chunk_elems=chunk) for r in range(n)]
+        for r, plan in enumerate(plans):
+            prev = plans[(r - 1) % n]
+            for s in plan:
+                if s["reads_prev"]:
+                    wrote = prev[s["prev_step"]]
+                    assert wrote["writes_window"], (kind, r, s)
+                    assert (wrote["msg_offset"], wrote["count"]) == (s["msg_offset"], s["count"])
+
+
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_all_reduce_moves_the_ring_optimal_bytes(n):
     """Each rank reads 2 (n - 1) / n of the tensor from its predecessor: the bandwidth
@@ -91,6 +110,8 @@ def test_slot_reuse_is_checked_by_the_simulator():
 def test_bad_plan_arguments_name_what_is_wrong():
     with pytest.raises(ValueError, match="broadcast root 5 is not a rank of 4"):
         _C._ring_plan("broadcast", 10, 0, 4, root=5, chunk_elems=4)
+    with pytest.raises(ValueError, match="reduce root -1 is not a rank of 4"):
+        _C._ring_plan("reduce", 10, 0, 4, root=-1, chunk_elems=4)
     with pytest.raises(ValueError, match="no CUDA ring for 'all_to_all'"):
         _C._ring_plan("all_to_all", 10, 0, 4, chunk_elems=4)
 

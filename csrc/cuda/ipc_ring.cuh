@@ -28,7 +28,7 @@
 #include "core/runtime/rendezvous.h"
 #include "core/runtime/types.h"
 #include "cuda/host/ipc_handles.h"
-#include "cuda/host/ring_plan.h"
+#include "core/algorithms/ring_plan.h"
 #include "cuda/host/ring_sync.h"
 
 namespace pycomm {

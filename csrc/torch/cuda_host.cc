@@ -7,8 +7,8 @@
 #include <memory>
 #include <string>
 
+#include "core/algorithms/ring_plan.h"
 #include "cuda/host/ipc_handles.h"
-#include "cuda/host/ring_plan.h"
 #include "cuda/host/ring_sim.h"
 #include "cuda/host/ring_sync.h"
 #include "cuda/host/ring_walk.h"
@@ -33,8 +33,9 @@ pycomm::RingKind ring_kind(const std::string& name) {
   if (name == "reduce_scatter") return pycomm::RingKind::REDUCE_SCATTER;
   if (name == "all_gather") return pycomm::RingKind::ALL_GATHER;
   if (name == "broadcast") return pycomm::RingKind::BROADCAST;
+  if (name == "reduce") return pycomm::RingKind::REDUCE;
   throw py::value_error("pycomm: no CUDA ring for '" + name +
-                        "' (all_reduce, reduce_scatter, all_gather, broadcast)");
+                        "' (all_reduce, reduce_scatter, all_gather, broadcast, reduce)");
 }
 
 py::list plan_as_dicts(const std::string& kind, size_t count, int rank, int nranks, int root,
@@ -51,6 +52,7 @@ py::list plan_as_dicts(const std::string& kind, size_t count, int rank, int nran
     d["out_offset"] = s.out_offset;
     d["count"] = s.count;
     d["final"] = s.final;
+    d["msg_offset"] = s.msg_offset;
     out.append(d);
   }
   return out;

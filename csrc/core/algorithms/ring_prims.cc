@@ -22,30 +22,6 @@ void in_blocks(size_t bytes, F f) {
 }
 }  // namespace
 
-Partition::Partition(size_t count, int parts, size_t chunk_elems)
-    : count_(count),
-      base_(count / parts),
-      rem_(count % parts),
-      chunk_(std::max<size_t>(1, chunk_elems)),
-      parts_(parts) {
-  size_t longest = base_ + (rem_ > 0 ? 1 : 0);
-  rounds_ = std::max<size_t>(1, (longest + chunk_ - 1) / chunk_);
-}
-
-size_t Partition::begin(int part) const { return part * base_ + std::min<size_t>(part, rem_); }
-
-size_t Partition::size(int part) const {
-  return base_ + (static_cast<size_t>(part) < rem_ ? 1 : 0);
-}
-
-Piece Partition::piece(long part, size_t round) const {
-  int p = static_cast<int>(((part % parts_) + parts_) % parts_);
-  size_t start = round * chunk_;
-  size_t len = size(p);
-  size_t n = start >= len ? 0 : std::min(chunk_, len - start);
-  return {begin(p) + std::min(start, len), n};
-}
-
 Prims::Prims(Transport& t, const OpCall& op, DType dtype, int prev, int next, size_t msg_elems,
              RedOp redop, double scale)
     : t_(t),
@@ -69,6 +45,17 @@ void Prims::done_recv() { t_.release(prev_); }
 
 void Prims::send(const void* src, Piece p) {
   std::memcpy(slot(), src, p.count * esize_);
+  publish(p);
+}
+
+void Prims::copy_send(const void* src, void* dst, Piece p) {
+  if (dst == nullptr || dst == src) return send(src, p);
+  auto* out = static_cast<char*>(slot());
+  in_blocks(p.count * esize_, [&](size_t off, size_t len) {
+    char* d = static_cast<char*>(dst) + off;
+    std::memcpy(d, static_cast<const char*>(src) + off, len);
+    std::memcpy(out + off, d, len);
+  });
   publish(p);
 }
 

@@ -1,7 +1,8 @@
 // The steps ring and chain algorithms are made of, as NCCL names them: each receives a
 // chunk from `prev` and/or sends one to `next`, one slot at a time, reducing or copying
 // on the way. A Piece names where the chunk sits in the op's message, which the receiver
-// checks against its own expectation.
+// checks against its own expectation. Which primitive each step of a ring or chain is
+// comes from its plan (ring_plan.h, walked by walk_ring_cpu).
 #pragma once
 
 #include <cstddef>
@@ -16,22 +17,6 @@ struct Piece {
   size_t count;   // elements
 };
 
-// `count` elements cut into `parts` near-equal parts (the first count % parts are one
-// longer), each walked in rounds of at most `chunk_elems`.
-class Partition {
- public:
-  Partition(size_t count, int parts, size_t chunk_elems);
-  size_t rounds() const { return rounds_; }
-  size_t begin(int part) const;
-  size_t size(int part) const;
-  // The round-th chunk of part `part` (taken modulo parts, so r - 1 - k works).
-  Piece piece(long part, size_t round) const;
-
- private:
-  size_t count_, base_, rem_, chunk_, rounds_;
-  int parts_;
-};
-
 class Prims {
  public:
   // `msg_elems` is the size of the whole message (checked by receivers); `op` and
@@ -40,6 +25,8 @@ class Prims {
         RedOp redop = RedOp::NONE, double scale = 1.0);
 
   void send(const void* src, Piece p);
+  // src also copied to dst (skipped when they are one): a rank's own block, kept and sent.
+  void copy_send(const void* src, void* dst, Piece p);
   void recv_reduce_send(const void* mine, Piece p);
   // dst = scale * (incoming op mine), also sent on: the final value of a reduction.
   void recv_reduce_copy_send(const void* mine, void* dst, Piece p);

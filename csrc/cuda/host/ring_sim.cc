@@ -9,7 +9,8 @@ namespace pycomm {
 namespace {
 
 struct Slot {
-  int64_t step = -1;  // which step of its owner it holds
+  int64_t step = -1;      // which step of its owner it holds
+  size_t msg_offset = 0;  // where it sits in the message (what the CPU receiver checks)
   std::vector<double> data;
 };
 
@@ -54,11 +55,13 @@ void run_step(std::vector<SimRank>& ranks, const std::vector<std::vector<double>
     int p = (r + n - 1) % n;
     SimRank& prev = ranks[p];
     const Slot& slot = prev.window[s.prev_step % slots];
-    if (slot.step != s.prev_step || slot.data.size() != s.count) {
+    if (slot.step != s.prev_step || slot.data.size() != s.count ||
+        slot.msg_offset != s.msg_offset) {
       throw CommError("pycomm ring sim: " + where(r, me.pc) + " read rank " + std::to_string(p) +
                       "'s slot expecting its step " + std::to_string(s.prev_step) + " with " +
-                      std::to_string(s.count) + " elements, found step " +
-                      std::to_string(slot.step) + " with " + std::to_string(slot.data.size()));
+                      std::to_string(s.count) + " elements at " + std::to_string(s.msg_offset) +
+                      ", found step " + std::to_string(slot.step) + " with " +
+                      std::to_string(slot.data.size()) + " at " + std::to_string(slot.msg_offset));
     }
     for (size_t i = 0; i < s.count; ++i) value[i] += slot.data[i];
     prev.read_by_next = s.prev_step + 1;
@@ -66,6 +69,7 @@ void run_step(std::vector<SimRank>& ranks, const std::vector<std::vector<double>
   if (s.writes_window) {
     Slot& slot = me.window[me.pc % slots];
     slot.step = static_cast<int64_t>(me.pc);
+    slot.msg_offset = s.msg_offset;
     slot.data = value;
     me.last_written[me.pc % slots] = slot.step;
   }

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cuda/host/ring_plan.h"
+#include "core/algorithms/ring_plan.h"
 
 namespace pycomm {
 

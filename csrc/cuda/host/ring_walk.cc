@@ -13,6 +13,8 @@ OpKind op_kind(RingKind kind) {
       return OpKind::ALL_GATHER;
     case RingKind::BROADCAST:
       return OpKind::BROADCAST;
+    case RingKind::REDUCE:
+      return OpKind::REDUCE;
   }
   return OpKind::ALL_REDUCE;
 }
@@ -20,7 +22,8 @@ OpKind op_kind(RingKind kind) {
 }  // namespace
 
 OpCall begin_ring_call(RingSync& sync, RingKind kind, DType t, size_t count, RedOp op, int root) {
-  return sync.begin(op_kind(kind), t, count, op, kind == RingKind::BROADCAST ? root : -1);
+  const bool rooted = kind == RingKind::BROADCAST || kind == RingKind::REDUCE;
+  return sync.begin(op_kind(kind), t, count, op, rooted ? root : -1);
 }
 
 // A step reads the predecessor's slot only once that step is posted (and tagged as this

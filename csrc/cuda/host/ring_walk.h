@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "cuda/host/ring_plan.h"
+#include "core/algorithms/ring_plan.h"
 #include "cuda/host/ring_sync.h"
 
 namespace pycomm {

@@ -1,4 +1,4 @@
-#include "cuda/host/ring_plan.h"
+#include "core/algorithms/ring_plan.h"
 
 #include <algorithm>
 
@@ -46,7 +46,7 @@ void plan_reduce_ring(std::vector<RingStep>& out, bool all_reduce, size_t count,
       Chunk c = chunk_of(parts.begin(part), parts.size(part), round, chunk);
       RingStep s;
       s.reads_local = true;
-      s.in_offset = c.offset;
+      s.in_offset = s.msg_offset = c.offset;
       s.count = c.count;
       if (t > 0) {
         s.reads_prev = true;
@@ -70,7 +70,7 @@ void plan_reduce_ring(std::vector<RingStep>& out, bool all_reduce, size_t count,
       s.prev_step = static_cast<int64_t>(round_base + n - 1 + t - 1);
       s.writes_window = t < n - 1;
       s.writes_out = true;
-      s.out_offset = c.offset;
+      s.out_offset = s.msg_offset = c.offset;
       s.count = c.count;
       out.push_back(s);
     }
@@ -88,7 +88,7 @@ void plan_all_gather(std::vector<RingStep>& out, size_t count, int r, int n, siz
       RingStep s;
       s.count = c.count;
       s.writes_out = true;
-      s.out_offset = block * count + c.offset;
+      s.out_offset = s.msg_offset = block * count + c.offset;
       if (t == 0) {
         s.reads_local = true;
         s.in_offset = c.offset;
@@ -113,6 +113,7 @@ void plan_broadcast(std::vector<RingStep>& out, size_t count, int r, int n, int 
     Chunk c = chunk_of(0, count, round, chunk);
     RingStep s;
     s.count = c.count;
+    s.msg_offset = c.offset;
     if (is_root) {
       s.reads_local = true;
       s.in_offset = c.offset;
@@ -127,6 +128,31 @@ void plan_broadcast(std::vector<RingStep>& out, size_t count, int r, int n, int 
   }
 }
 
+// A chain along the ring that ends at the root: root + 1 starts the partial sum, each
+// next rank adds its own, the root adds its own last and keeps the value.
+void plan_reduce(std::vector<RingStep>& out, size_t count, int r, int n, int root, size_t chunk) {
+  size_t rounds = rounds_for(count, chunk);
+  const int pos = wrap(r - root - 1, n);  // 0: root + 1; n - 1: the root
+  for (size_t round = 0; round < rounds; ++round) {
+    Chunk c = chunk_of(0, count, round, chunk);
+    RingStep s;
+    s.count = c.count;
+    s.msg_offset = s.in_offset = c.offset;
+    s.reads_local = true;
+    if (pos > 0) {
+      s.reads_prev = true;
+      s.prev_step = static_cast<int64_t>(round);
+    }
+    if (pos == n - 1) {
+      s.writes_out = s.final = true;
+      s.out_offset = c.offset;
+    } else {
+      s.writes_window = true;
+    }
+    out.push_back(s);
+  }
+}
+
 }  // namespace
 
 std::vector<RingStep> plan_ring(RingKind kind, size_t count, int rank, int nranks, int root,
@@ -135,9 +161,10 @@ std::vector<RingStep> plan_ring(RingKind kind, size_t count, int rank, int nrank
     throw InvalidArgument("pycomm: ring plan for rank " + std::to_string(rank) + " of " +
                           std::to_string(nranks));
   }
-  if (kind == RingKind::BROADCAST && (root < 0 || root >= nranks)) {
-    throw InvalidArgument("pycomm: broadcast root " + std::to_string(root) + " is not a rank of " +
-                          std::to_string(nranks));
+  const bool rooted = kind == RingKind::BROADCAST || kind == RingKind::REDUCE;
+  if (rooted && (root < 0 || root >= nranks)) {
+    throw InvalidArgument(std::string("pycomm: ") + ring_kind_name(kind) + " root " +
+                          std::to_string(root) + " is not a rank of " + std::to_string(nranks));
   }
   size_t chunk = std::max<size_t>(1, chunk_elems);
   std::vector<RingStep> steps;
@@ -152,8 +179,16 @@ std::vector<RingStep> plan_ring(RingKind kind, size_t count, int rank, int nrank
     case RingKind::BROADCAST:
       plan_broadcast(steps, count, rank, nranks, root, chunk);
       break;
+    case RingKind::REDUCE:
+      plan_reduce(steps, count, rank, nranks, root, chunk);
+      break;
   }
   return steps;
+}
+
+size_t ring_message_elems(RingKind kind, size_t count, int nranks) {
+  bool per_rank = kind == RingKind::REDUCE_SCATTER || kind == RingKind::ALL_GATHER;
+  return per_rank ? count * static_cast<size_t>(nranks) : count;
 }
 
 const char* ring_kind_name(RingKind kind) {
@@ -166,6 +201,8 @@ const char* ring_kind_name(RingKind kind) {
       return "all_gather";
     case RingKind::BROADCAST:
       return "broadcast";
+    case RingKind::REDUCE:
+      return "reduce";
   }
   return "?";
 }
