@@ -49,14 +49,10 @@ void Prims::send(const void* src, Piece p) {
 }
 
 void Prims::copy_send(const void* src, void* dst, Piece p) {
-  if (dst == nullptr || dst == src) return send(src, p);
-  auto* out = static_cast<char*>(slot());
-  in_blocks(p.count * esize_, [&](size_t off, size_t len) {
-    char* d = static_cast<char*>(dst) + off;
-    std::memcpy(d, static_cast<const char*>(src) + off, len);
-    std::memcpy(out + off, d, len);
-  });
-  publish(p);
+  send(src, p);
+  // Kept after the chunk is published: the successor reads it meanwhile, and `src` is
+  // still in this core's cache from the send.
+  if (dst != nullptr && dst != src) std::memcpy(dst, src, p.count * esize_);
 }
 
 void Prims::recv_reduce_send(const void* mine, Piece p) {

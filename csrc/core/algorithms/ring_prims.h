@@ -25,7 +25,8 @@ class Prims {
         RedOp redop = RedOp::NONE, double scale = 1.0);
 
   void send(const void* src, Piece p);
-  // src also copied to dst (skipped when they are one): a rank's own block, kept and sent.
+  // send, then src also copied to dst (skipped when they are one): a rank's own block,
+  // sent on and kept.
   void copy_send(const void* src, void* dst, Piece p);
   void recv_reduce_send(const void* mine, Piece p);
   // dst = scale * (incoming op mine), also sent on: the final value of a reduction.
