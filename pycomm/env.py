@@ -35,12 +35,12 @@ MiB = 1 << 20
 # Every variable pycomm reads, with its default (see csrc/core/runtime/config.h, log.h).
 KNOWN_VARIABLES: dict[str, str] = {
     "PYCOMM_DEBUG": "WARN (INFO: init choices once per rank; TRACE: every op)",
-    "PYCOMM_DEBUG_SUBSYS": "INIT,COLL,P2P,SHM,ISLANDS (a leading ^ excludes)",
+    "PYCOMM_DEBUG_SUBSYS": "all (or some of INIT,COLL,P2P,SHM,ISLANDS; a leading ^ excludes)",
     "PYCOMM_DEBUG_FILE": "stderr (%h host, %p pid)",
     "PYCOMM_ALGO": "auto (ring | direct)",
     "PYCOMM_CHUNK_BYTES": "262144 (one slot's payload)",
     "PYCOMM_SLOTS": "64 (messages in flight per channel; 4 buffers at first)",
-    "PYCOMM_DIRECT_BYTES": "16384, or 65536 with more ranks than cores",
+    "PYCOMM_DIRECT_BYTES": "4096, or 65536 with more ranks than cores",
     "PYCOMM_ZERO_COPY": "1 (read arena tensors in place)",
     "PYCOMM_SPIN_US": "20, or 0 with more ranks than cores",
     "PYCOMM_YIELD_US": "1000",
@@ -57,6 +57,7 @@ KNOWN_VARIABLES: dict[str, str] = {
     "PYCOMM_PTXAS_VERBOSE": "unset (build time)",
     "PYCOMM_BUILD_DIR": "build/temp.<platform>-py<ver>-torch<ver> (build time: objects kept)",
     "PYCOMM_ALLOW_NO_EXTENSION": "unset (1: import pycomm without a loadable pycomm._C)",
+    "PYCOMM_TEST_THREADS": "1 (torch threads in each rank pycomm.testing starts)",
 }
 
 
@@ -215,7 +216,7 @@ NAMESPACE_NOTE = (
 def variables_section(environ: dict[str, str] | None = None) -> dict[str, Any]:
     env = os.environ if environ is None else environ
     in_effect = {k: v for k, v in sorted(env.items()) if k.startswith("PYCOMM_")}
-    unknown = sorted(set(in_effect) - set(KNOWN_VARIABLES) - {"PYCOMM_TEST_THREADS"})
+    unknown = sorted(set(in_effect) - set(KNOWN_VARIABLES))
     return {"set": in_effect, "known": KNOWN_VARIABLES, "unknown": unknown}
 
 

@@ -101,6 +101,25 @@ void register_env_info(py::module_& m) {
         "The torch version, compiler, C++ ABI, CUDA and CPU kernels this extension was built "
         "with.");
   m.def("kernel_isa", &pycomm::kernel_isa, "The copy of the CPU kernels this CPU runs.");
+  m.def(
+      "_config_defaults",
+      [] {
+        const pycomm::Config c;  // the defaults, no environment read
+        py::dict d;
+        d["PYCOMM_CHUNK_BYTES"] = c.chunk_bytes;
+        d["PYCOMM_SLOTS"] = c.slots;
+        d["PYCOMM_SPIN_US"] = c.spin_us;
+        d["PYCOMM_YIELD_US"] = c.yield_us;
+        d["PYCOMM_WAIT_SLICE_US"] = c.wait_slice_us;
+        d["PYCOMM_ZERO_COPY"] = c.zero_copy ? 1 : 0;
+        d["PYCOMM_STRIPES"] = c.stripes;
+        d["PYCOMM_STRIPE_BYTES"] = c.stripe_bytes;
+        d["PYCOMM_CUDA_CHUNK_BYTES"] = c.cuda_chunk_bytes;
+        d["PYCOMM_CUDA_SLOTS"] = c.cuda_slots;
+        return d;
+      },
+      "The core's defaults of its numeric PYCOMM_* settings (the documented ones are "
+      "checked against these).");
   m.def("_segment_bytes", &segment_bytes, py::arg("world"),
         "Bytes of a group's segment with this process's settings: eager (at creation), "
         "channel (one), channels (how many), total (every channel in use).");
