@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -114,8 +115,37 @@ def pycomm_section(ext: ModuleType | None, why: str | None) -> dict[str, Any]:
 
 
 def platform_section() -> dict[str, Any]:
-    return {"python": sys.version.split()[0], "executable": sys.executable,
-            "platform": platform.platform(), "cpus": os.cpu_count()}
+    """The machine as torch.utils.collect_env sees it (what torch's own bug reports
+    give), beside what pycomm adds: the interpreter's path and the CPUs this process may
+    run on (ranks share them)."""
+    out: dict[str, Any] = {"python": sys.version.split()[0], "executable": sys.executable}
+    try:
+        info = _torch_env_info()
+    except Exception as exc:  # collect_env runs tools (lscpu, gcc, nvidia-smi): any may fail
+        out["collect_env"] = f"failed: {exc!r}"
+        info = None
+    if info is not None:
+        out.update({"os": info.os, "libc": info.libc_version, "compiler": info.gcc_version,
+                    "cpu": _cpu_model(info.cpu_info or ""), "gpus": info.nvidia_gpu_models,
+                    "nvidia driver": info.nvidia_driver_version})
+    out.update({"kernel": platform.release(), "cpus": os.cpu_count(),
+                "cpus usable": len(os.sched_getaffinity(0))})
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_env_info() -> Any:
+    from torch.utils import collect_env
+
+    return collect_env.get_env_info()
+
+
+def _cpu_model(lscpu: str) -> str:
+    """lscpu's "Model name" line (collect_env's cpu_info is lscpu's whole output)."""
+    for line in lscpu.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "?"
 
 
 # --- /dev/shm ----------------------------------------------------------------------------

@@ -61,6 +61,21 @@ def test_json_report_matches_torch_and_this_process():
     assert report["shm"]["ranks"] == 3
     assert 0 < need["at_init"] < need["ring"] < need["every_channel"]
     assert report["platform"]["python"] == sys.version.split()[0]
+    # the machine's facts are torch's collect_env's (what torch's bug reports give)
+    from torch.utils import collect_env
+
+    assert report["platform"]["os"] == collect_env.get_env_info().os
+    assert report["platform"]["cpus usable"] == len(os.sched_getaffinity(0))
+
+
+def test_a_collect_env_that_fails_is_said_and_the_report_goes_on(monkeypatch):
+    def broken():
+        raise OSError("lscpu: not found")
+
+    monkeypatch.setattr(env, "_torch_env_info", broken)
+    section = env.platform_section()
+    assert "lscpu: not found" in section["collect_env"]
+    assert section["python"] == sys.version.split()[0] and section["cpus"] == os.cpu_count()
 
 
 def test_shm_need_follows_the_chunk_size(monkeypatch):
