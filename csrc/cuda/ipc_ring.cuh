@@ -24,11 +24,11 @@
 #include <utility>
 #include <vector>
 
+#include "core/algorithms/ring_plan.h"
 #include "core/runtime/config.h"
 #include "core/runtime/rendezvous.h"
 #include "core/runtime/types.h"
 #include "cuda/host/ipc_handles.h"
-#include "core/algorithms/ring_plan.h"
 #include "cuda/host/ring_sync.h"
 
 namespace pycomm {
