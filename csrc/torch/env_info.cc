@@ -7,6 +7,7 @@
 #include "core/runtime/config.h"
 #include "core/runtime/group_segment.h"
 #include "core/runtime/log.h"
+#include "core/runtime/wait_policy.h"
 #include "core/transport/layout.h"
 #include "tensor_args.h"
 
@@ -101,6 +102,31 @@ void register_env_info(py::module_& m) {
         "The torch version, compiler, C++ ABI, CUDA and CPU kernels this extension was built "
         "with.");
   m.def("kernel_isa", &pycomm::kernel_isa, "The copy of the CPU kernels this CPU runs.");
+  m.def(
+      "_wait_policy_yields",
+      [](double yield_us, double for_ms) {
+        // The waiting policy against a yield that takes `yield_us` (a late one: another
+        // job's thread ran; a prompt one: none did), waits of never-ready peers back to
+        // back for `for_ms`: how many yields it made. Deterministic, so the policy's rule
+        // (no yielding for kRememberContention after a late yield) is tested on any host.
+        py::gil_scoped_release unlocked;
+        pycomm::WaitPolicy::contended_until() = {};
+        const pycomm::WaitPolicy policy(1, 200);
+        const auto yield_for = std::chrono::duration<double, std::micro>(yield_us);
+        int64_t yields = 0;
+        auto fake_yield = [&] {
+          ++yields;
+          const auto until = pycomm::Clock::now() + yield_for;
+          while (pycomm::Clock::now() < until) {
+          }
+          return 0;
+        };
+        const auto end = pycomm::Clock::now() + std::chrono::duration<double, std::milli>(for_ms);
+        while (pycomm::Clock::now() < end) policy.poll([] { return false; }, false, fake_yield);
+        pycomm::WaitPolicy::contended_until() = {};
+        return yields;
+      },
+      py::arg("yield_us"), py::arg("for_ms"));
   m.def(
       "_config_defaults",
       [] {

@@ -59,8 +59,9 @@ struct WaitPolicy {
   // wait for cannot run until we give the core up); its yields hand the core to that
   // rank, so however long they take they go on. Otherwise the second phase is skipped
   // while this thread's core is busy with other jobs (see kLateYield).
-  template <class Ready>
-  bool poll(Ready ready, bool no_spin = false) const {
+  // `yield_core` is sched_yield but in tests (_C._wait_policy_yields).
+  template <class Ready, class Yield = int (*)()>
+  bool poll(Ready ready, bool no_spin = false, Yield yield_core = &sched_yield) const {
     const auto start = Clock::now();
     const auto spin_for = no_spin ? Clock::duration::zero() : spin;
     while (Clock::now() - start < spin_for) {
@@ -73,7 +74,7 @@ struct WaitPolicy {
     while (Clock::now() - start < yield) {
       if (ready()) return true;
       const auto before = Clock::now();
-      sched_yield();
+      yield_core();
       // A yield that came back late gave the core to another job's thread: on a busy
       // core each yield costs that thread's whole time slice (milliseconds), while a
       // sleeper woken by its peer's doorbell is run at once. So stop yielding and sleep.
