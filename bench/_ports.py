@@ -23,16 +23,21 @@ PORT_VAR = "BENCH_STORE_PORT"  # set by a launcher that holds the job's TCPStore
 TIMEOUT = datetime.timedelta(minutes=10)
 
 
+def _master_store(world: int):
+    """The job's TCPStore, served from this process on a port the kernel picks."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(HOST, 0, world, is_master=True, timeout=TIMEOUT,
+                         wait_for_workers=False)
+
+
 @contextmanager
 def hosted_store(world: int) -> Iterator[int]:
     """A TCPStore for ``world`` ranks, held here on a port the kernel picked; its port,
     also in ``BENCH_STORE_PORT`` for the ranks started inside the block, which inherit
     the environment. MASTER_ADDR and MASTER_PORT name it too: DeepSpeed's shm all-reduce
     names its segments after them (unique per job, as this port is while it is held)."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore(HOST, 0, world, is_master=True, timeout=TIMEOUT,
-                          wait_for_workers=False)
+    store = _master_store(world)
     try:
         with patch.dict(os.environ, {PORT_VAR: str(store.port), "MASTER_ADDR": HOST,
                                      "MASTER_PORT": str(store.port)}):
@@ -70,9 +75,6 @@ _JOB_STORE = []  # the store this process hosts for a hand-typed mpirun (held to
 def host_for_process(world: int) -> int:
     """Host the job's store here, on a port the kernel picked, for this process's life
     (rank 0 of a hand-typed mpirun: the other ranks learn the port over MPI); its port."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore(HOST, 0, world, is_master=True, timeout=TIMEOUT,
-                          wait_for_workers=False)
+    store = _master_store(world)
     _JOB_STORE.append(store)
     return int(store.port)

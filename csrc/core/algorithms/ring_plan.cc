@@ -161,8 +161,7 @@ std::vector<RingStep> plan_ring(RingKind kind, size_t count, int rank, int nrank
     throw InvalidArgument("pycomm: ring plan for rank " + std::to_string(rank) + " of " +
                           std::to_string(nranks));
   }
-  const bool rooted = kind == RingKind::BROADCAST || kind == RingKind::REDUCE;
-  if (rooted && (root < 0 || root >= nranks)) {
+  if (ring_has_root(kind) && (root < 0 || root >= nranks)) {
     throw InvalidArgument(std::string("pycomm: ") + ring_kind_name(kind) + " root " +
                           std::to_string(root) + " is not a rank of " + std::to_string(nranks));
   }

@@ -42,6 +42,11 @@ std::vector<RingStep> plan_ring(RingKind kind, size_t count, int rank, int nrank
 
 const char* ring_kind_name(RingKind kind);
 
+// Whether the kind has a root (broadcast's source, reduce's destination).
+inline bool ring_has_root(RingKind kind) {
+  return kind == RingKind::BROADCAST || kind == RingKind::REDUCE;
+}
+
 // Elements of the op's message: what a step's msg_offset indexes (nranks * count for
 // reduce_scatter and all_gather).
 size_t ring_message_elems(RingKind kind, size_t count, int nranks);

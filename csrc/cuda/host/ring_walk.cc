@@ -22,8 +22,7 @@ OpKind op_kind(RingKind kind) {
 }  // namespace
 
 OpCall begin_ring_call(RingSync& sync, RingKind kind, DType t, size_t count, RedOp op, int root) {
-  const bool rooted = kind == RingKind::BROADCAST || kind == RingKind::REDUCE;
-  return sync.begin(op_kind(kind), t, count, op, rooted ? root : -1);
+  return sync.begin(op_kind(kind), t, count, op, ring_has_root(kind) ? root : -1);
 }
 
 // A step reads the predecessor's slot only once that step is posted (and tagged as this
