@@ -395,6 +395,58 @@ def test_the_trainer_refuses_a_mesh_that_is_not_its_island(four):
 # --- failure ------------------------------------------------------------------------
 
 
+class _SlowLastLauncher:
+    """Starts workers on this host, the last one ``delay_s`` late (a slow launcher)."""
+
+    def __init__(self, last: tuple[int, int], delay_s: float,
+                 env: dict[str, dict[str, str]] | None = None):
+        from parallel.pathways.launch import LocalLauncher
+
+        self._local, self.last, self.delay_s = LocalLauncher(), last, delay_s
+        self.env = env or {}  # per "island.rank": extra settings for that worker alone
+
+    def start(self, spec):
+        from parallel.pathways.launch import WorkerSpec
+
+        if (spec.island, spec.rank) == self.last:
+            time.sleep(self.delay_s)
+        extra = self.env.get(f"{spec.island}.{spec.rank}", {})
+        return self._local.start(WorkerSpec(spec.island, spec.rank, {**spec.env, **extra}))
+
+    def close(self):
+        self._local.close()
+
+
+def test_start_up_waits_count_from_the_last_launch_not_the_first():
+    """The first worker's waits on its peers start once the cluster has started them all:
+    a launcher slower than the timeout (Ray on loaded CPUs) still brings the cluster up."""
+    launcher = _SlowLastLauncher(last=(1, 1), delay_s=8.0)
+    began = time.monotonic()
+    with pw.Cluster([2, 2], launcher=launcher, timeout_s=5, env=ENV) as c, \
+            c.client(timeout_s=30) as client:
+        assert time.monotonic() - began > 8.0
+        with pytest.raises(IndexError, match="shard 30 of a future on a mesh of 2"):
+            client.call(fns.summed, client.mesh(0, (2,)), torch.ones(8, dtype=F64),
+                        out=V8).result(30)
+        b = client.mesh(1, (2,))
+        y = client.call(fns.summed, b, torch.ones(8, dtype=F64), out=V8)
+        torch.testing.assert_close(y.result(0, timeout=30), torch.full((8,), 2.0, dtype=F64))
+
+
+def test_a_worker_that_fails_its_start_up_is_named_with_its_cause():
+    """Whatever the launcher did with the worker's output, the cluster's error says why."""
+    launcher = _SlowLastLauncher(last=(0, 0), delay_s=0.0,
+                                 env={"1.0": {"PW_THREADS": "0"}})
+    with pytest.raises(RuntimeError) as raised:
+        pw.Cluster([2, 2], launcher=launcher, timeout_s=30, env=ENV)
+    message = str(raised.value)
+    assert "island 1 rank 0" in message and "before its island was up" in message, message
+    assert "its cause" in message and "set_num_threads expects a positive integer" in message
+    assert "exited with status 1 " in message, "a failed start-up exits, it does not abort"
+
+
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_killed_worker_is_named_the_other_island_goes_on_and_the_island_restarts(
         launcher, request):

@@ -20,6 +20,7 @@ from parallel.pathways.address import ClusterAddress
 from parallel.pathways.client import Client
 from parallel.pathways.launch import Launcher, LocalLauncher, WorkerHandle, WorkerSpec
 from parallel.pathways.scheduler import IslandScheduler
+from parallel.pathways.startup import mark_launched, read_cause
 
 _OPEN: weakref.WeakSet[Cluster] = weakref.WeakSet()
 
@@ -69,7 +70,8 @@ class Cluster:
             for island in range(len(self.sizes)):
                 self._start_island(island)
             for island in range(len(self.sizes)):
-                self._wait_island(island)
+                mark_launched(self.store, island, self.epochs[island])
+            self._wait_islands(list(range(len(self.sizes))))
         except BaseException:
             self.close()
             raise
@@ -98,18 +100,34 @@ class Cluster:
         self.workers[island] = [self.launcher.start(self._spec(island, r))
                                 for r in range(self.sizes[island])]
 
-    def _wait_island(self, island: int) -> None:
+    def _wait_islands(self, islands: list[int]) -> None:
+        """Until every island of ``islands`` is up. Every worker of the cluster is watched,
+        not only theirs: an island waits on the others' workers for its links, so the
+        worker that died may be on another island."""
         deadline = time.monotonic() + self.timeout_s
-        while not self.schedulers[island].wait_ready(0.05):
-            for rank, handle in enumerate(self.workers[island]):
+        for island in islands:
+            while not self.schedulers[island].wait_ready(0.05):
+                self._raise_for_an_exited_worker(islands)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cluster: island {island} was not up in "
+                                       f"{self.timeout_s:g} s")
+
+    def _raise_for_an_exited_worker(self, starting: list[int]) -> None:
+        for island, handles in enumerate(self.workers):
+            for rank, handle in enumerate(handles):
                 status = handle.poll()
                 if status is not None:
-                    raise RuntimeError(f"cluster: island {island} rank {rank} (pid "
-                                       f"{handle.pid}) exited with status {status} before "
-                                       "its island was up")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"cluster: island {island} was not up in "
-                                   f"{self.timeout_s:g} s")
+                    raise RuntimeError(self._exited(island, rank, handle.pid, status, starting))
+
+    def _exited(self, island: int, rank: int, pid: int, status: int,
+                starting: list[int]) -> str:
+        when = ("before its island was up" if island in starting else
+                f"while island {starting[0]} was starting (its links need every worker)")
+        cause = read_cause(self.store, island, rank, self.epochs[island])
+        said = (f"; its cause:\n{cause}" if cause is not None else
+                " and left no cause (killed, or it failed before it reached the store)")
+        return (f"cluster: island {island} rank {rank} (pid {pid}) exited with status "
+                f"{status} {when}{said}")
 
     def kill(self, island: int, rank: int) -> int:
         """Kill one worker (SIGKILL); its pid."""
@@ -127,10 +145,11 @@ class Cluster:
         self.epochs[island] += 1
         self.schedulers[island].reset(self.epochs[island])
         self._start_island(island)
+        mark_launched(self.store, island, self.epochs[island])
         for other, scheduler in enumerate(self.schedulers):
             if other != island:
                 scheduler.relink(island, self.epochs[island])
-        self._wait_island(island)
+        self._wait_islands([island])
 
     def close(self) -> None:
         """Stop the workers (asked first, killed if they do not go) and the schedulers."""

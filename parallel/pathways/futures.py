@@ -52,6 +52,9 @@ class Future:
         """The value of one shard (``shard``: its position in the mesh), or the list of
         every shard's value; fetched from the workers now."""
         if shard is not None:
+            if not 0 <= shard < self.mesh.size:  # before a fetch: a clear error, not a peer's
+                raise IndexError(f"shard {shard} of a future on a mesh of {self.mesh.size} "
+                                 "(result(shard, timeout): a timeout goes by name)")
             return self.client.fetch(self, shard, timeout)
         return [self.client.fetch(self, i, timeout) for i in range(self.mesh.size)]
 

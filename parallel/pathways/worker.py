@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from parallel.pathways.functions import unwrapped
 from parallel.pathways.mesh_context import GroupPool, MeshContext, MeshGroups
 from parallel.pathways.objects import ObjectError, Objects
 from parallel.pathways.protocol import Lit, Local, Node, Recv, connect, put, take
+from parallel.pathways.startup import leave_cause, wait_launched
 from parallel.pathways.transfer import Links, PendingRecv, Transfers
 
 
@@ -70,7 +71,7 @@ class Settings:
 class Worker:
     """One rank: its meshes, its objects, and the loop that runs its nodes."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, store: dist.Store):
         self.s = settings
         self.where = (settings.island, settings.rank)
         self.objects = Objects()
@@ -81,8 +82,8 @@ class Worker:
         self._nodes: queue.SimpleQueue[tuple[Node, dict[int, PendingRecv]] | None] = (
             queue.SimpleQueue())
         self._send_lock = threading.Lock()
-        store = dist.TCPStore(*settings.store, is_master=False,
-                              timeout=datetime.timedelta(seconds=settings.timeout_s))
+        wait_launched(store, settings.island, settings.epochs[settings.island],
+                      settings.timeout_s)
         self._join_island(store)
         links = Links(store, self.where, settings.sizes, settings.epochs, settings.timeout_s)
         self.transfers = Transfers(self.where, self.objects, links)
@@ -295,8 +296,28 @@ def _outputs(node: Node, result: Any) -> list[Any]:
     return list(values)
 
 
+def _exit_after_a_failed_start(settings: Settings, store: dist.Store,
+                               error: BaseException) -> NoReturn:
+    """Leave the cause for the cluster, free the island's group, and exit now: a link
+    may still be in the making on the transfers thread (a timed-out wait), and letting
+    the interpreter finalise under it aborts the process (status -6) instead of 1."""
+    leave_cause(store, settings.island, settings.rank, settings.epochs[settings.island],
+                error)
+    traceback.print_exception(error)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def main() -> None:
-    worker = Worker(Settings.from_env())
+    settings = Settings.from_env()
+    store = dist.TCPStore(*settings.store, is_master=False,
+                          timeout=datetime.timedelta(seconds=settings.timeout_s))
+    try:
+        worker = Worker(settings, store)
+    except BaseException as e:
+        _exit_after_a_failed_start(settings, store, e)
     try:
         worker.run()
     finally:
