@@ -20,9 +20,10 @@ Example::
 
     assert run_ranks(_sum, 2, 3, backend="gloo") == [[2.0] * 3] * 2
 
-This module imports only the standard library at import time: child ranks load it
-by file path (see ``_BOOTSTRAP``) so that their ``env`` is applied before pycomm is
-imported, and so that ``backend="gloo"`` never imports pycomm's extension. Each
+This module imports only the standard library at import time, and so does the rank's
+side (``pycomm/_test_rank.py``), which each child loads by file path (see
+``_BOOTSTRAP``) so that its ``env`` is applied before pycomm is imported, and so that
+``backend="gloo"`` never imports pycomm's extension. Each
 rank's stdout/stderr goes to a log that the parent echoes to its own stderr (so
 pytest shows it for a failing test) and quotes in :class:`RankFailure`.
 """
@@ -39,7 +40,6 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -54,9 +54,10 @@ _CLEANUP_S = 10.0  # after a failure, time for answering ranks to destroy their 
 _OUTPUT_TAIL = 4000  # characters of a failing rank's output quoted in RankFailure
 _LIVE_PIDS: set[int] = set()  # ranks of every started, not yet closed pool
 
-# A spawned child starts by running this instead of importing ``pycomm.testing``:
+# A spawned child starts by running this instead of importing ``pycomm._test_rank``:
 # importing the package would run pycomm/__init__.py, which imports torch, before the
 # rank's env (OMP_NUM_THREADS and the like) is applied.
+_RANK_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_test_rank.py")
 _BOOTSTRAP = """
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("_pycomm_rank", path)
@@ -141,96 +142,6 @@ def _exit_text(exitcode: int | None) -> str:
         with contextlib.suppress(ValueError):
             return f"killed by signal {signal.Signals(-exitcode).name}"
     return f"exited with code {exitcode} without a result"
-
-
-# ----------------------------------------------------------------------------- child
-
-
-def _send(conn: Connection, msg: tuple) -> None:
-    """Pickle before sending so an unpicklable result becomes a reported error."""
-    try:
-        data = pickle.dumps(msg)
-    except Exception as exc:  # the result, not the channel, is at fault
-        data = pickle.dumps(_error_msg(exc, "pickling the result"))
-    conn.send_bytes(data)
-
-
-def _error_msg(exc: BaseException, stage: str = "") -> tuple:
-    """Encode an exception as plain strings; ``stage`` says where it happened."""
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    message = f"{exc} (while {stage})" if stage else str(exc)
-    return ("error", type(exc).__name__, message, tb)
-
-
-def _redirect_output(log_path: str) -> None:
-    """Send this rank's stdout/stderr (Python's and C++'s) to its log file.
-
-    A forkserver child inherits the server's stdio, i.e. whatever pytest's capture
-    pointed at when the server started, not the current test's.
-    """
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    reconfigure = getattr(sys.stdout, "reconfigure", None)
-    if reconfigure is not None:  # flush per line: a rank may end in os._exit
-        reconfigure(line_buffering=True)
-
-
-def _init_group(rank: int, world_size: int, port: int, backend: str, pg_timeout_s: float):
-    """Join the parent's TCPStore and create the default process group."""
-    if backend == "pycomm":
-        import pycomm  # noqa: F401  (registers the backend)
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    # Ranks share this machine's cores: torch's own intra-op threads in every rank would
-    # only fight the other ranks for them (4 ranks on 2 cores ran up to 4.5x slower).
-    # A test that wants more sets PYCOMM_TEST_THREADS (or calls set_num_threads itself).
-    torch.set_num_threads(int(os.environ.get("PYCOMM_TEST_THREADS", "1")))
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
-    timeout = timedelta(seconds=pg_timeout_s)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout)
-
-
-def _run_task(data: bytes) -> tuple:
-    """Unpickle (fn, args) and run it; return a message for the parent."""
-    try:
-        fn, args = pickle.loads(data)
-        return ("result", fn(*args))
-    except BaseException as exc:
-        return _error_msg(exc)
-
-
-def _child_main(conn: Connection, rank: int, world_size: int, port: int, backend: str,
-                pg_timeout_s: float, env: dict[str, str], log_path: str) -> None:
-    """A rank's life: set env, join the group, run tasks until told to stop."""
-    _redirect_output(log_path)
-    os.environ.update(env)
-    try:
-        _init_group(rank, world_size, port, backend, pg_timeout_s)
-    except BaseException as exc:
-        _send(conn, _error_msg(exc, "init_process_group"))
-        return
-    _send(conn, ("ready",))
-    while True:
-        try:
-            task = conn.recv_bytes()
-        except EOFError:  # the parent went away: nothing left to report to
-            return
-        if not task:
-            break
-        _send(conn, _run_task(task))
-    try:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-        _send(conn, ("result", None))
-    except BaseException as exc:
-        _send(conn, _error_msg(exc, "destroy_process_group"))
 
 
 # ---------------------------------------------------------------------------- parent
@@ -373,8 +284,9 @@ class RankPool:
                           port=self._store.port, backend=self.backend,
                           pg_timeout_s=self.pg_timeout_s, env=envs[rank],
                           log_path=self._log_path(rank))
-            proc = ctx.Process(target=exec, args=(_BOOTSTRAP, {"path": __file__, "kwargs": kwargs}),
-                               name=f"pycomm-rank{rank}", daemon=True)
+            bootstrap = (_BOOTSTRAP, {"path": _RANK_FILE, "kwargs": kwargs})
+            proc = ctx.Process(target=exec, args=bootstrap, name=f"pycomm-rank{rank}",
+                               daemon=True)
             proc.start()
             _LIVE_PIDS.add(proc.pid)
             child_conn.close()  # so the parent sees EOF when the child dies
