@@ -26,8 +26,8 @@ except ModuleNotFoundError as err:
 from parallel.ps import snapshot, wire
 from parallel.ps.config import JobConfig, address
 from parallel.ps.consistency import Gate, VectorClock
-from parallel.ps.filters import decode
 from parallel.ps.node import Heartbeat, dealer, send
+from parallel.ps.requests import RequestError, checked_request
 from parallel.ps.ring import Ring, handover
 from parallel.ps.store import Rows, Table, TableSpec
 
@@ -40,10 +40,6 @@ class Pending:
     worker: int
     keys: torch.Tensor
     grads: torch.Tensor
-
-
-class RequestError(ValueError):
-    """A worker's request is wrong: answered with the message, the server goes on."""
 
 
 class Server:
@@ -214,39 +210,9 @@ class Server:
         self.pending[spec.name] = []
         return self.tables[spec.name]
 
-    def _table(self, name: Any) -> Table:
-        if name not in self.tables:
-            raise RequestError(f"table {name!r} was never declared (declared: "
-                               f"{sorted(self.tables)[:10]})")
-        return self.tables[name]
-
     def _checked(self, header: dict[str, Any], tensors: list[torch.Tensor],
                  values: bool) -> tuple[Table, torch.Tensor, torch.Tensor | None]:
-        table = self._table(header.get("table"))
-        if values and "codec" in header and len(tensors) > 1:  # compressed on the wire
-            try:
-                frames = [t.numpy().tobytes() for t in tensors[1:]]
-                tensors = [tensors[0], decode(list(frames), header["codec"])]
-            except ValueError as e:
-                raise RequestError(f"table {table.spec.name!r}: {e}") from None
-        if len(tensors) != (2 if values else 1):
-            raise RequestError(f"table {table.spec.name!r}: expected "
-                               f"{'keys and values' if values else 'keys'}, got "
-                               f"{len(tensors)} tensors")
-        keys = tensors[0]
-        if keys.dtype != torch.int64 or keys.dim() != 1:
-            raise RequestError(f"table {table.spec.name!r}: keys must be 1-D int64, got "
-                               f"{keys.dtype} {list(keys.shape)}")
-        if len(keys) > 1 and not bool((keys[1:] > keys[:-1]).all()):
-            raise RequestError(f"table {table.spec.name!r}: keys must be sorted and unique")
-        vals = None
-        if values:
-            vals = tensors[1]
-            want = [len(keys), table.spec.dim]
-            if vals.dtype != torch.float32 or list(vals.shape) != want:
-                raise RequestError(f"table {table.spec.name!r}: values must be float32 "
-                                   f"{want} (keys x dim), got {vals.dtype} {list(vals.shape)}")
-        return table, keys, vals
+        return checked_request(self.tables, header, tensors, values)
 
     def _check_holder(self, table: Table, keys: torch.Tensor, primary: bool) -> None:
         assert self.ring is not None
