@@ -74,6 +74,12 @@ def over_floor(docs: list[dict], fam: str) -> dict[tuple[str, int], float]:
     return out
 
 
+def _own_families(docs: list[dict]) -> list[str]:
+    """The pycomm families a job measured (not the peers, the A/A column or the floor)."""
+    fams = {family(r["backend"]) for doc in docs for r in doc["results"]}
+    return sorted(f for f in fams if not is_peer(f) and "#" not in f and f not in NOT_COMPARED)
+
+
 def _spread(values: list[float]) -> list[float]:
     return [statistics.median(values), min(values), max(values), len(values)]
 
@@ -94,7 +100,7 @@ def _job_limit(docs: list[dict]) -> dict[tuple[str, int], float]:
 
 
 def same_run_fractions(docs: list[dict], first: str) -> dict[tuple[str, int], list[float]]:
-    """{(op, bytes): [busbw / limit]} of ``first`` in every run of a job against the limit
+    """{(op, bytes): [busbw / limit]} of family ``first`` in every run of a job against the limit
     that same run measured. This VM's DRAM rate halves and doubles from one run to the
     next, so the job's fraction (its best time over its best limit) may pair a time from
     one state with a limit from another; this pairs each time with its own state, every
@@ -116,7 +122,9 @@ def same_run_fractions(docs: list[dict], first: str) -> dict[tuple[str, int], li
 def summarize(jobs: list[list[dict]], first: str) -> dict:
     """Over the jobs: each family's best time, who won it, every pycomm family's ratio to
     the best peer, the A/A ratio (``first#2`` over ``first``) and pycomm's fraction of the
-    limit busbw (first family, busbw of its best over the job's limit)."""
+    limit busbw (busbw of its best over the job's limit, and run by run): the first
+    family's under ``limit_fraction``, every pycomm family's (``pycomm-registered``'s
+    arena tensors, say) under ``limit_fraction_by_family``."""
     fam_times: dict[str, list[float]] = {}
     won: dict[str, dict[str, int]] = {}
     vs_peer: dict[str, list[float]] = {}
@@ -126,9 +134,14 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
     floor: dict[str, list[float]] = {}
     limit_busbw: dict[str, list[float]] = {}
     same_run: dict[str, list[float]] = {}
+    by_family: dict[str, list[float]] = {}  # "op|family|bytes"
+    by_family_same_run: dict[str, list[float]] = {}
     for docs in jobs:
         for (op, n), runs in same_run_fractions(docs, first).items():
             same_run.setdefault(f"{op}|{n}", []).extend(runs)
+        for fam in _own_families(docs):
+            for (op, n), runs in same_run_fractions(docs, fam).items():
+                by_family_same_run.setdefault(f"{op}|{fam}|{n}", []).extend(runs)
         for (op, n), extra in over_floor(docs, first).items():
             floor.setdefault(f"{op}|{n}", []).append(extra)
         best, limits = best_of_job(docs), _job_limit(docs)
@@ -149,9 +162,11 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
                     peer_won[pk][peer[1]] += 1
             if fam == first and (op, f"{first}#2", n) in best:
                 aa.setdefault(f"{op}|{n}", []).append(best[(op, f"{first}#2", n)][0] / t)
-            if fam == first and (op, n) in limits:
-                fraction.setdefault(f"{op}|{n}", []).append(
-                    busbw_gbs(op, n, t, world) / limits[(op, n)])
+            if not is_peer(fam) and "#" not in fam and (op, n) in limits:
+                share = busbw_gbs(op, n, t, world) / limits[(op, n)]
+                by_family.setdefault(key, []).append(share)
+                if fam == first:
+                    fraction.setdefault(f"{op}|{n}", []).append(share)
     return {
         "best_us": {k: _spread(v) for k, v in fam_times.items()},
         "best_won_by": won,
@@ -160,6 +175,9 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
         "aa": {k: _spread(v) for k, v in aa.items()},
         "limit_fraction": {k: _spread(v) for k, v in fraction.items()},
         "limit_fraction_same_run": {k: _spread(v) for k, v in same_run.items()},
+        "limit_fraction_by_family": {k: _spread(v) for k, v in by_family.items()},
+        "limit_fraction_same_run_by_family": {k: _spread(v)
+                                              for k, v in by_family_same_run.items()},
         "over_floor_us": {k: _spread(v) for k, v in floor.items()},
         "limit_busbw": {k: _spread(v) for k, v in limit_busbw.items()},
     }

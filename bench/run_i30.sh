@@ -12,8 +12,8 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=bench/results/i30
 mkdir -p "$OUT/crossover"
-PEERS_MPI=pycomm,pycomm-api,gloo,deepspeed,mpi
-PEERS_BF16=pycomm,pycomm-api,gloo,deepspeed   # MPI has no bfloat16 reductions
+PEERS_MPI=pycomm,pycomm-api,pycomm-registered,gloo,deepspeed,mpi
+PEERS_BF16=pycomm,pycomm-api,pycomm-registered,gloo,deepspeed   # MPI has no bfloat16 reductions
 FULL=(-b 1K -e 64M -f 4 -n 10 -w 3)
 run() {  # name, then bench.collectives flags
   local name=$1; shift

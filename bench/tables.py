@@ -59,10 +59,12 @@ def table(s: dict, op: str) -> list[str]:
     b, fams = s["best"], families(s, op)
     mine = [f for f in fams if not _best.is_peer(f)]
     floor = bool(b.get("over_floor_us"))
+    others = _other_limit_families(b, op, mine, s["first"])
     head = ([f"{f} µs" for f in fams] + ["best peer (won)"]
             + [f"{f} / best peer" for f in mine] + ["A/A", "limit busbw GB/s",
                                                     f"{s['first']} / limit",
                                                     f"{s['first']} / limit, same run"]
+            + [f"{f} / limit" for f in others]
             + ([f"{s['first']} - torch floor µs"] if floor else []))
     lines = ["| size | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for n in sizes(s, op):
@@ -78,10 +80,19 @@ def table(s: dict, op: str) -> list[str]:
         cells.append(_num(lim[0]) if lim else "-")
         cells.append(_cell(b["limit_fraction"].get(f"{op}|{n}")))
         cells.append(_cell(b.get("limit_fraction_same_run", {}).get(f"{op}|{n}")))
+        cells += [_cell(b["limit_fraction_by_family"].get(f"{op}|{f}|{n}")) for f in others]
         if floor:
             cells.append(_cell(b["over_floor_us"].get(f"{op}|{n}")))
         lines.append(f"| {size_label(n)} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _other_limit_families(b: dict, op: str, mine: list[str], first: str) -> list[str]:
+    """pycomm's families besides the first with a fraction of the limit for ``op`` (the
+    arena's ``pycomm-registered``, ``pycomm-api``): a column each."""
+    have = {k.split("|")[1] for k in b.get("limit_fraction_by_family", {})
+            if k.startswith(op + "|")}
+    return [f for f in mine if f != first and f in have]
 
 
 def size_label(n: int) -> str:
