@@ -76,13 +76,18 @@ def behind_below(name: str, fam: str) -> str:
     return f"{span}{TIMES} the best peer's time below {edge}"
 
 
-def limit_fraction(name: str, nbytes: int = 64 << 20) -> str:
+def limit_fraction(name: str, nbytes: int = 64 << 20, family: str | None = None) -> str:
     """'N% of the limit at SIZE (a-b); run by run M% (c-d)': the jobs' best time over their
     best limit (median over the jobs, with its range), then each run's time over the limit
-    that run measured (every run)."""
+    that run measured (every run); of the table's first family, or of ``family``."""
     best = _summary(name)["best"]
-    key = f"all_reduce|{nbytes}"
-    v, r = best["limit_fraction"][key], best["limit_fraction_same_run"][key]
+    if family is None:
+        key = f"all_reduce|{nbytes}"
+        v, r = best["limit_fraction"][key], best["limit_fraction_same_run"][key]
+    else:
+        key = f"all_reduce|{family}|{nbytes}"
+        v = best["limit_fraction_by_family"][key]
+        r = best["limit_fraction_same_run_by_family"][key]
     job = f"{v[0]:.0%} of this machine's limit at {_size(nbytes)} ({v[1]:.0%}{DASH}{v[2]:.0%})"
     runs = f"{r[0]:.0%} ({r[1]:.0%}{DASH}{r[2]:.0%})"
     return f"{job}; run by run, against the limit each run measured, {runs}"
@@ -157,6 +162,8 @@ QUOTES: dict[str, Callable[[], str]] = {
     "pycomm-api below, 2 ranks": lambda: behind_below("mpirun-2r-fp32-barrier", "pycomm-api"),
     "pycomm-api ahead, 4 ranks": lambda: ahead_from("mpirun-4r-fp32-barrier", "pycomm-api"),
     "limit, 2 ranks": lambda: limit_fraction("mpirun-2r-fp32-barrier"),
+    "limit registered, 2 ranks": lambda: limit_fraction("mpirun-2r-fp32-barrier",
+                                                        family="pycomm-registered"),
     "loaded": loaded_worst,
     "over the floor": lambda: over_floor("small-2r-fp32"),
     "training step": step_ratio,

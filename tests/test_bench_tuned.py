@@ -125,6 +125,33 @@ def test_same_run_fraction_pairs_each_time_with_its_own_runs_limit():
     assert same[1:] == pytest.approx([busbw[100.0] / limit_40, busbw[200.0] / limit_10, 2])
 
 
+def test_every_pycomm_family_has_its_fraction_of_the_limit_and_its_column():
+    """pycomm on arena tensors (pycomm-registered) is measured against the same limit as
+    the first family, and the table shows it; peers, the A/A column and the floor get
+    none (they are not pycomm's settings)."""
+    from bench import tables
+
+    n = 1 << 20
+    rows = [_row("pycomm", 200.0, n=n), _row("pycomm-registered", 100.0, n=n),
+            _row("pycomm#2", 210.0, n=n), _row("gloo", 900.0, n=n)]
+    job = _job([rows, [dict(r, backend=r["backend"] + "@unpinned") for r in rows]])
+    for doc in job:
+        doc["limit"] = _limit_at(40.0)
+    s = _best.summarize([job] * 3, "pycomm")
+    limit = _limit.limit_busbw("all_reduce", n, 2, 40.0, 40.0, None)
+    fam = s["limit_fraction_by_family"]
+    assert set(fam) == {f"all_reduce|pycomm|{n}", f"all_reduce|pycomm-registered|{n}"}
+    assert fam[f"all_reduce|pycomm-registered|{n}"][0] == pytest.approx(
+        n / 100e-6 / 1e9 / limit)
+    assert fam[f"all_reduce|pycomm|{n}"][0] == pytest.approx(
+        s["limit_fraction"][f"all_reduce|{n}"][0])
+    same_run = s["limit_fraction_same_run_by_family"][f"all_reduce|pycomm-registered|{n}"]
+    assert same_run[3] == 6  # [median, min, max, count]: every run of 3 jobs of 2 runs
+    header, _, row = tables.table({"first": "pycomm", "best": s}, "all_reduce")
+    assert header.split(" | ")[-1] == "pycomm-registered / limit |"
+    assert row.split(" | ")[-1].startswith(f"{fam[f'all_reduce|pycomm-registered|{n}'][0]:.2f}")
+
+
 def test_a_failed_run_leaves_no_earlier_file_to_summarize(tmp_path, monkeypatch):
     """A job whose run fails must not pick up the file an earlier session left at its
     path (a stale job1.json once joined a fresh summary that way)."""
