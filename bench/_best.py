@@ -74,10 +74,24 @@ def over_floor(docs: list[dict], fam: str) -> dict[tuple[str, int], float]:
     return out
 
 
+def _is_own(fam: str) -> bool:
+    """A pycomm family: not a peer, the A/A column or the floor."""
+    return not is_peer(fam) and "#" not in fam and fam not in NOT_COMPARED
+
+
 def _own_families(docs: list[dict]) -> list[str]:
-    """The pycomm families a job measured (not the peers, the A/A column or the floor)."""
-    fams = {family(r["backend"]) for doc in docs for r in doc["results"]}
-    return sorted(f for f in fams if not is_peer(f) and "#" not in f and f not in NOT_COMPARED)
+    """The pycomm families a job measured."""
+    return sorted({f for doc in docs for r in doc["results"] if _is_own(f := family(r["backend"]))})
+
+
+def _of_family(by_family: dict[str, list[float]], fam: str) -> dict[str, list[float]]:
+    """{"op|bytes": v} of one family's entries of {"op|family|bytes": v}."""
+    out = {}
+    for key, v in by_family.items():
+        op, f, n = key.split("|")
+        if f == fam:
+            out[f"{op}|{n}"] = v
+    return out
 
 
 def _spread(values: list[float]) -> list[float]:
@@ -130,15 +144,11 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
     vs_peer: dict[str, list[float]] = {}
     peer_won: dict[str, dict[str, int]] = {}
     aa: dict[str, list[float]] = {}
-    fraction: dict[str, list[float]] = {}
     floor: dict[str, list[float]] = {}
     limit_busbw: dict[str, list[float]] = {}
-    same_run: dict[str, list[float]] = {}
     by_family: dict[str, list[float]] = {}  # "op|family|bytes"
     by_family_same_run: dict[str, list[float]] = {}
     for docs in jobs:
-        for (op, n), runs in same_run_fractions(docs, first).items():
-            same_run.setdefault(f"{op}|{n}", []).extend(runs)
         for fam in _own_families(docs):
             for (op, n), runs in same_run_fractions(docs, fam).items():
                 by_family_same_run.setdefault(f"{op}|{fam}|{n}", []).extend(runs)
@@ -162,22 +172,20 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
                     peer_won[pk][peer[1]] += 1
             if fam == first and (op, f"{first}#2", n) in best:
                 aa.setdefault(f"{op}|{n}", []).append(best[(op, f"{first}#2", n)][0] / t)
-            if not is_peer(fam) and "#" not in fam and (op, n) in limits:
-                share = busbw_gbs(op, n, t, world) / limits[(op, n)]
-                by_family.setdefault(key, []).append(share)
-                if fam == first:
-                    fraction.setdefault(f"{op}|{n}", []).append(share)
+            if _is_own(fam) and (op, n) in limits:
+                by_family.setdefault(key, []).append(busbw_gbs(op, n, t, world) / limits[(op, n)])
+    fractions = {k: _spread(v) for k, v in by_family.items()}
+    same_run = {k: _spread(v) for k, v in by_family_same_run.items()}
     return {
         "best_us": {k: _spread(v) for k, v in fam_times.items()},
         "best_won_by": won,
         "vs_best_peer": {k: _spread(v) for k, v in vs_peer.items()},
         "best_peer_won_by": peer_won,
         "aa": {k: _spread(v) for k, v in aa.items()},
-        "limit_fraction": {k: _spread(v) for k, v in fraction.items()},
-        "limit_fraction_same_run": {k: _spread(v) for k, v in same_run.items()},
-        "limit_fraction_by_family": {k: _spread(v) for k, v in by_family.items()},
-        "limit_fraction_same_run_by_family": {k: _spread(v)
-                                              for k, v in by_family_same_run.items()},
+        "limit_fraction": _of_family(fractions, first),
+        "limit_fraction_same_run": _of_family(same_run, first),
+        "limit_fraction_by_family": fractions,
+        "limit_fraction_same_run_by_family": same_run,
         "over_floor_us": {k: _spread(v) for k, v in floor.items()},
         "limit_busbw": {k: _spread(v) for k, v in limit_busbw.items()},
     }

@@ -80,14 +80,10 @@ def limit_fraction(name: str, nbytes: int = 64 << 20, family: str | None = None)
     """'N% of the limit at SIZE (a-b); run by run M% (c-d)': the jobs' best time over their
     best limit (median over the jobs, with its range), then each run's time over the limit
     that run measured (every run); of the table's first family, or of ``family``."""
-    best = _summary(name)["best"]
-    if family is None:
-        key = f"all_reduce|{nbytes}"
-        v, r = best["limit_fraction"][key], best["limit_fraction_same_run"][key]
-    else:
-        key = f"all_reduce|{family}|{nbytes}"
-        v = best["limit_fraction_by_family"][key]
-        r = best["limit_fraction_same_run_by_family"][key]
+    s = _summary(name)
+    key = f"all_reduce|{family or s['first']}|{nbytes}"
+    v = s["best"]["limit_fraction_by_family"][key]
+    r = s["best"]["limit_fraction_same_run_by_family"][key]
     job = f"{v[0]:.0%} of this machine's limit at {_size(nbytes)} ({v[1]:.0%}{DASH}{v[2]:.0%})"
     runs = f"{r[0]:.0%} ({r[1]:.0%}{DASH}{r[2]:.0%})"
     return f"{job}; run by run, against the limit each run measured, {runs}"
