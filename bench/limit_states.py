@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench import _c2c, _launch, _limit, _provenance
+from bench import _c2c, _launch, _limit, _ports, _provenance
 from bench._cli import parse_size
 
 SMALL_CALLS = 30
@@ -56,7 +56,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     _launch.bind_rank(rank, world, "core")
-    dist.init_process_group("pycomm", rank=rank, world_size=world)
+    _ports.init_default_group("pycomm", rank, world)  # the launcher holds its store
     data, private = torch.randn(args.bytes // 4), torch.ones(args.bytes // 4)
     arena = pycomm.empty(args.bytes // 4)
     arena.copy_(data)
@@ -116,13 +116,13 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
                        "groups": groups, "rows": rows}, f, indent=1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.limit_states", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bytes", type=parse_size, default=64 << 20)
     p.add_argument("--iters", type=int, default=120)
     p.add_argument("--out", help="write every iteration and the groups here (JSON)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.nproc, args.backends = 2, ["pycomm"]
     args.c2c_before = _c2c.reading()
     _launch.launch([], args, worker)

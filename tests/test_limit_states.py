@@ -26,3 +26,19 @@ def test_fraction_is_the_median_of_each_iterations_own_ratio():
     assert describe(group)["fraction"] == 0.8
     assert describe(group)["arena_fraction"] == 1.6
     assert describe(group)["iterations"] == 3
+
+
+def test_a_short_job_runs_end_to_end_and_writes_its_groups(tmp_path):
+    # The whole job, as a user starts it: its ranks join the store the launcher holds
+    # (it once bound the launcher's port itself and died with EADDRINUSE).
+    import json
+
+    from bench import limit_states
+
+    out = tmp_path / "states.json"
+    limit_states.main(["--bytes", "1M", "--iters", "3", "--out", str(out)])
+    got = json.loads(out.read_text())
+    assert got["meta"]["bytes"] == 1 << 20
+    assert len(got["rows"]) == 3
+    assert sum(g["iterations"] for g in got["groups"]) == 3
+    assert all(r["all_reduce_ms"] > 0 and r["arena_all_reduce_ms"] > 0 for r in got["rows"])
