@@ -33,12 +33,15 @@ def _sources(dtype: torch.dtype, k: int, n: int, seed: int) -> list[torch.Tensor
     return [torch.randint(info.min, info.max, (n,), generator=g, dtype=dtype) for _ in range(k)]
 
 
-def _reference(srcs: list[torch.Tensor], op: str) -> torch.Tensor:
-    """The kernel's order and rounding: fold left, 16-bit floats in float32."""
+def _reference(srcs: list[torch.Tensor], op: str, scale: float = 1.0) -> torch.Tensor:
+    """The kernel's order and rounding: fold left, 16-bit floats in float32, then the
+    scale (floating dtypes), rounded once."""
     wide = srcs[0].dtype in (torch.bfloat16, torch.float16)
     acc = srcs[0].float() if wide else srcs[0].clone()
     for s in srcs[1:]:
         acc = FOLDS[op](acc, s.float() if wide else s).to(acc.dtype)
+    if scale != 1.0:
+        acc = acc * scale
     return acc.to(srcs[0].dtype)
 
 
@@ -60,12 +63,14 @@ def test_reduce_copy_matches_ordered_fold(dtype, k, nd, n, seed, data):
     from pycomm import _C
 
     op = data.draw(st.sampled_from(_ops(dtype)))
+    # AVG's 1/world, applied once to the result: floating dtypes only.
+    scale = data.draw(st.sampled_from([1.0, 0.5, 1 / 3])) if dtype.is_floating_point else 1.0
     srcs = _sources(dtype, k, n, seed)
-    expected = _reference(srcs, op)
+    expected = _reference(srcs, op, scale)
     dsts = [torch.full((n,), 7, dtype=dtype) for _ in range(nd)]
-    _C._reduce_copy(dsts, srcs, op)
+    _C._reduce_copy(dsts, srcs, op, scale)
     for d in dsts:
-        assert torch.equal(d, expected), (dtype, op, k, nd, n)
+        assert torch.equal(d, expected), (dtype, op, k, nd, n, scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
@@ -80,6 +85,25 @@ def test_reduce_copy_in_place_over_any_source(dtype):
     _C._reduce_copy([srcs[2], srcs[0], srcs[3]], list(srcs), "sum")
     for i in (0, 2, 3):
         assert torch.equal(srcs[i], expected)
+
+
+IN_PLACE_CASES = [(2, (0,)), (2, (1,)), (2, (0, 1)), (2, (1, 0)),
+                  (3, (0,)), (3, (1,)), (3, (2,)), (3, (0, 2)), (3, (2, 1)), (3, (1, 0))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize(("k", "outs"), IN_PLACE_CASES)
+def test_reduce_copy_into_one_or_two_sources_in_place(dtype, k, outs):
+    """One or two destinations take the last fold straight from the sources (no
+    accumulator): each may be the first source, the last, or one in between."""
+    from pycomm import _C
+
+    n = 1500
+    srcs = _sources(dtype, k, n, 5)
+    expected = _reference(srcs, "sum")
+    _C._reduce_copy([srcs[i] for i in outs], list(srcs), "sum")
+    for i in outs:
+        assert torch.equal(srcs[i], expected), (dtype, k, outs)
 
 
 def test_reduce_copy_rejects_bad_input():

@@ -78,9 +78,10 @@ void reduce_into(at::Tensor dst, const at::Tensor& a, const at::Tensor& b, const
                       static_cast<size_t>(dst.numel()));
 }
 
-// Every dst = op over srcs, in one pass (reduce_copy), for kernel tests and benchmarks.
+// Every dst = scale * (op over srcs), in one pass (reduce_copy), for kernel tests and
+// benchmarks. The scale is for floating dtypes (AVG's 1/world); 1.0 is none.
 void reduce_copy_into(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs,
-                      const std::string& op) {
+                      const std::string& op, double scale) {
   TORCH_CHECK_VALUE(!dsts.empty() && !srcs.empty(), "reduce_copy: need a source and a destination");
   const at::Tensor& first = srcs[0];
   std::vector<void*> dp;
@@ -98,7 +99,8 @@ void reduce_copy_into(const std::vector<at::Tensor>& dsts, const std::vector<at:
   pycomm::RedOp rop = parse_op(op);
   pycomm::check_reduction(dt, rop);
   pycomm::reduce_copy(dt, pycomm::kernel_op(dt, rop), dp.data(), static_cast<int>(dp.size()),
-                      sp.data(), static_cast<int>(sp.size()), static_cast<size_t>(first.numel()));
+                      sp.data(), static_cast<int>(sp.size()), static_cast<size_t>(first.numel()),
+                      scale);
 }
 
 bool in_arena(const at::Tensor& t) {
@@ -175,7 +177,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("op") = "sum", py::call_guard<py::gil_scoped_release>(),
         "dst = a op b with pycomm's reduction kernels (benchmarks and tests).");
   m.def("_reduce_copy", &reduce_copy_into, py::arg("dsts"), py::arg("srcs"), py::arg("op") = "sum",
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("scale") = 1.0, py::call_guard<py::gil_scoped_release>(),
         "Every dst = op over srcs in one pass (pycomm's reduce_copy kernel).");
   m.def("unbound_tensor", &pycomm_torch::unbound_tensor, py::arg("sizes"), py::arg("dtype"),
         "A contiguous CPU tensor of that shape whose storage holds no memory yet.");
