@@ -45,7 +45,7 @@ def _ring_ops(count: int, chunk_bytes: int, slots: int) -> list[str]:
     if not torch.equal(x, total):
         problems.append("all_reduce")
 
-    # AVG scales the final value once, in the step that also copies it on (block by block).
+    # AVG scales the final value once, in the step that also copies it on (one pass).
     x = base[:count] * (rank + 1)
     dist.all_reduce(x, op=dist.ReduceOp.AVG, group=group)
     if not torch.equal(x, total * (1.0 / n)):
@@ -62,6 +62,19 @@ def _ring_ops(count: int, chunk_bytes: int, slots: int) -> list[str]:
     if not torch.equal(gathered, expected):
         problems.append("all_gather")
 
+    # A copy along the ring keeps every bit: signalling NaNs with payloads, in float32
+    # and bfloat16 (no round trip through a wider float may quiet them).
+    for dtype, bits_dtype, nan in ((torch.float32, torch.int32, 0x7F800001),
+                                   (torch.bfloat16, torch.int16, 0x7F81)):
+        payload = torch.arange(count, dtype=torch.int64) % 31 + 8 * rank
+        mine = (nan + payload).to(bits_dtype)
+        gathered = torch.empty(count * n, dtype=dtype)
+        dist.all_gather_into_tensor(gathered, mine.view(dtype), group=group)
+        expected = torch.cat([(nan + torch.arange(count) % 31 + 8 * r).to(bits_dtype)
+                              for r in range(n)])
+        if not torch.equal(gathered.view(bits_dtype), expected):
+            problems.append(f"all_gather {dtype} bits")
+
     b = base[:count] if rank == 1 else torch.zeros(count, dtype=torch.float64)
     dist.broadcast(b, 1, group=group)
     if not torch.equal(b, base[:count]):
@@ -75,7 +88,7 @@ def _ring_ops(count: int, chunk_bytes: int, slots: int) -> list[str]:
 )
 @given(
     count=st.integers(min_value=0, max_value=20_000),
-    # 12296 and 65536 hold pieces longer than the 8 KB blocks a step copies in.
+    # 12296 and 65536 hold pieces longer than the kernels' 512-element blocks.
     chunk_bytes=st.sampled_from([64, 128, 192, 1024, 4096, 12296, 65536]),
     slots=st.integers(min_value=2, max_value=5),
 )

@@ -10,7 +10,10 @@ namespace pycomm {
 namespace {
 // A step that stores one result in two places does it block by block, so the second
 // store reads the first's block from L1: 8 KB, which with the input blocks streaming
-// through beside it stays within a 32 KB L1.
+// through beside it stays within a 32 KB L1. Into a slot it is memcpy, not a loop that
+// stores to both at once (reduce_copy's): the next rank has just read the slot's lines,
+// and glibc's string copy writes whole lines without fetching them back from that core.
+// The one-loop version made a 4-rank ring all_reduce of 64 MB take 31 ms against 20.
 constexpr size_t kCopyBlockBytes = 8 << 10;
 
 // Calls f(offset, length) for each kCopyBlockBytes block of `bytes` (the last may be

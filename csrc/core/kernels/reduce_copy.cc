@@ -133,22 +133,22 @@ PYCOMM_INLINE void fold(RedOp op, const First* first, const typename E::Store* s
 #undef PYCOMM_FOLD
 }
 
-// The last fold into nd <= 2 destinations at `base`, the scale applied in the same loop.
-template <typename E, typename First>
-PYCOMM_INLINE void fold_to_dsts(RedOp op, typename E::Store* const* dsts, int nd, size_t base,
-                                const First* first, const typename E::Store* src, size_t m,
-                                typename E::Compute scale) {
+// body(sink) with the sink that stores to the nd <= 2 destinations at `base`, the scale
+// applied (floating types) in the same loop.
+template <typename E, typename Body>
+PYCOMM_INLINE void into_dsts(typename E::Store* const* dsts, int nd, size_t base,
+                             typename E::Compute scale, Body body) {
   using S = typename E::Store;
   S* d0 = dsts[0] + base;
   S* d1 = nd == 2 ? dsts[1] + base : nullptr;
   if constexpr (std::is_floating_point_v<typename E::Compute>) {
     if (scale != 1) {
-      if (nd == 2) return fold<E>(op, first, src, m, ToDsts<E, 2, true>{d0, d1, scale});
-      return fold<E>(op, first, src, m, ToDsts<E, 1, true>{d0, d1, scale});
+      if (nd == 2) return body(ToDsts<E, 2, true>{d0, d1, scale});
+      return body(ToDsts<E, 1, true>{d0, d1, scale});
     }
   }
-  if (nd == 2) return fold<E>(op, first, src, m, ToDsts<E, 2, false>{d0, d1, scale});
-  fold<E>(op, first, src, m, ToDsts<E, 1, false>{d0, d1, scale});
+  if (nd == 2) return body(ToDsts<E, 2, false>{d0, d1, scale});
+  body(ToDsts<E, 1, false>{d0, d1, scale});
 }
 
 // Sources are combined in the order given, so ranks that run this on the same sources
@@ -164,14 +164,23 @@ PYCOMM_INLINE void reduce_copy_body(RedOp op, typename E::Store* const* dsts, in
   for (size_t base = 0; base < n; base += kBlock) {
     const size_t m = n - base < kBlock ? n - base : kBlock;
     const auto* first = srcs[0] + base;
-    if (k >= 2 && nd <= 2) {  // the folds before the last into acc, the last out
+    if (nd <= 2) {  // the folds before the last into acc, the last (or the copy) out
+      if (k == 1) {
+        into_dsts<E>(dsts, nd, base, scale, [&](auto sink) {
+          for (size_t i = 0; i < m; ++i) sink(i, E::load(first[i]));
+        });
+        continue;
+      }
       if (k == 2) {
-        fold_to_dsts<E>(op, dsts, nd, base, first, srcs[1] + base, m, scale);
+        into_dsts<E>(dsts, nd, base, scale,
+                     [&](auto sink) { fold<E>(op, first, srcs[1] + base, m, sink); });
         continue;
       }
       fold<E>(op, first, srcs[1] + base, m, to_acc);
       for (int j = 2; j < k - 1; ++j) fold<E>(op, acc, srcs[j] + base, m, to_acc);
-      fold_to_dsts<E>(op, dsts, nd, base, static_cast<const C*>(acc), srcs[k - 1] + base, m, scale);
+      into_dsts<E>(dsts, nd, base, scale, [&](auto sink) {
+        fold<E>(op, static_cast<const C*>(acc), srcs[k - 1] + base, m, sink);
+      });
       continue;
     }
     if (k == 1) {
