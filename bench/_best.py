@@ -79,6 +79,12 @@ def _is_own(fam: str) -> bool:
     return not is_peer(fam) and "#" not in fam and fam not in NOT_COMPARED
 
 
+def reads_in_place(fam: str) -> bool:
+    """A family whose buffers the peers read in place (arena tensors): its limit is the
+    unstaged one (bench._limit, ``staged=False``)."""
+    return fam == "pycomm-registered"
+
+
 def _own_families(docs: list[dict]) -> list[str]:
     """The pycomm families a job measured."""
     return sorted({f for doc in docs for r in doc["results"] if _is_own(f := family(r["backend"]))})
@@ -98,17 +104,18 @@ def _spread(values: list[float]) -> list[float]:
     return [statistics.median(values), min(values), max(values), len(values)]
 
 
-def _job_limit(docs: list[dict]) -> dict[tuple[str, int], float]:
+def _job_limit(docs: list[dict], staged: bool = True) -> dict[tuple[str, int], float]:
     """The job's limit busbw per (op, bytes), recomputed by today's model (bench._limit)
     from the rates each of its runs measured, the best of them: every run of a job
-    measures the machine again, and the limit is what it sustained at best."""
+    measures the machine again, and the limit is what it sustained at best. ``staged``
+    False: the limit of buffers read in place."""
     cases = sorted({(r["op"], r["bytes"]) for r in docs[0]["results"]})
     best: dict[tuple[str, int], float] = {}
     for doc in docs:
         limit = doc.get("limit")
         if not limit or "local_gbs" not in limit:
             continue
-        for key, v in _limit.limits_of_run(limit, cases, doc["meta"]["nproc"]).items():
+        for key, v in _limit.limits_of_run(limit, cases, doc["meta"]["nproc"], staged).items():
             best[key] = max(best.get(key, 0.0), v)
     return best
 
@@ -127,7 +134,7 @@ def same_run_fractions(docs: list[dict], first: str) -> dict[tuple[str, int], li
         world = doc["meta"]["nproc"]
         mine = {(r["op"], r["bytes"]): r["time_us"] for r in doc["results"]
                 if family(r["backend"]) == first}
-        limits = _limit.limits_of_run(limit, sorted(mine), world)
+        limits = _limit.limits_of_run(limit, sorted(mine), world, not reads_in_place(first))
         for (op, n), t in mine.items():
             out.setdefault((op, n), []).append(busbw_gbs(op, n, t, world) / limits[(op, n)])
     return out
@@ -146,6 +153,7 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
     aa: dict[str, list[float]] = {}
     floor: dict[str, list[float]] = {}
     limit_busbw: dict[str, list[float]] = {}
+    in_place_busbw: dict[str, list[float]] = {}
     by_family: dict[str, list[float]] = {}  # "op|family|bytes"
     by_family_same_run: dict[str, list[float]] = {}
     for docs in jobs:
@@ -155,8 +163,12 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
         for (op, n), extra in over_floor(docs, first).items():
             floor.setdefault(f"{op}|{n}", []).append(extra)
         best, limits = best_of_job(docs), _job_limit(docs)
+        in_place = _job_limit(docs, staged=False)
         for (op, n), v in limits.items():
             limit_busbw.setdefault(f"{op}|{n}", []).append(v)
+        if any(reads_in_place(f) for f in _own_families(docs)):
+            for (op, n), v in in_place.items():
+                in_place_busbw.setdefault(f"{op}|{n}", []).append(v)
         world = docs[0]["meta"]["nproc"]
         for (op, fam, n), (t, label) in best.items():
             key = f"{op}|{fam}|{n}"
@@ -172,8 +184,10 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
                     peer_won[pk][peer[1]] += 1
             if fam == first and (op, f"{first}#2", n) in best:
                 aa.setdefault(f"{op}|{n}", []).append(best[(op, f"{first}#2", n)][0] / t)
-            if _is_own(fam) and (op, n) in limits:
-                by_family.setdefault(key, []).append(busbw_gbs(op, n, t, world) / limits[(op, n)])
+            its_limits = in_place if reads_in_place(fam) else limits
+            if _is_own(fam) and (op, n) in its_limits:
+                by_family.setdefault(key, []).append(
+                    busbw_gbs(op, n, t, world) / its_limits[(op, n)])
     fractions = {k: _spread(v) for k, v in by_family.items()}
     same_run = {k: _spread(v) for k, v in by_family_same_run.items()}
     return {
@@ -188,5 +202,6 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
         "limit_fraction_same_run_by_family": same_run,
         "over_floor_us": {k: _spread(v) for k, v in floor.items()},
         "limit_busbw": {k: _spread(v) for k, v in limit_busbw.items()},
+        "limit_busbw_in_place": {k: _spread(v) for k, v in in_place_busbw.items()},
     }
 

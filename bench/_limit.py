@@ -26,6 +26,24 @@ Least traffic per rank, S = the op's size (nccl-tests' S), w ranks:
 | all_to_all | S + S | (w-1)/w S |
 | broadcast (a non-root) | S (write) | S |
 | reduce (the root) | S + S | 2 (w-1)/w S, as all_reduce's reduce-scatter then gather to it |
+
+**Arena tensors** (``pycomm.empty``, the ``pycomm-registered`` family) are read in place:
+each rank reads and writes its part of every rank's buffer, so nothing is staged and no
+byte has to cross to another core (a loop over one buffer keeps each part in the cache
+of the rank that reduces it). Their least time is every byte a rank touches at the local
+rate (``staged=False``):
+
+| op, in place | read + written per rank |
+|---|---|
+| all_reduce | S + S (its n-th of every buffer, the result into every buffer) |
+| reduce_scatter | S + S/w |
+| all_gather | S + S |
+| all_to_all | S + S |
+| broadcast (a non-root) | S + S (the root's buffer into its own) |
+| reduce | S + S/w (its n-th of every buffer into the root's) |
+
+Without it their busbw passed the staged limit 1.1-1.8x at 1-16 MB (2 ranks): it is not
+a limit for them.
 """
 
 from __future__ import annotations
@@ -58,28 +76,40 @@ def least_traffic(op: str, nbytes: int, world: int) -> tuple[float, float]:
     return model[op]
 
 
+def in_place_bytes(op: str, nbytes: int, world: int) -> float:
+    """Bytes a rank reads plus writes when every buffer is read in place (module table)."""
+    s, w = float(nbytes), world
+    return {"all_reduce": 2 * s, "reduce_scatter": s + s / w, "all_gather": 2 * s,
+            "all_to_all": 2 * s, "broadcast": 2 * s, "reduce": s + s / w}[op]
+
+
 def least_bytes(op: str, nbytes: int, world: int) -> float:
     """Every byte a rank reads or writes at least: its tensor's and those it receives."""
     return sum(least_traffic(op, nbytes, world))
 
 
 def limit_seconds(op: str, nbytes: int, world: int, local_gbs: float, cache_gbs: float,
-                  handoff_gbs: float | None, ranks_per_core: int = 1) -> float:
+                  handoff_gbs: float | None, ranks_per_core: int = 1,
+                  staged: bool = True) -> float:
     """The least time of one op: the larger of its tensor bytes at ``local_gbs`` (bytes
     read plus written per second per rank at this size, every rank running) and its
     exchanged bytes at ``handoff_gbs`` shared by ``ranks_per_core``. Without a handoff
     reading (one CPU: the ranks share its caches), the exchanged bytes at ``cache_gbs``,
-    the local rate of a cache-resident pass."""
+    the local rate of a cache-resident pass. Not ``staged`` (arena tensors, read in
+    place): every byte it touches at ``local_gbs``."""
+    if not staged:
+        return in_place_bytes(op, nbytes, world) / (local_gbs * GB)
     tensor, exchanged = least_traffic(op, nbytes, world)
     peer_gbs = handoff_gbs / ranks_per_core if handoff_gbs else cache_gbs
     return max(tensor / (local_gbs * GB), exchanged / (peer_gbs * GB))
 
 
 def limit_busbw(op: str, nbytes: int, world: int, local_gbs: float, cache_gbs: float,
-                handoff_gbs: float | None, ranks_per_core: int = 1) -> float:
+                handoff_gbs: float | None, ranks_per_core: int = 1,
+                staged: bool = True) -> float:
     """The busbw of an op that took :func:`limit_seconds`."""
     seconds = limit_seconds(op, nbytes, world, local_gbs, cache_gbs, handoff_gbs,
-                            ranks_per_core)
+                            ranks_per_core, staged)
     return nbytes / seconds / GB * busbw_factor(op, world)
 
 
@@ -147,8 +177,8 @@ def time_one_core(sizes: list[int], iters: int, group) -> dict[int, float] | Non
     return out
 
 
-def limits_of_run(limit: dict, ops_sizes: list[tuple[str, int]], world: int
-                  ) -> dict[tuple[str, int], float]:
+def limits_of_run(limit: dict, ops_sizes: list[tuple[str, int]], world: int,
+                  staged: bool = True) -> dict[tuple[str, int], float]:
     """The limit busbw at each (op, bytes) from a run's measured rates (its JSON's
     ``limit``), by today's model: a summary recomputes it from the raw files. A row's
     bytes may be rounded down from its sweep size; the rate timed at the smallest timed
@@ -159,7 +189,8 @@ def limits_of_run(limit: dict, ops_sizes: list[tuple[str, int]], world: int
     for op, n in ops_sizes:
         at = next((t for t in timed if t >= n), timed[-1])
         out[(op, n)] = limit_busbw(op, n, world, local[at], limit["cache_gbs"],
-                                   limit.get("handoff_gbs"), limit.get("ranks_per_core", 1))
+                                   limit.get("handoff_gbs"), limit.get("ranks_per_core", 1),
+                                   staged)
     return out
 
 

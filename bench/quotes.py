@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from bench import _best
 from bench.tables import machine
 from bench.tables import size_label as _size
 
@@ -79,14 +80,16 @@ def behind_below(name: str, fam: str) -> str:
 def limit_fraction(name: str, nbytes: int = 64 << 20, family: str | None = None) -> str:
     """'N% of the limit at SIZE (a-b); run by run M% (c-d)': the jobs' best time over their
     best limit (median over the jobs, with its range), then each run's time over the limit
-    that run measured (every run); of the table's first family, or of ``family``."""
+    that run measured (every run); of the table's first family, or of ``family`` (the
+    in-place limit for a family read in place: bench._limit)."""
     s = _summary(name)
     key = f"all_reduce|{family or s['first']}|{nbytes}"
     v = s["best"]["limit_fraction_by_family"][key]
     r = s["best"]["limit_fraction_same_run_by_family"][key]
-    job = f"{v[0]:.0%} of this machine's limit at {_size(nbytes)} ({v[1]:.0%}{DASH}{v[2]:.0%})"
+    limit = "in-place limit" if family and _best.reads_in_place(family) else "limit"
+    job = f"{v[0]:.0%} of this machine's {limit} at {_size(nbytes)} ({v[1]:.0%}{DASH}{v[2]:.0%})"
     runs = f"{r[0]:.0%} ({r[1]:.0%}{DASH}{r[2]:.0%})"
-    return f"{job}; run by run, against the limit each run measured, {runs}"
+    return f"{job}; run by run, against the {limit} each run measured, {runs}"
 
 
 def over_floor(name: str, nbytes: int = 1024) -> str:
@@ -160,6 +163,8 @@ QUOTES: dict[str, Callable[[], str]] = {
     "limit, 2 ranks": lambda: limit_fraction("mpirun-2r-fp32-barrier"),
     "limit registered, 2 ranks": lambda: limit_fraction("mpirun-2r-fp32-barrier",
                                                         family="pycomm-registered"),
+    "limit registered b2b, 2 ranks": lambda: limit_fraction("mpirun-2r-fp32-b2b",
+                                                            family="pycomm-registered"),
     "loaded": loaded_worst,
     "over the floor": lambda: over_floor("small-2r-fp32"),
     "training step": step_ratio,

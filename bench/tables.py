@@ -60,11 +60,12 @@ def table(s: dict, op: str) -> list[str]:
     mine = [f for f in fams if not _best.is_peer(f)]
     floor = bool(b.get("over_floor_us"))
     others = _other_limit_families(b, op, mine, s["first"])
+    in_place = any(k.startswith(op + "|") for k in b.get("limit_busbw_in_place", {}))
     head = ([f"{f} µs" for f in fams] + ["best peer (won)"]
-            + [f"{f} / best peer" for f in mine] + ["A/A", "limit busbw GB/s",
-                                                    f"{s['first']} / limit",
-                                                    f"{s['first']} / limit, same run"]
-            + [f"{f} / limit" for f in others]
+            + [f"{f} / best peer" for f in mine] + ["A/A", "limit busbw GB/s"]
+            + (["in-place limit busbw GB/s"] if in_place else [])
+            + [f"{s['first']} / limit", f"{s['first']} / limit, same run"]
+            + [f"{f} / {'in-place ' if _best.reads_in_place(f) else ''}limit" for f in others]
             + ([f"{s['first']} - torch floor µs"] if floor else []))
     lines = ["| size | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for n in sizes(s, op):
@@ -78,6 +79,9 @@ def table(s: dict, op: str) -> list[str]:
         cells.append(_cell(b["aa"].get(f"{op}|{n}")))
         lim = b["limit_busbw"].get(f"{op}|{n}")
         cells.append(_num(lim[0]) if lim else "-")
+        if in_place:
+            lim = b["limit_busbw_in_place"].get(f"{op}|{n}")
+            cells.append(_num(lim[0]) if lim else "-")
         cells.append(_cell(b["limit_fraction"].get(f"{op}|{n}")))
         cells.append(_cell(b.get("limit_fraction_same_run", {}).get(f"{op}|{n}")))
         cells += [_cell(b["limit_fraction_by_family"].get(f"{op}|{f}|{n}")) for f in others]

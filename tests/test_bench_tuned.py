@@ -126,9 +126,11 @@ def test_same_run_fraction_pairs_each_time_with_its_own_runs_limit():
 
 
 def test_every_pycomm_family_has_its_fraction_of_the_limit_and_its_column():
-    """pycomm on arena tensors (pycomm-registered) is measured against the same limit as
-    the first family, and the table shows it; peers, the A/A column and the floor get
-    none (they are not pycomm's settings)."""
+    """pycomm on arena tensors (pycomm-registered) is measured against the in-place limit
+    (peers read its buffers where they are: nothing staged, nothing handed between
+    cores), ordinary tensors against the staged one, and the table shows both limits and
+    each fraction; peers, the A/A column and the floor get none (they are not pycomm's
+    settings)."""
     from bench import tables
 
     n = 1 << 20
@@ -136,20 +138,42 @@ def test_every_pycomm_family_has_its_fraction_of_the_limit_and_its_column():
             _row("pycomm#2", 210.0, n=n), _row("gloo", 900.0, n=n)]
     job = _job([rows, [dict(r, backend=r["backend"] + "@unpinned") for r in rows]])
     for doc in job:
-        doc["limit"] = _limit_at(40.0)
+        # The handoff is the slower rate, so the staged limit is its term, 10 GB/s, and
+        # the in-place limit the tensor term's 20.
+        doc["limit"] = dict(_limit_at(40.0), handoff_gbs=10.0)
     s = _best.summarize([job] * 3, "pycomm")
-    limit = _limit.limit_busbw("all_reduce", n, 2, 40.0, 40.0, None)
+    staged = _limit.limit_busbw("all_reduce", n, 2, 40.0, 40.0, 10.0)
+    in_place = _limit.limit_busbw("all_reduce", n, 2, 40.0, 40.0, 10.0, staged=False)
+    assert (staged, in_place) == (pytest.approx(10.0), pytest.approx(20.0))
     fam = s["limit_fraction_by_family"]
     assert set(fam) == {f"all_reduce|pycomm|{n}", f"all_reduce|pycomm-registered|{n}"}
     assert fam[f"all_reduce|pycomm-registered|{n}"][0] == pytest.approx(
-        n / 100e-6 / 1e9 / limit)
+        n / 100e-6 / 1e9 / in_place)
+    assert fam[f"all_reduce|pycomm|{n}"][0] == pytest.approx(n / 200e-6 / 1e9 / staged)
     assert fam[f"all_reduce|pycomm|{n}"][0] == pytest.approx(
         s["limit_fraction"][f"all_reduce|{n}"][0])
     same_run = s["limit_fraction_same_run_by_family"][f"all_reduce|pycomm-registered|{n}"]
     assert same_run[3] == 6  # [median, min, max, count]: every run of 3 jobs of 2 runs
+    assert same_run[0] == pytest.approx(n / 100e-6 / 1e9 / in_place)
     header, _, row = tables.table({"first": "pycomm", "best": s}, "all_reduce")
-    assert header.split(" | ")[-1] == "pycomm-registered / limit |"
-    assert row.split(" | ")[-1].startswith(f"{fam[f'all_reduce|pycomm-registered|{n}'][0]:.2f}")
+    head, cells = header.split(" | "), row.split(" | ")
+    assert head[-1] == "pycomm-registered / in-place limit |"
+    assert cells[-1].startswith(f"{fam[f'all_reduce|pycomm-registered|{n}'][0]:.2f}")
+    at = head.index("in-place limit busbw GB/s")
+    assert head[at - 1] == "limit busbw GB/s"
+    assert (float(cells[at - 1]), float(cells[at])) == (pytest.approx(10.0), pytest.approx(20.0))
+
+
+def test_the_in_place_limit_counts_every_byte_a_rank_touches_at_the_local_rate():
+    """Read in place, an op's least time is its bytes read plus written at the local rate,
+    whatever the core-to-core rate (no byte has to cross); staged, the slower of the two
+    terms."""
+    s, w = 1 << 20, 4
+    for op, touched in (("all_reduce", 2 * s), ("reduce_scatter", s + s / w),
+                        ("all_gather", 2 * s), ("broadcast", 2 * s)):
+        assert _limit.limit_seconds(op, s, w, 50.0, 50.0, 1.0, staged=False) == pytest.approx(
+            touched / 50e9)
+        assert _limit.limit_seconds(op, s, w, 50.0, 50.0, 1.0) > touched / 50e9
 
 
 def test_a_failed_run_leaves_no_earlier_file_to_summarize(tmp_path, monkeypatch):
