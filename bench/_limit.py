@@ -88,28 +88,44 @@ def least_bytes(op: str, nbytes: int, world: int) -> float:
     return sum(least_traffic(op, nbytes, world))
 
 
+def tensor_seconds(touched: float, local_gbs: float, ranks_per_core: int = 1,
+                   one_core_gbs: float | None = None) -> float:
+    """The least time of a rank's own bytes (``touched``, read plus written) at
+    ``local_gbs``. Where ranks share a core, the core does all their bytes, at best at the
+    rate one core gets alone (``one_core_gbs``, the others idle): ranks sharing a core
+    often run their timed passes one after the other, each at that rate, so the per-rank
+    rate alone would count a core per rank."""
+    seconds = touched / (local_gbs * GB)
+    if one_core_gbs and ranks_per_core > 1:
+        seconds = max(seconds, ranks_per_core * touched / (one_core_gbs * GB))
+    return seconds
+
+
 def limit_seconds(op: str, nbytes: int, world: int, local_gbs: float, cache_gbs: float,
                   handoff_gbs: float | None, ranks_per_core: int = 1,
-                  staged: bool = True) -> float:
+                  staged: bool = True, one_core_gbs: float | None = None) -> float:
     """The least time of one op: the larger of its tensor bytes at ``local_gbs`` (bytes
-    read plus written per second per rank at this size, every rank running) and its
-    exchanged bytes at ``handoff_gbs`` shared by ``ranks_per_core``. Without a handoff
-    reading (one CPU: the ranks share its caches), the exchanged bytes at ``cache_gbs``,
-    the local rate of a cache-resident pass. Not ``staged`` (arena tensors, read in
-    place): every byte it touches at ``local_gbs``."""
+    read plus written per second per rank at this size, every rank running; see
+    :func:`tensor_seconds` for ranks sharing a core) and its exchanged bytes at
+    ``handoff_gbs`` shared by ``ranks_per_core``. Without a handoff reading (one CPU: the
+    ranks share its caches), the exchanged bytes at ``cache_gbs``, the local rate of a
+    cache-resident pass. Not ``staged`` (arena tensors, read in place): every byte it
+    touches, as tensor bytes."""
     if not staged:
-        return in_place_bytes(op, nbytes, world) / (local_gbs * GB)
+        return tensor_seconds(in_place_bytes(op, nbytes, world), local_gbs, ranks_per_core,
+                              one_core_gbs)
     tensor, exchanged = least_traffic(op, nbytes, world)
     peer_gbs = handoff_gbs / ranks_per_core if handoff_gbs else cache_gbs
-    return max(tensor / (local_gbs * GB), exchanged / (peer_gbs * GB))
+    return max(tensor_seconds(tensor, local_gbs, ranks_per_core, one_core_gbs),
+               exchanged / (peer_gbs * GB))
 
 
 def limit_busbw(op: str, nbytes: int, world: int, local_gbs: float, cache_gbs: float,
                 handoff_gbs: float | None, ranks_per_core: int = 1,
-                staged: bool = True) -> float:
+                staged: bool = True, one_core_gbs: float | None = None) -> float:
     """The busbw of an op that took :func:`limit_seconds`."""
     seconds = limit_seconds(op, nbytes, world, local_gbs, cache_gbs, handoff_gbs,
-                            ranks_per_core, staged)
+                            ranks_per_core, staged, one_core_gbs)
     return nbytes / seconds / GB * busbw_factor(op, world)
 
 
@@ -184,13 +200,14 @@ def limits_of_run(limit: dict, ops_sizes: list[tuple[str, int]], world: int,
     bytes may be rounded down from its sweep size; the rate timed at the smallest timed
     size that holds it counts."""
     local = {int(n): v for n, v in limit["local_gbs"].items()}
+    one_core = {int(n): v for n, v in (limit.get("local_gbs_one_core") or {}).items()}
     timed = sorted(local)
     out = {}
     for op, n in ops_sizes:
         at = next((t for t in timed if t >= n), timed[-1])
         out[(op, n)] = limit_busbw(op, n, world, local[at], limit["cache_gbs"],
                                    limit.get("handoff_gbs"), limit.get("ranks_per_core", 1),
-                                   staged)
+                                   staged, one_core.get(at))
     return out
 
 

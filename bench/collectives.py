@@ -203,8 +203,10 @@ def report(args: argparse.Namespace, backends: list[str], gathered: list, skippe
     cache = local[_limit.MIN_TIMED_BYTES]
     handoff = _limit.best_handoff([info.get("c2c_before"), info.get("c2c_after")])
     per_core = _limit.ranks_per_core(world, len(info.get("cpus", [])))
+    one_core = gathered[0][3] or {}
     limits = {op: {r["bytes"]: _limit.limit_busbw(op, r["bytes"], world, local[size], cache,
-                                                   handoff, per_core)
+                                                   handoff, per_core,
+                                                   one_core_gbs=one_core.get(size))
                    for r, size in _rows_with_sweep_size(rows, op, args.sizes)}
               for op in args.ops}
     for line in _provenance.header_lines(info):

@@ -106,6 +106,25 @@ def test_limit_is_the_least_traffic_at_the_measured_rates():
     assert _limit.limit_busbw("all_reduce", 1_000_000, 2, 20.0, 5.0, None) == pytest.approx(5.0)
 
 
+def test_ranks_sharing_a_core_share_its_rate_in_the_limit():
+    """Two ranks per core: the core does both ranks' bytes, at best at one core's rate
+    alone, even when each rank's timed pass (run one after the other) showed that rate."""
+    touched = 2_000_000
+    assert _limit.tensor_seconds(touched, 20.0) == pytest.approx(100e-6)
+    # each rank timed 20 GB/s, a core alone does 25: the pair needs 2 x 2 MB at 25
+    assert _limit.tensor_seconds(touched, 20.0, 2, 25.0) == pytest.approx(160e-6)
+    # each rank's pass already shared the core (10 GB/s): that reading rules
+    assert _limit.tensor_seconds(touched, 10.0, 2, 25.0) == pytest.approx(200e-6)
+    # one rank per core, or no one-core reading: the per-rank rate
+    assert _limit.tensor_seconds(touched, 20.0, 1, 25.0) == pytest.approx(100e-6)
+    assert _limit.tensor_seconds(touched, 20.0, 2, None) == pytest.approx(100e-6)
+    # arena tensors (read in place) at 4 ranks on 2 cores: 2 S per rank, two ranks a core
+    run = {"local_gbs": {"1000000": 20.0}, "cache_gbs": 20.0, "handoff_gbs": 100.0,
+           "ranks_per_core": 2, "local_gbs_one_core": {"1000000": 25.0}}
+    got = _limit.limits_of_run(run, [("all_reduce", 1_000_000)], 4, staged=False)
+    assert got[("all_reduce", 1_000_000)] == pytest.approx(1e6 / 160e-6 / 1e9 * 1.5)
+
+
 def test_a_summary_recomputes_the_limit_from_the_raw_rates():
     limit = {"local_gbs": {"1048576": 20.0, "4194304": 10.0}, "cache_gbs": 20.0,
              "handoff_gbs": 50.0, "ranks_per_core": 1}
