@@ -157,18 +157,18 @@ def summarize(jobs: list[list[dict]], first: str) -> dict:
     by_family: dict[str, list[float]] = {}  # "op|family|bytes"
     by_family_same_run: dict[str, list[float]] = {}
     for docs in jobs:
-        for fam in _own_families(docs):
+        own = _own_families(docs)
+        for fam in own:
             for (op, n), runs in same_run_fractions(docs, fam).items():
                 by_family_same_run.setdefault(f"{op}|{fam}|{n}", []).extend(runs)
         for (op, n), extra in over_floor(docs, first).items():
             floor.setdefault(f"{op}|{n}", []).append(extra)
         best, limits = best_of_job(docs), _job_limit(docs)
-        in_place = _job_limit(docs, staged=False)
+        in_place = (_job_limit(docs, staged=False) if any(map(reads_in_place, own)) else {})
         for (op, n), v in limits.items():
             limit_busbw.setdefault(f"{op}|{n}", []).append(v)
-        if any(reads_in_place(f) for f in _own_families(docs)):
-            for (op, n), v in in_place.items():
-                in_place_busbw.setdefault(f"{op}|{n}", []).append(v)
+        for (op, n), v in in_place.items():
+            in_place_busbw.setdefault(f"{op}|{n}", []).append(v)
         world = docs[0]["meta"]["nproc"]
         for (op, fam, n), (t, label) in best.items():
             key = f"{op}|{fam}|{n}"

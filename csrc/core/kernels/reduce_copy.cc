@@ -164,6 +164,8 @@ PYCOMM_INLINE void reduce_copy_body(RedOp op, typename E::Store* const* dsts, in
   for (size_t base = 0; base < n; base += kBlock) {
     const size_t m = n - base < kBlock ? n - base : kBlock;
     const auto* first = srcs[0] + base;
+    // The cases are spelled out: one helper that folds every source into a sink it is
+    // handed stopped GCC vectorising these loops (bf16, two sources: 1.9 ms -> 8 ms).
     if (nd <= 2) {  // the folds before the last into acc, the last (or the copy) out
       if (k == 1) {
         into_dsts<E>(dsts, nd, base, scale, [&](auto sink) {
