@@ -42,8 +42,10 @@ def unavailable() -> str | None:
 def reading(budget_s: float = 0.1) -> dict | None:
     """One reading between the first two CPUs of this process's affinity set.
 
-    Returns {"round_trip_ns", "handoff_gbs", "cpus": (a, b), "state": "fast" | "slow"},
-    or None where `unavailable()` gives a reason (describe(None) states it).
+    Returns {"round_trip_ns", "handoff_gbs", "exchange_gbs", "cpus": (a, b),
+    "state": "fast" | "slow"} (the handoff one way; the exchange per direction, both
+    ways at once), or None where `unavailable()` gives a reason (describe(None) states
+    it).
 
     Raises:
         RuntimeError: the probe's threads could not be pinned, or other work kept the
@@ -57,16 +59,20 @@ def reading(budget_s: float = 0.1) -> dict | None:
     return {
         "round_trip_ns": r["round_trip_ns"],
         "handoff_gbs": r["handoff_gbs"],
+        "exchange_gbs": r["exchange_gbs"],
         "cpus": (r["cpu_a"], r["cpu_b"]),
         "state": state(r["round_trip_ns"]),
     }
 
 
 def describe(r: dict | None) -> str:
-    """One line: "c2c: round trip 62 ns, 256 KiB-slot handoff 11.8 GB/s (fast)"."""
+    """One line: "c2c: round trip 62 ns, 256 KiB-slot handoff 11.8 GB/s one way, 6.1 GB/s
+    each way both at once (fast)" (a reading from before the exchange phase: one way only)."""
     if r is None:
         return f"c2c: no reading ({unavailable() or 'not taken'})"
+    both = (f", {r['exchange_gbs']:.1f} GB/s each way both at once"
+            if r.get("exchange_gbs") else "")
     return (
         f"c2c: round trip {r['round_trip_ns']:.0f} ns, "
-        f"256 KiB-slot handoff {r['handoff_gbs']:.1f} GB/s ({r['state']})"
+        f"256 KiB-slot handoff {r['handoff_gbs']:.1f} GB/s one way{both} ({r['state']})"
     )

@@ -167,4 +167,5 @@ def _cell(v: list[float] | None, ratio: bool = False) -> str:
 def _c2c_text(r: dict | None) -> str:
     if not r:
         return "n/a"
-    return f"{r['round_trip_ns']:.0f} ns {r['handoff_gbs']:.1f} GB/s ({r['state']})"
+    both = f"/{r['exchange_gbs']:.1f}" if r.get("exchange_gbs") else ""
+    return f"{r['round_trip_ns']:.0f} ns {r['handoff_gbs']:.1f}{both} GB/s ({r['state']})"

@@ -112,6 +112,9 @@ def describe(s: dict) -> str:
     meta = s["meta"]
     c2c = [r for pair in s["c2c"] for r in pair if r]
     rt = [r["round_trip_ns"] for r in c2c]
+    both = [r["exchange_gbs"] for r in c2c if r.get("exchange_gbs")]
+    exchange = (f", {min(both):.0f}{DASH}{max(both):.0f} GB/s each way both at once"
+                if both else "")
     states = sorted({r["state"] for r in c2c})
     load = s.get("load") or {}
     loaded = (f"load {load['per_cpu']} {load['kind']} process(es) per CPU"
@@ -121,7 +124,7 @@ def describe(s: dict) -> str:
             f"{s['jobs']} fresh jobs, {loaded}; {machine(prov)}; "
             f"commit {prov.get('commit', '?')}; c2c round "
             f"trip {min(rt, default=0):.0f}{DASH}{max(rt, default=0):.0f} ns "
-            f"({', '.join(states)}); "
+            f"({', '.join(states)}){exchange}; "
             f"load average {_loadavg(prov)}; #wrong {s['wrong']}")
 
 

@@ -37,6 +37,7 @@ def test_probe_gives_positive_finite_numbers_within_the_time_bound(C):
     assert took < 2.0, f"a 0.1 s probe took {took:.2f} s"
     assert math.isfinite(r["round_trip_ns"]) and r["round_trip_ns"] > 0
     assert math.isfinite(r["handoff_gbs"]) and r["handoff_gbs"] > 0
+    assert math.isfinite(r["exchange_gbs"]) and r["exchange_gbs"] > 0
     assert (r["cpu_a"], r["cpu_b"]) == (ALLOWED[0], ALLOWED[1])  # -1: the first two
 
 
@@ -77,10 +78,11 @@ def test_reading_and_its_line(C):
     if not TWO_CPUS:
         assert r is None and "needs two" in _c2c.describe(r)
         return
-    assert set(r) == {"round_trip_ns", "handoff_gbs", "cpus", "state"}
+    assert set(r) == {"round_trip_ns", "handoff_gbs", "exchange_gbs", "cpus", "state"}
     assert r["state"] == _c2c.state(r["round_trip_ns"])
     assert r["cpus"] == (ALLOWED[0], ALLOWED[1])
-    line = r"c2c: round trip \d+ ns, 256 KiB-slot handoff \d+\.\d GB/s \((fast|between|slow)\)"
+    line = (r"c2c: round trip \d+ ns, 256 KiB-slot handoff \d+\.\d GB/s one way, \d+\.\d GB/s "
+            r"each way both at once \((fast|between|slow)\)")
     assert re.fullmatch(line, _c2c.describe(r))
 
 
@@ -96,8 +98,11 @@ def test_state_threshold(round_trip_ns, state):
 def test_describe_synthetic_readings():
     fast = {"round_trip_ns": 62.3, "handoff_gbs": 11.84, "cpus": (0, 1), "state": "fast"}
     slow = {"round_trip_ns": 301.0, "handoff_gbs": 1.74, "cpus": (0, 1), "state": "slow"}
-    assert _c2c.describe(fast) == "c2c: round trip 62 ns, 256 KiB-slot handoff 11.8 GB/s (fast)"
-    assert _c2c.describe(slow) == "c2c: round trip 301 ns, 256 KiB-slot handoff 1.7 GB/s (slow)"
+    assert _c2c.describe(fast) == ("c2c: round trip 62 ns, 256 KiB-slot handoff 11.8 GB/s one "
+                                   "way (fast)")  # a reading from before the exchange phase
+    slow["exchange_gbs"] = 0.86
+    assert _c2c.describe(slow) == ("c2c: round trip 301 ns, 256 KiB-slot handoff 1.7 GB/s one "
+                                   "way, 0.9 GB/s each way both at once (slow)")
 
 
 def test_one_cpu_gives_none_and_a_reason(monkeypatch):

@@ -253,11 +253,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::dict r;
         r["round_trip_ns"] = p.round_trip_ns;
         r["handoff_gbs"] = p.handoff_gbs;
+        r["exchange_gbs"] = p.exchange_gbs;
         r["cpu_a"] = p.cpu_a;
         r["cpu_b"] = p.cpu_b;
         return r;
       },
       py::arg("cpu_a") = -1, py::arg("cpu_b") = -1, py::arg("budget_s") = 0.1,
-      "Core-to-core round trip (ns) and 256 KiB-slot handoff (GB/s) between two CPUs; -1 "
+      "Core-to-core round trip (ns), 256 KiB-slot handoff and two-way exchange (GB/s per "
+      "direction) between two CPUs; -1 "
       "picks the first two of this thread's affinity set (bench/_c2c.py's reading).");
 }

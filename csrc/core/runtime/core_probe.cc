@@ -1,4 +1,5 @@
-// Core-to-core probe: two pinned threads, a cache-line ping-pong, then a 4-slot handoff.
+// Core-to-core probe: two pinned threads, a cache-line ping-pong, a 4-slot handoff one way,
+// then both ways at once.
 #include "core/runtime/core_probe.h"
 
 #include <pthread.h>
@@ -82,22 +83,29 @@ int resolve_cpu(int cpu, int other, const std::vector<int>& allowed, const char*
   return cpu;
 }
 
+// One direction's ring of kSlots chunks: its writer publishes `written`, its reader frees
+// slots with `read`; each counter has a cache line of its own.
+struct Ring {
+  alignas(64) std::atomic<uint64_t> written{0};
+  alignas(64) std::atomic<uint64_t> read{0};
+  char* slots = nullptr;
+
+  char* slot(uint64_t chunk) const { return slots + (chunk % kSlots) * kChunk; }
+};
+
 // What the two threads share; each counter has a cache line of its own.
 struct Shared {
-  alignas(64) std::atomic<uint64_t> ball{0};     // ping-pong: odd from a, even from b
-  alignas(64) std::atomic<uint64_t> written{0};  // chunks the writer has published
-  alignas(64) std::atomic<uint64_t> read{0};     // chunks the reader has consumed
-  alignas(64) std::atomic<int> phases_over{0};   // 1: ping-pong over, 2: handoff over
-  std::atomic<int64_t> soft_ns{0};               // this phase's end; past it, waits yield
+  alignas(64) std::atomic<uint64_t> ball{0};    // ping-pong: odd from a, even from b
+  alignas(64) std::atomic<int> phases_over{0};  // 1: ping-pong, 2: handoff, 3: exchange over
+  std::atomic<int64_t> soft_ns{0};              // this phase's end; past it, waits yield
   std::atomic<int> pinned{0};
   std::atomic<bool> pin_failed{false};
   std::atomic<bool> gave_up{false};  // the hard deadline passed
   int64_t hard_ns = 0;
   double phase_s = 0;
-  char* slots = nullptr;
-  uint64_t checksum = 0;  // the reader's sum, kept so that its reads are not optimised away
+  Ring to_b, to_a;                    // a -> b (handoff and exchange), b -> a (exchange)
+  std::atomic<uint64_t> checksum{0};  // the readers' sums, so that their reads stay
 
-  char* slot(uint64_t chunk) const { return slots + (chunk % kSlots) * kChunk; }
   void begin_phase() { soft_ns.store(now_ns() + static_cast<int64_t>(phase_s * 1e9)); }
   bool past_phase() const { return now_ns() > soft_ns.load(); }
   // Thread a ends phase n; the next one's deadline is set first so that thread b, moving
@@ -179,45 +187,101 @@ void pong(Shared& s) {
   }
 }
 
-// Thread a, phase 2: streams 256 KiB chunks through the 4 slots. Once the ring is full,
-// the writer starts a chunk whenever the reader frees a slot, so the time between starting
-// chunk i and chunk i + kChunksPerBatch is the ring's period for that many chunks, with
-// no fill or drain in it. Stretches until the phase's time is up and kMinSamples are
-// done; the best one's GB/s (0 if none finished).
-double write_chunks(Shared& s) {
-  double best = 0;
+// Times batches of kChunksPerBatch chunks moved. Once the ring is full, the writer starts
+// a chunk whenever the reader frees a slot, so the time between chunk i and chunk
+// i + kChunksPerBatch is the ring's period for that many chunks, with no fill or drain in
+// it. Keeps the best batch's GB/s.
+struct BatchTimer {
+  const Shared& s;
+  double best_gbs = 0;
   int done = 0;
   Clock::time_point mark;
+
+  // Called as chunk number `chunk` starts; true once kMinSamples are done and the phase's
+  // time is up.
+  bool over_at(uint64_t chunk) {
+    if (chunk < kSlots || (chunk - kSlots) % kChunksPerBatch != 0) return false;
+    auto now = Clock::now();
+    if (chunk > kSlots) {
+      double sec = std::chrono::duration<double>(now - mark).count();
+      best_gbs = std::max(best_gbs, kChunksPerBatch * kChunk / sec / 1e9);
+      if (++done >= kMinSamples && s.past_phase()) return true;
+    }
+    mark = now;
+    return false;
+  }
+};
+
+void write_chunk(Ring& ring, uint64_t chunk) {
+  std::memset(ring.slot(chunk), static_cast<int>(chunk & 0xff), kChunk);
+  ring.written.store(chunk + 1, std::memory_order_release);
+}
+
+uint64_t read_chunk(Ring& ring, uint64_t chunk) {
+  const auto* words = reinterpret_cast<const uint64_t*>(ring.slot(chunk));
+  uint64_t sum = 0;
+  for (size_t k = 0; k < kChunk / sizeof(uint64_t); ++k) sum += words[k];
+  ring.read.store(chunk + 1, std::memory_order_release);
+  return sum;
+}
+
+// Thread a, phase 2: streams 256 KiB chunks through the 4 slots to thread b, until the
+// phase's time is up and kMinSamples batches are done; the best one's GB/s (0 if none).
+double write_chunks(Shared& s) {
+  Ring& ring = s.to_b;
+  BatchTimer timer{s};
   for (uint64_t chunk = 0;; ++chunk) {
     // Wait until the reader is done with this slot's previous chunk.
-    auto slot_free = [&] { return s.read.load(std::memory_order_acquire) + kSlots > chunk; };
-    if (!wait_for(s, slot_free, done >= kMinSamples, 0)) break;
-    if (chunk >= kSlots && (chunk - kSlots) % kChunksPerBatch == 0) {
-      auto now = Clock::now();
-      if (chunk > kSlots) {
-        double sec = std::chrono::duration<double>(now - mark).count();
-        best = std::max(best, kChunksPerBatch * kChunk / sec / 1e9);
-        if (++done >= kMinSamples && s.past_phase()) break;
-      }
-      mark = now;
-    }
-    std::memset(s.slot(chunk), static_cast<int>(chunk & 0xff), kChunk);
-    s.written.store(chunk + 1, std::memory_order_release);
+    auto slot_free = [&] { return ring.read.load(std::memory_order_acquire) + kSlots > chunk; };
+    if (!wait_for(s, slot_free, timer.done >= kMinSamples, 0)) break;
+    if (timer.over_at(chunk)) break;
+    write_chunk(ring, chunk);
   }
-  return best;
+  return timer.best_gbs;
 }
 
 // Thread b, phase 2: reads (sums) each chunk as it is published, then frees its slot.
 void read_chunks(Shared& s) {
   uint64_t sum = 0;
   for (uint64_t chunk = 0;; ++chunk) {
-    auto published = [&] { return s.written.load(std::memory_order_acquire) > chunk; };
+    auto published = [&] { return s.to_b.written.load(std::memory_order_acquire) > chunk; };
     if (!wait_for(s, published, false, 2)) break;
-    const auto* words = reinterpret_cast<const uint64_t*>(s.slot(chunk));
-    for (size_t k = 0; k < kChunk / sizeof(uint64_t); ++k) sum += words[k];
-    s.read.store(chunk + 1, std::memory_order_release);
+    sum += read_chunk(s.to_b, chunk);
   }
-  s.checksum = sum;
+  s.checksum += sum;
+}
+
+// Phase 3, both threads: each writes chunks to the other and reads the other's at once,
+// as every rank of a symmetric collective sends and receives. On some hosts this moves
+// half of the one-way rate in each direction: the limit of such an op's exchanged bytes.
+// A thread reads a chunk once it has written as many as it has read (or when it cannot
+// write), so the two directions move in step: left to read whenever it can, one direction
+// runs ahead at the one-way rate while the other stalls, and a batch timed as the other
+// catches up reads as both at once. Thread a times the chunks that have moved both ways
+// (the fewer of those it wrote and read), GB/s per direction, best batch, and ends the
+// phase; thread b runs until it is over.
+double exchange_chunks(Shared& s, bool timed) {
+  Ring& out = timed ? s.to_b : s.to_a;
+  Ring& in = timed ? s.to_a : s.to_b;
+  BatchTimer timer{s};
+  uint64_t wrote = 0, got = 0, both_ways = 0, sum = 0;
+  auto can_read = [&] { return in.written.load(std::memory_order_acquire) > got; };
+  auto can_write = [&] { return out.read.load(std::memory_order_acquire) + kSlots > wrote; };
+  for (;;) {
+    auto either = [&] { return can_read() || can_write(); };
+    if (!wait_for(s, either, timed && timer.done >= kMinSamples, timed ? 0 : 3)) break;
+    if (can_read() && (got < wrote || !can_write())) {
+      sum += read_chunk(in, got++);
+    } else {
+      write_chunk(out, wrote++);
+    }
+    if (timed && std::min(wrote, got) > both_ways) {
+      both_ways = std::min(wrote, got);
+      if (timer.over_at(both_ways)) break;
+    }
+  }
+  s.checksum += sum;
+  return timer.best_gbs;
 }
 
 }  // namespace
@@ -241,15 +305,16 @@ CoreProbe probe_cores(int cpu_a, int cpu_b, double budget_s) {
   cpu_b = resolve_cpu(cpu_b, cpu_a, allowed, "cpu_b");
 
   Shared s;
-  s.phase_s = budget_s / 2;
+  s.phase_s = budget_s / 3;
   s.hard_ns = now_ns() + static_cast<int64_t>((budget_s + kGraceS) * 1e9);
   std::unique_ptr<char, decltype(&std::free)> slots(
-      static_cast<char*>(std::aligned_alloc(4096, kSlots * kChunk)), &std::free);
-  if (!slots) throw std::runtime_error("probe_cores: cannot allocate the 1 MiB of slots");
-  std::memset(slots.get(), 1, kSlots * kChunk);  // fault the pages in before timing
-  s.slots = slots.get();
+      static_cast<char*>(std::aligned_alloc(4096, 2 * kSlots * kChunk)), &std::free);
+  if (!slots) throw std::runtime_error("probe_cores: cannot allocate the 2 MiB of slots");
+  std::memset(slots.get(), 1, 2 * kSlots * kChunk);  // fault the pages in before timing
+  s.to_b.slots = slots.get();
+  s.to_a.slots = slots.get() + kSlots * kChunk;
 
-  CoreProbe out{0, 0, cpu_a, cpu_b};
+  CoreProbe out{0, 0, 0, cpu_a, cpu_b};
   std::string error_a, error_b;
   std::thread a([&] {
     error_a = pin_and_meet(s, cpu_a);
@@ -259,12 +324,15 @@ CoreProbe probe_cores(int cpu_a, int cpu_b, double budget_s) {
     s.end_phase(1);
     if (std::isfinite(out.round_trip_ns)) out.handoff_gbs = write_chunks(s);
     s.end_phase(2);
+    if (out.handoff_gbs > 0) out.exchange_gbs = exchange_chunks(s, true);
+    s.end_phase(3);
   });
   std::thread b([&] {
     error_b = pin_and_meet(s, cpu_b);
     if (!error_b.empty()) return;
     pong(s);
     read_chunks(s);
+    exchange_chunks(s, false);
   });
   a.join();
   b.join();
@@ -278,13 +346,14 @@ CoreProbe probe_cores(int cpu_a, int cpu_b, double budget_s) {
   if (!error_a.empty() || !error_b.empty()) {
     throw std::runtime_error(error_a.empty() ? error_b : error_a);
   }
-  if (!std::isfinite(out.round_trip_ns) || out.handoff_gbs <= 0) {
-    throw std::runtime_error(
-        "probe_cores: no " +
-        std::string(std::isfinite(out.round_trip_ns) ? "handoff" : "ping-pong") +
-        " batch between cpu " + std::to_string(cpu_a) + " and cpu " + std::to_string(cpu_b) +
-        " finished within " + std::to_string(budget_s + kGraceS) +
-        " s; other work keeps those CPUs busy");
+  if (!std::isfinite(out.round_trip_ns) || out.handoff_gbs <= 0 || out.exchange_gbs <= 0) {
+    const char* phase = !std::isfinite(out.round_trip_ns) ? "ping-pong"
+                        : out.handoff_gbs <= 0            ? "handoff"
+                                                          : "exchange";
+    throw std::runtime_error(std::string("probe_cores: no ") + phase + " batch between cpu " +
+                             std::to_string(cpu_a) + " and cpu " + std::to_string(cpu_b) +
+                             " finished within " + std::to_string(budget_s + kGraceS) +
+                             " s; other work keeps those CPUs busy");
   }
   return out;
 }
