@@ -7,18 +7,10 @@ Over shared memory, on ordinary (private) tensors, a rank moves two kinds of byt
   memory, at the read-modify-write rate measured at this size with every rank running
   (:func:`time_local`: a core's cache up to a few MiB, DRAM beyond);
 - **exchanged bytes** X: what it needs from the others' cores (a peer's part of its
-  chunk, a reduced chunk it gathers), at the c2c probe's rate (the better reading of the
-  job; ranks sharing a core share it). A peer must stage them where this rank can see
-  them (a private tensor is not), but those writes stay in cache-resident slots and
-  overlap the stream, as the ring's pipelining does. Where every rank sends while it
-  receives (all_reduce, reduce_scatter, all_gather, all_to_all; reduce's first half),
-  the rate is the probe's two-way **exchange** (each core writing to and reading from
-  the other at once): on the AMD VM of the tables a core moves ~40 GB/s one way but
-  ~20 GB/s in each direction when both flow, and pycomm's ordinary 4-16 MB all_reduce
-  already moves 18 GB/s each way, which the one-way rate would call 0.45 of possible.
-  Where bytes flow one way (broadcast; reduce's gather to the root), the one-way
-  **handoff** rate. A job recorded before the probe read the exchange (no
-  ``exchange_gbs``) takes the handoff rate for both, as it was summarised then.
+  chunk, a reduced chunk it gathers), at the c2c probe's core-to-core handoff rate (the
+  better reading of the job; ranks sharing a core share it). A peer must stage them
+  where this rank can see them (a private tensor is not), but those writes stay in
+  cache-resident slots and overlap the stream, as the ring's pipelining does.
 
 The two can overlap (a core streams its tensor while lines arrive from the other), so
 the least time is the larger of T / local rate and X / handoff rate: a bound no schedule
@@ -91,21 +83,6 @@ def in_place_bytes(op: str, nbytes: int, world: int) -> float:
             "all_to_all": 2 * s, "broadcast": 2 * s, "reduce": s + s / w}[op]
 
 
-# The share of an op's exchanged bytes that moves while the rank also sends (module text).
-TWO_WAY_SHARE = {"all_reduce": 1.0, "reduce_scatter": 1.0, "all_gather": 1.0,
-                 "all_to_all": 1.0, "reduce": 0.5, "broadcast": 0.0}
-
-
-def exchanged_seconds(op: str, exchanged: float, handoff_gbs: float,
-                      exchange_gbs: float | None) -> float:
-    """The least time of an op's exchanged bytes: its two-way share at ``exchange_gbs``
-    (per direction, both at once), the rest at the one-way ``handoff_gbs``. Without an
-    exchange reading (a job from before it), all of it at ``handoff_gbs``."""
-    two_way = TWO_WAY_SHARE[op] * exchanged
-    both_ways_gbs = exchange_gbs or handoff_gbs
-    return two_way / (both_ways_gbs * GB) + (exchanged - two_way) / (handoff_gbs * GB)
-
-
 def least_bytes(op: str, nbytes: int, world: int) -> float:
     """Every byte a rank reads or writes at least: its tensor's and those it receives."""
     return sum(least_traffic(op, nbytes, world))
@@ -126,34 +103,29 @@ def tensor_seconds(touched: float, local_gbs: float, ranks_per_core: int = 1,
 
 def limit_seconds(op: str, nbytes: int, world: int, local_gbs: float, cache_gbs: float,
                   handoff_gbs: float | None, ranks_per_core: int = 1,
-                  staged: bool = True, one_core_gbs: float | None = None,
-                  exchange_gbs: float | None = None) -> float:
+                  staged: bool = True, one_core_gbs: float | None = None) -> float:
     """The least time of one op: the larger of its tensor bytes at ``local_gbs`` (bytes
     read plus written per second per rank at this size, every rank running; see
-    :func:`tensor_seconds` for ranks sharing a core) and its exchanged bytes at the c2c
-    rates (:func:`exchanged_seconds`) shared by ``ranks_per_core``. Without a handoff
-    reading (one CPU: the ranks share its caches), the exchanged bytes at ``cache_gbs``,
-    the local rate of a cache-resident pass. Not ``staged`` (arena tensors, read in
-    place): every byte it touches, as tensor bytes."""
+    :func:`tensor_seconds` for ranks sharing a core) and its exchanged bytes at
+    ``handoff_gbs`` shared by ``ranks_per_core``. Without a handoff reading (one CPU: the
+    ranks share its caches), the exchanged bytes at ``cache_gbs``, the local rate of a
+    cache-resident pass. Not ``staged`` (arena tensors, read in place): every byte it
+    touches, as tensor bytes."""
     if not staged:
         return tensor_seconds(in_place_bytes(op, nbytes, world), local_gbs, ranks_per_core,
                               one_core_gbs)
     tensor, exchanged = least_traffic(op, nbytes, world)
-    if handoff_gbs:
-        both = exchange_gbs / ranks_per_core if exchange_gbs else None
-        peer_seconds = exchanged_seconds(op, exchanged, handoff_gbs / ranks_per_core, both)
-    else:
-        peer_seconds = exchanged / (cache_gbs * GB)
-    return max(tensor_seconds(tensor, local_gbs, ranks_per_core, one_core_gbs), peer_seconds)
+    peer_gbs = handoff_gbs / ranks_per_core if handoff_gbs else cache_gbs
+    return max(tensor_seconds(tensor, local_gbs, ranks_per_core, one_core_gbs),
+               exchanged / (peer_gbs * GB))
 
 
 def limit_busbw(op: str, nbytes: int, world: int, local_gbs: float, cache_gbs: float,
                 handoff_gbs: float | None, ranks_per_core: int = 1,
-                staged: bool = True, one_core_gbs: float | None = None,
-                exchange_gbs: float | None = None) -> float:
+                staged: bool = True, one_core_gbs: float | None = None) -> float:
     """The busbw of an op that took :func:`limit_seconds`."""
     seconds = limit_seconds(op, nbytes, world, local_gbs, cache_gbs, handoff_gbs,
-                            ranks_per_core, staged, one_core_gbs, exchange_gbs)
+                            ranks_per_core, staged, one_core_gbs)
     return nbytes / seconds / GB * busbw_factor(op, world)
 
 
@@ -161,10 +133,9 @@ def ranks_per_core(world: int, cpus: int) -> int:
     return max(1, math.ceil(world / max(1, cpus)))
 
 
-def best_handoff(readings: list[dict | None], key: str = "handoff_gbs") -> float | None:
-    """The best core-to-core rate (``key``: the one-way handoff, or ``exchange_gbs``, both
-    ways at once) among a job's c2c readings, or None where none has it."""
-    rates = [r[key] for r in readings if r and r.get(key)]
+def best_handoff(readings: list[dict | None]) -> float | None:
+    """The best core-to-core handoff GB/s among a job's c2c readings, or None."""
+    rates = [r["handoff_gbs"] for r in readings if r]
     return max(rates) if rates else None
 
 
@@ -236,7 +207,7 @@ def limits_of_run(limit: dict, ops_sizes: list[tuple[str, int]], world: int,
         at = next((t for t in timed if t >= n), timed[-1])
         out[(op, n)] = limit_busbw(op, n, world, local[at], limit["cache_gbs"],
                                    limit.get("handoff_gbs"), limit.get("ranks_per_core", 1),
-                                   staged, one_core.get(at), limit.get("exchange_gbs"))
+                                   staged, one_core.get(at))
     return out
 
 

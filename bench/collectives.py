@@ -201,15 +201,12 @@ def report(args: argparse.Namespace, backends: list[str], gathered: list, skippe
     ]
     local = {n: _limit.local_gbs(n, [g[1][n] for g in gathered]) for n in gathered[0][1]}
     cache = local[_limit.MIN_TIMED_BYTES]
-    readings = [info.get("c2c_before"), info.get("c2c_after")]
-    handoff = _limit.best_handoff(readings)
-    exchange = _limit.best_handoff(readings, "exchange_gbs")
+    handoff = _limit.best_handoff([info.get("c2c_before"), info.get("c2c_after")])
     per_core = _limit.ranks_per_core(world, len(info.get("cpus", [])))
     one_core = gathered[0][3] or {}
     limits = {op: {r["bytes"]: _limit.limit_busbw(op, r["bytes"], world, local[size], cache,
                                                    handoff, per_core,
-                                                   one_core_gbs=one_core.get(size),
-                                                   exchange_gbs=exchange)
+                                                   one_core_gbs=one_core.get(size))
                    for r, size in _rows_with_sweep_size(rows, op, args.sizes)}
               for op in args.ops}
     for line in _provenance.header_lines(info):
@@ -266,7 +263,7 @@ def report(args: argparse.Namespace, backends: list[str], gathered: list, skippe
     _report.write_json(args.out, meta, rows, {
         "local_gbs": {str(n): g for n, g in local.items()}, "cache_gbs": cache,
         "local_gbs_one_core": {str(n): g for n, g in (gathered[0][3] or {}).items()},
-        "handoff_gbs": handoff, "exchange_gbs": exchange,
+        "handoff_gbs": handoff,
         "ranks_per_core": per_core, "limit_busbw": limit_rows})
     plot = args.out.with_suffix(".png")
     wrote = _report.write_plot(plot, rows, backends, limits, world)

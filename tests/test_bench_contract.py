@@ -106,32 +106,6 @@ def test_limit_is_the_least_traffic_at_the_measured_rates():
     assert _limit.limit_busbw("all_reduce", 1_000_000, 2, 20.0, 5.0, None) == pytest.approx(5.0)
 
 
-def test_bytes_that_flow_both_ways_take_the_exchange_rate():
-    """A rank of all_reduce sends while it receives: its exchanged bytes move at the
-    probe's two-way rate; broadcast's flow one way (the handoff rate); reduce's half and
-    half. A job without an exchange reading keeps the one-way rate for all of them."""
-    s = 1_000_000  # all_reduce at 2 ranks exchanges S; the tensor term is 100 us at 20
-    args = ("all_reduce", s, 2, 20.0, 99.0, 50.0)
-    assert _limit.limit_seconds(*args) == pytest.approx(100e-6)  # one way: 20 us, local rules
-    assert _limit.limit_seconds(*args, exchange_gbs=5.0) == pytest.approx(200e-6)
-    # 4 ranks on 2 cores share the exchange too: S * 3/2 at 5 / 2 GB/s
-    assert _limit.limit_seconds("all_reduce", s, 4, 99.0, 99.0, 50.0, 2,
-                                exchange_gbs=5.0) == pytest.approx(1.5e6 / 2.5e9)
-    # broadcast: S one way at 50 GB/s (20 us) against its S written at 20 (50 us)
-    assert _limit.limit_seconds("broadcast", s, 2, 20.0, 99.0, 50.0,
-                                exchange_gbs=5.0) == pytest.approx(50e-6)
-    # reduce at 2 ranks: S exchanged, half at 5 GB/s (100 us), half at 50 (10 us)
-    assert _limit.exchanged_seconds("reduce", s, 50.0, 5.0) == pytest.approx(110e-6)
-    from bench._timing import OPS
-    assert set(_limit.TWO_WAY_SHARE) == set(OPS)  # every op the bench runs has its share
-    # a summary takes the job's recorded exchange rate; a job without one, the handoff
-    run = {"local_gbs": {"1000000": 20.0}, "cache_gbs": 20.0, "handoff_gbs": 50.0,
-           "ranks_per_core": 1}
-    old = _limit.limits_of_run(run, [("all_reduce", s)], 2)[("all_reduce", s)]
-    new = _limit.limits_of_run({**run, "exchange_gbs": 5.0}, [("all_reduce", s)], 2)
-    assert old == pytest.approx(10.0) and new[("all_reduce", s)] == pytest.approx(5.0)
-
-
 def test_ranks_sharing_a_core_share_its_rate_in_the_limit():
     """Two ranks per core: the core does both ranks' bytes, at best at one core's rate
     alone, even when each rank's timed pass (run one after the other) showed that rate."""
