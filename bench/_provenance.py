@@ -51,13 +51,22 @@ def _mpi_library() -> str:
     return done.stdout.splitlines()[0] if done.stdout else "unknown"
 
 
-def git_commit() -> str:
-    """The checkout's commit (with '+dirty' when files differ), or '' outside git."""
-    root = Path(__file__).resolve().parent.parent
+# What the benchmarks write into the checkout themselves (bench/run_i30.sh: each table's
+# results, then the READMEs' tables and quotes, then the headline plot). A table made
+# after another in the same checkout must not read as made from changed code.
+BENCH_OUTPUTS = ("bench/results", "bench/README.md", "README.md", "docs/headline.png")
+
+
+def git_commit(root: Path | None = None) -> str:
+    """The checkout's commit (with '+dirty' when files other than BENCH_OUTPUTS differ),
+    or '' outside git."""
+    root = root or Path(__file__).resolve().parent.parent
+    ignore = [f":(exclude){p}" for p in BENCH_OUTPUTS]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"],
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno",
+                                "--", ".", *ignore],
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -158,3 +159,27 @@ def test_jobs_summary_takes_medians_of_in_job_ratios_and_the_best_mpi():
     lines = _jobs.format_summary(s)
     assert lines[-1] == "# Out of bounds values : 0 OK"
     assert s["backends"] == ["pycomm", "mpi", "mpi-nocma", "mpi-best"]
+
+
+def test_a_table_is_not_dirty_from_the_results_a_benchmark_wrote(tmp_path):
+    """bench/run_i30.sh writes each table's results (and the READMEs) into the checkout
+    before the next table runs: those must not mark the next one's commit '+dirty';
+    a changed source file must."""
+    from bench import _provenance
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    for path in ("bench/results/t.json", "README.md", "csrc/a.cc"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("0\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    clean = _provenance.git_commit(tmp_path)
+    assert clean and not clean.endswith("+dirty")
+    (tmp_path / "bench/results/t.json").write_text("1\n")
+    (tmp_path / "README.md").write_text("1\n")
+    assert _provenance.git_commit(tmp_path) == clean
+    (tmp_path / "csrc/a.cc").write_text("1\n")
+    assert _provenance.git_commit(tmp_path) == clean + "+dirty"
