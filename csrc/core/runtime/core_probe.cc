@@ -253,7 +253,8 @@ void read_chunks(Shared& s) {
 
 // Phase 3, both threads: each writes chunks to the other and reads the other's at once,
 // as every rank of a symmetric collective sends and receives. On some hosts this moves
-// half of the one-way rate in each direction: the limit of such an op's exchanged bytes.
+// half of the one-way rate in each direction (docs/benchmarks.md: why a staged
+// all_reduce costs what it does; too variable to bound the benchmark's limit).
 // A thread reads a chunk once it has written as many as it has read (or when it cannot
 // write), so the two directions move in step: left to read whenever it can, one direction
 // runs ahead at the one-way rate while the other stalls, and a batch timed as the other
@@ -267,8 +268,8 @@ double exchange_chunks(Shared& s, bool timed) {
   uint64_t wrote = 0, got = 0, both_ways = 0, sum = 0;
   auto can_read = [&] { return in.written.load(std::memory_order_acquire) > got; };
   auto can_write = [&] { return out.read.load(std::memory_order_acquire) + kSlots > wrote; };
+  auto either = [&] { return can_read() || can_write(); };
   for (;;) {
-    auto either = [&] { return can_read() || can_write(); };
     if (!wait_for(s, either, timed && timer.done >= kMinSamples, timed ? 0 : 3)) break;
     if (can_read() && (got < wrote || !can_write())) {
       sum += read_chunk(in, got++);

@@ -18,9 +18,9 @@ struct CoreProbe {
 // chunks through 4 slots, the pattern of a shared-memory ring, then the same both ways at
 // once (each CPU writes to and reads from the other, as every rank of an all_reduce does).
 // Each phase runs batches for a third of budget_s (3 at least) and reports its best
-// batch, so a preemption does not
-// dominate. Bounded: a wait past the phase's time (or longer than 1 ms) yields instead of
-// spinning, and the probe ends within budget_s + 1 s, with its numbers or an error.
+// batch, so a preemption does not dominate. Bounded: a wait past the phase's time (or
+// longer than 1 ms) yields instead of spinning, and the probe ends within budget_s + 1 s,
+// with its numbers or an error.
 //
 // cpu_a / cpu_b = -1 pick the first / next CPU of the calling thread's affinity set.
 // Throws std::invalid_argument if both name the same CPU or a CPU cannot be pinned to (it
