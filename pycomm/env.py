@@ -48,6 +48,8 @@ KNOWN_VARIABLES: dict[str, str] = {
     "PYCOMM_WAIT_SLICE_US": "100 (time slice a sleeping wait asks for; 0: the scheduler's)",
     "PYCOMM_STRIPES": "1 (communicators, each on its own thread, a large all_reduce is cut over)",
     "PYCOMM_STRIPE_BYTES": "4194304 (the least all_reduce striped)",
+    "PYCOMM_TWO_SHOT_BYTES": "all sizes with more than two ranks, 0 with two (0: off)",
+    "PYCOMM_TWO_SHOT_PIECE_BYTES": "524288 (what one two-shot round stages per rank)",
     "PYCOMM_TIMEOUT_S": "torch's default group timeout (1800)",
     "PYCOMM_LOCAL_SIZE": "unset (islands by host)",
     "PYCOMM_ARENA_SLAB_BYTES": "67108864 (arena slab)",
@@ -158,13 +160,15 @@ class ShmNeed:
 
     ranks: int
     at_init: int  # reserved when the group is created
-    ring: int  # plus the one channel per rank a ring or chain uses
+    ring: int  # plus the one channel per rank a ring or chain uses, and two-shot stages
     every_channel: int  # plus all_to_all / send-recv between every pair, both lanes
 
 
 def shm_need(ext: ModuleType, ranks: int) -> ShmNeed:
     seg = ext._segment_bytes(ranks)
-    ring = seg["eager"] + ranks * seg["channel"] if ranks > 1 else seg["eager"]
+    # A ring or chain's channel per rank, and the two-shot all_reduce's stage areas.
+    per_rank = seg["channel"] + seg["stage"]
+    ring = seg["eager"] + ranks * per_rank if ranks > 1 else seg["eager"]
     stripes = seg["stripes"]
     return ShmNeed(ranks, stripes * seg["eager"], stripes * ring, stripes * seg["total"])
 

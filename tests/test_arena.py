@@ -158,7 +158,8 @@ def _zero_copy_chosen() -> str:
 def test_debug_log_names_zero_copy_and_fallback(pool):
     for text in pool.run(_zero_copy_chosen):
         assert "zero-copy (every rank's buffer is in the arena)" in text, text
-        streamed = "pair" if pool.world_size == 2 else "ring"  # two ranks' all_reduce
+        # Two ranks exchange their buffers; more take the two-shot (at every size here).
+        streamed = "pair" if pool.world_size == 2 else "two-shot"
         assert f"{streamed} (not every rank's buffer is in the arena)" in text, text
         lines = [line for line in text.splitlines() if "broadcast" in line]
         assert len(lines) == 2, text

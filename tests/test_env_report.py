@@ -85,7 +85,21 @@ def test_shm_need_follows_the_chunk_size(monkeypatch):
     monkeypatch.setenv("PYCOMM_CHUNK_BYTES", str(1 << 20))
     bigger = env.shm_need(_C, 4)
     assert bigger.at_init == base.at_init  # channels are reserved as they are used
-    assert bigger.ring - bigger.at_init > 3 * (base.ring - base.at_init)
+    # Each of the 4 ranks' ring channels starts with 4 buffers, each 4x larger now.
+    assert bigger.ring - base.ring >= 4 * 4 * ((1 << 20) - (256 << 10))
+
+
+def test_shm_need_counts_the_two_shot_stage_areas(monkeypatch):
+    from pycomm import _C
+
+    piece = 512 << 10  # PYCOMM_TWO_SHOT_PIECE_BYTES' default
+    with_stages = env.shm_need(_C, 4)
+    monkeypatch.setenv("PYCOMM_TWO_SHOT_BYTES", "0")
+    assert with_stages.ring - env.shm_need(_C, 4).ring == 4 * 4 * piece
+    monkeypatch.delenv("PYCOMM_TWO_SHOT_BYTES")
+    monkeypatch.setenv("PYCOMM_TWO_SHOT_PIECE_BYTES", str(2 * piece))
+    assert env.shm_need(_C, 4).ring - with_stages.ring == 4 * 4 * piece
+    assert _C._segment_bytes(2)["stage"] == 0  # two ranks take the pair exchange
 
 
 NEED = env.ShmNeed(ranks=8, at_init=1 * env.MiB, ring=9 * env.MiB, every_channel=113 * env.MiB)

@@ -292,6 +292,12 @@ SKEWS = {  # id -> (world, rank_env, variable, {rank: its value as the error may
                             {0: r"0|off|false", 1: r"1|on|true|unset|not set|default"}),
     "ZERO_COPY-rank1-off": (2, {1: {"PYCOMM_ZERO_COPY": "0"}}, "PYCOMM_ZERO_COPY",
                             {1: r"0|off|false", 0: r"1|on|true|unset|not set|default"}),
+    # The 300_001-element all_reduce takes the two-shot on one rank, the ring on another.
+    "TWO_SHOT-rank1-off": (3, {1: {"PYCOMM_TWO_SHOT_BYTES": "0"}}, "PYCOMM_TWO_SHOT_BYTES",
+                           {1: r"0|off", 0: r"\d{6,}|unset|not set|default"}),
+    "TWO_SHOT_PIECE-rank0-4096": (3, {0: {"PYCOMM_TWO_SHOT_PIECE_BYTES": "4096"}},
+                                  "PYCOMM_TWO_SHOT_PIECE_BYTES",
+                                  {0: r"4096", 2: r"524288|unset|not set|default"}),
 }
 
 

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _segments import segment_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -107,19 +108,6 @@ def test_pair_exchange_any_boundaries(pool, count, chunk_bytes, slots):
 # --- a late peer: the sender runs ahead --------------------------------------------------
 
 
-def _segment_bytes() -> int:
-    """/dev/shm bytes allocated to the pycomm segments this process has open."""
-    total = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith("/dev/shm/pycomm-"):
-                total += os.fstat(int(fd)).st_blocks * 512
-        except OSError:  # closed since listed
-            continue
-    return total
-
-
 def _late_peer(delay_s: float) -> dict:
     chunk = 64 << 10
     # Without zero-copy, whose negotiation would meet the peer before any chunk moves.
@@ -128,13 +116,13 @@ def _late_peer(delay_s: float) -> dict:
     count = 48 * chunk // 4  # 48 chunks: more than the 4 buffers a channel starts with
     x = torch.full((count,), float(rank + 1))
     dist.barrier(group=group)
-    before = _segment_bytes()
+    before = segment_bytes()
     if rank == 1:
         time.sleep(delay_s)
     start = time.monotonic()
     dist.all_reduce(x, group=group)
     waited = time.monotonic() - start
-    grown = _segment_bytes() - before
+    grown = segment_bytes() - before
     right = bool(torch.equal(x, torch.full_like(x, 3.0)))
     dist.destroy_process_group(group)
     return {"grown": grown, "right": right, "waited": waited}

@@ -60,7 +60,7 @@ py::dict segment_bytes(int world) {
   TORCH_CHECK_VALUE(world >= 1, "segment_bytes: a group has at least one rank, not ", world);
   pycomm::Config cfg = pycomm_torch::translated([] { return pycomm::Config::from_env(); });
   pycomm::GroupSettings s = pycomm::group_settings(cfg, world);
-  pycomm::Layout layout(world, s.slots, s.slot_bytes, s.direct_bytes);
+  pycomm::Layout layout(world, s);
   py::dict d;
   d["eager"] = layout.eager_bytes();
   // A channel takes its first buffers when first used and grows only while its receiver
@@ -70,7 +70,10 @@ py::dict segment_bytes(int world) {
   const size_t channel = world > 1 ? layout.first_channel_bytes() : 0;
   d["channel"] = channel;
   d["channels"] = channels;
-  d["total"] = layout.eager_bytes() + channels * channel;
+  // Each rank's two-shot stage areas, reserved by its first two-shot all_reduce.
+  const size_t stage = layout.stage_extent(0).bytes;
+  d["stage"] = stage;
+  d["total"] = layout.eager_bytes() + channels * channel + world * stage;
   d["deepest"] = layout.total_bytes();
   d["stripes"] = cfg.stripes;  // a torch group takes one segment per stripe (stripes.h)
   return d;
@@ -140,6 +143,7 @@ void register_env_info(py::module_& m) {
         d["PYCOMM_ZERO_COPY"] = c.zero_copy ? 1 : 0;
         d["PYCOMM_STRIPES"] = c.stripes;
         d["PYCOMM_STRIPE_BYTES"] = c.stripe_bytes;
+        d["PYCOMM_TWO_SHOT_PIECE_BYTES"] = c.two_shot_piece_bytes;
         d["PYCOMM_CUDA_CHUNK_BYTES"] = c.cuda_chunk_bytes;
         d["PYCOMM_CUDA_SLOTS"] = c.cuda_slots;
         return d;

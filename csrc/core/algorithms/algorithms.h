@@ -29,6 +29,9 @@ void reduce_scatter_ring(Transport& t, const OpCall& op, const Args& a);  // in:
 void all_gather_ring(Transport& t, const OpCall& op, const Args& a);      // out: world*count
 // Two ranks: each streams its whole buffer to the other and reduces what comes back in.
 void all_reduce_pair(Transport& t, const OpCall& op, const Args& a);
+// More ranks, mid sizes: stage, reduce one's own part from every stage, copy the rest
+// (two_shot.cc). Needs the group's stage areas (GroupSettings::two_shot_bytes > 0).
+void all_reduce_two_shot(Transport& t, const OpCall& op, const Args& a);
 
 // Chains along the ring, pipelined chunk by chunk.
 void broadcast_chain(Transport& t, const OpCall& op, const Args& a);

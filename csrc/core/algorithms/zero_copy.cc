@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "core/algorithms/ring_prims.h"
+#include "core/algorithms/parts.h"
 #include "core/kernels/reduce.h"
 #include "core/runtime/faults.h"
 
@@ -24,15 +24,6 @@ std::vector<const void*> at_offset(const std::vector<char*>& bufs, size_t offset
   std::vector<const void*> srcs;
   for (char* b : bufs) srcs.push_back(b + offset);
   return srcs;
-}
-
-// Rank r's contiguous part of `count` elements: an n-th, rounded up to whole cache
-// lines so that no two ranks write one line.
-Piece own_part(size_t count, int n, int r, size_t es) {
-  const size_t line = std::max<size_t>(1, 64 / es);
-  const size_t per_rank = ((count + n - 1) / n + line - 1) / line * line;
-  const size_t begin = std::min(count, r * per_rank);
-  return {begin, std::min(count, begin + per_rank) - begin};
 }
 
 }  // namespace

@@ -63,6 +63,13 @@ Communicator::Communicator(Rendezvous& rdv, int rank, int world, const Config& c
 
 // The choices this rank runs with, once (INFO, subsystems INIT and SHM): after
 // establish_segment, cfg_ holds the group's settings (rank 0's).
+std::string Communicator::two_shot_text() const {
+  if (cfg_.two_shot_bytes == 0) return "";
+  const bool all = cfg_.two_shot_bytes >= cfg_.two_shot_piece_bytes * kMaxTwoShotPieces;
+  return "two-shot for all_reduce" + (all ? std::string() : " up to " + kib(cfg_.two_shot_bytes)) +
+         " (pieces of " + kib(cfg_.two_shot_piece_bytes) + "), else ";
+}
+
 void Communicator::log_init(const Layout& layout, std::chrono::milliseconds timeout) const {
   if (log_.enabled(LogLevel::INFO, Subsys::INIT)) {
     char secs[32];
@@ -72,8 +79,9 @@ void Communicator::log_init(const Layout& layout, std::chrono::milliseconds time
                  hostname() + ", timeout " + secs + " s, CPU kernels " + kernel_isa());
     log_.log(LogLevel::INFO, Subsys::INIT,
              std::string("init: algorithm ") + algo_name(cfg_.algo) + ": direct up to " +
-                 kib(cfg_.direct_bytes) + ", ring (chain for rooted ops" +
-                 (world_ == 2 ? ", pair exchange for all_reduce" : "") + ") above; zero-copy " +
+                 kib(cfg_.direct_bytes) + ", above it " + two_shot_text() +
+                 "ring (chain for rooted ops" +
+                 (world_ == 2 ? ", pair exchange for all_reduce" : "") + "); zero-copy " +
                  (try_zero_copy() ? "on for arena tensors" : "off") + "; waits spin " +
                  std::to_string(spin_us_for(cfg_, world_)) + " us, yield until " +
                  std::to_string(cfg_.yield_us) + " us, then sleep on a futex" +
@@ -228,12 +236,19 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
   a.count = count;
   OpCall c = begin(OpKind::ALL_REDUCE, dtype, count, op, -1);
   if (world_ == 1) return run(c, "local", [] {});
-  // Two ranks exchange whole buffers (all_reduce_pair.cc); more go round the ring.
+  // Two ranks exchange whole buffers (all_reduce_pair.cc); more take the two-shot up to
+  // its size (two_shot.cc), the ring above it.
   static constexpr BulkAlgorithms kPair{all_reduce_direct, all_reduce_pair, all_reduce_zero_copy,
                                         "pair"};
+  static constexpr BulkAlgorithms kTwoShot{all_reduce_direct, all_reduce_two_shot,
+                                           all_reduce_zero_copy, "two-shot"};
   static constexpr BulkAlgorithms kRing{all_reduce_direct, all_reduce_ring, all_reduce_zero_copy,
                                         "ring"};
-  run_bulk(c, a, count * dtype_size(dtype), world_ == 2 ? kPair : kRing, a.in);
+  const size_t bytes = count * dtype_size(dtype);
+  const BulkAlgorithms& algos = bytes <= cfg_.two_shot_bytes ? kTwoShot
+                                : world_ == 2                ? kPair
+                                                             : kRing;
+  run_bulk(c, a, bytes, algos, a.in);
 }
 
 void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType dtype, RedOp op) {

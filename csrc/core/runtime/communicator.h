@@ -83,6 +83,7 @@ class Communicator {
   void run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos,
                 const void* offered);
   bool use_direct(size_t bytes) const;
+  std::string two_shot_text() const;  // for the init line: "" when the group has none
   // From the group's settings (rank 0's), so every rank decides alike.
   bool try_zero_copy() const { return cfg_.zero_copy && cfg_.algo == Algo::AUTO; }
   // Finds out with the other ranks whether every buffer is in the arena; logs the choice

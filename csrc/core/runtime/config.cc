@@ -37,6 +37,19 @@ Config Config::from_env() {
   c.slots = static_cast<uint32_t>(env_uint("PYCOMM_SLOTS", c.slots, 2, 64));
   c.direct_bytes =
       (env_uint("PYCOMM_DIRECT_BYTES", c.direct_bytes, 0, 1ull << 30) + 63) & ~size_t(63);
+  // Pieces hold whole cache lines of any dtype, so that each rank's part is its own lines.
+  c.two_shot_piece_bytes =
+      (env_uint("PYCOMM_TWO_SHOT_PIECE_BYTES", c.two_shot_piece_bytes, 64, 1ull << 30) + 63) &
+      ~size_t(63);
+  if (const char* v = std::getenv("PYCOMM_TWO_SHOT_BYTES"); v != nullptr && *v != '\0') {
+    c.two_shot_bytes = env_uint("PYCOMM_TWO_SHOT_BYTES", 0, 0, 1ull << 40);
+    if (c.two_shot_bytes > c.two_shot_piece_bytes * kMaxTwoShotPieces) {
+      throw InvalidArgument(
+          "pycomm: PYCOMM_TWO_SHOT_BYTES=" + std::to_string(c.two_shot_bytes) + " is more than " +
+          std::to_string(kMaxTwoShotPieces) +
+          " pieces of PYCOMM_TWO_SHOT_PIECE_BYTES=" + std::to_string(c.two_shot_piece_bytes));
+    }
+  }
   c.spin_us = static_cast<uint32_t>(env_uint("PYCOMM_SPIN_US", c.spin_us, 0, 1u << 30));
   c.yield_us = static_cast<uint32_t>(env_uint("PYCOMM_YIELD_US", c.yield_us, 0, 1u << 30));
   c.wait_slice_us =

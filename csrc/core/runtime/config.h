@@ -11,7 +11,10 @@ namespace pycomm {
 
 enum class Algo { AUTO, RING, DIRECT };
 
-constexpr uint32_t kMaxStripes = 16;  // PYCOMM_STRIPES' upper bound
+constexpr uint32_t kMaxStripes = 16;         // PYCOMM_STRIPES' upper bound
+constexpr size_t kTwoShotAuto = ~size_t{0};  // PYCOMM_TWO_SHOT_BYTES unset
+// A two-shot op takes two steps per piece, and an op has 2^20 steps (Transport).
+constexpr size_t kMaxTwoShotPieces = size_t{1} << 18;
 
 struct Config {
   size_t chunk_bytes = 256 << 10;  // PYCOMM_CHUNK_BYTES: payload of one slot
@@ -22,7 +25,14 @@ struct Config {
   // picks it from the ranks per core when the communicator is created.
   size_t direct_bytes = 64 << 10;
   Algo algo = Algo::AUTO;  // PYCOMM_ALGO=auto|ring|direct
-  LogSettings log;         // PYCOMM_DEBUG, PYCOMM_DEBUG_SUBSYS (see log.h)
+  // PYCOMM_TWO_SHOT_BYTES: largest all_reduce of more than two ranks that takes the
+  // two-shot (two_shot.cc) instead of the ring; 0 turns it off. Unset, rank 0 picks it
+  // from the world size when the communicator is created (group_segment.cc).
+  // PYCOMM_TWO_SHOT_PIECE_BYTES: what one round of it stages per rank; a rank's stage
+  // area holds two pieces for each of two sequence numbers (layout.h).
+  size_t two_shot_bytes = kTwoShotAuto;
+  size_t two_shot_piece_bytes = size_t{512} << 10;
+  LogSettings log;  // PYCOMM_DEBUG, PYCOMM_DEBUG_SUBSYS (see log.h)
   // A waiter polls with `pause` for spin_us, then polls with sched_yield() (handing the
   // core to a peer that may need it) until yield_us, then sleeps on a futex. Both are
   // time-based: how long one `pause` takes differs 40x between CPU generations.

@@ -106,6 +106,22 @@ size_t direct_bytes_for(const Config& cfg, int world) {
   return oversubscribed ? 64 << 10 : 4 << 10;
 }
 
+// The two-shot all_reduce (two_shot.cc) takes two steps per piece where the ring takes
+// 2(n-1) per chunk, for about the ring's memory traffic. Measured here (4 ranks on 2
+// CPUs, bench/README.md): 0.4-0.6x the ring's time from 256 KiB to 4 MiB. Two ranks
+// have the pair exchange, which is as good; PYCOMM_ALGO=ring keeps the ring.
+size_t two_shot_bytes_for(const Config& cfg, int world) {
+  if (world < 2 || cfg.algo == Algo::RING) return 0;
+  if (cfg.two_shot_bytes != kTwoShotAuto) return cfg.two_shot_bytes;
+  return world > 2 ? cfg.two_shot_piece_bytes * kMaxTwoShotPieces : 0;
+}
+
+bool two_shot_in_range(const GroupSettings& s) {
+  return s.two_shot_piece_bytes >= 64 && s.two_shot_piece_bytes % 64 == 0 &&
+         s.two_shot_piece_bytes <= (1ull << 30) &&
+         s.two_shot_bytes <= s.two_shot_piece_bytes * kMaxTwoShotPieces;
+}
+
 // "ok <total bytes> <name>" or "error <why>", as rank 0 posts it.
 struct SegmentRecord {
   bool ok = false;
@@ -155,6 +171,10 @@ std::string setting_mismatches(const GroupSettings& mine, const GroupSettings& g
   note("PYCOMM_STRIPES", std::to_string(mine.stripes), std::to_string(group.stripes));
   note("PYCOMM_STRIPE_BYTES", std::to_string(mine.stripe_bytes),
        std::to_string(group.stripe_bytes));
+  note("PYCOMM_TWO_SHOT_BYTES", std::to_string(mine.two_shot_bytes),
+       std::to_string(group.two_shot_bytes));
+  note("PYCOMM_TWO_SHOT_PIECE_BYTES", std::to_string(mine.two_shot_piece_bytes),
+       std::to_string(group.two_shot_piece_bytes));
   return out;
 }
 
@@ -165,7 +185,7 @@ Layout checked_layout(const ShmSegment& seg, size_t total, int world, int rank) 
   const GroupSettings& s = h->settings;
   std::string why;
   if (h->magic != kSegmentMagic)
-    why = "its header is not this pycomm's (segment format v5; another version on rank 0?)";
+    why = "its header is not this pycomm's (segment format v6; another version on rank 0?)";
   else if (h->world != world)
     why = "it is for " + std::to_string(h->world) + " ranks, not " + std::to_string(world);
   else if (h->total_bytes != total)
@@ -174,15 +194,15 @@ Layout checked_layout(const ShmSegment& seg, size_t total, int world, int rank) 
   else if (s.slots < 2 || s.slots > 64 || s.slot_bytes < 64 || s.slot_bytes % 64 != 0 ||
            s.slot_bytes > (1ull << 40) || s.direct_bytes > (1ull << 30) || s.zero_copy > 1 ||
            s.algo > static_cast<uint32_t>(Algo::DIRECT) || s.stripes < 1 ||
-           s.stripes > kMaxStripes || s.stripe_bytes < 64 * kMaxStripes)
+           s.stripes > kMaxStripes || s.stripe_bytes < 64 * kMaxStripes || !two_shot_in_range(s))
     why = "its settings are out of range";
-  else if (Layout(world, s.slots, s.slot_bytes, s.direct_bytes).total_bytes() != total)
+  else if (Layout(world, s).total_bytes() != total)
     why = "its settings describe a layout of another size";
   if (!why.empty()) {
     throw CommError("pycomm: rank " + std::to_string(rank) + " refuses segment " + seg.name() +
                     ": " + why);
   }
-  return Layout(world, s.slots, s.slot_bytes, s.direct_bytes);
+  return Layout(world, s);
 }
 
 void apply(const GroupSettings& s, Config& cfg) {
@@ -193,12 +213,14 @@ void apply(const GroupSettings& s, Config& cfg) {
   cfg.zero_copy = s.zero_copy != 0;
   cfg.stripes = s.stripes;
   cfg.stripe_bytes = s.stripe_bytes;
+  cfg.two_shot_bytes = s.two_shot_bytes;
+  cfg.two_shot_piece_bytes = s.two_shot_piece_bytes;
 }
 
 GroupSegment create(Rendezvous& rdv, int world, Config& cfg) {
   GroupSettings s = group_settings(cfg, world);
   apply(s, cfg);
-  Layout layout(world, s.slots, s.slot_bytes, s.direct_bytes);
+  Layout layout(world, s);
   std::string what = "a " + std::to_string(world) + "-rank group (" + mib(layout.eager_bytes()) +
                      " at once, channels of " + std::to_string(s.slots) + " slots x " +
                      std::to_string(s.slot_bytes) + " bytes as they are used)";
@@ -290,6 +312,8 @@ GroupSettings group_settings(const Config& cfg, int world) {
   s.zero_copy = cfg.zero_copy ? 1 : 0;
   s.stripes = cfg.stripes;
   s.stripe_bytes = cfg.stripe_bytes;
+  s.two_shot_bytes = two_shot_bytes_for(cfg, world);
+  s.two_shot_piece_bytes = cfg.two_shot_piece_bytes;
   return s;
 }
 

@@ -51,12 +51,12 @@ bool PackedDesc::load(uint64_t seq, OpDesc* out) const {
   return true;
 }
 
-Layout::Layout(int world, uint32_t slots, size_t slot_bytes, size_t direct_bytes)
-    : world_(world), slots_(slots) {
+Layout::Layout(int world, const GroupSettings& s) : world_(world), slots_(s.slots) {
+  const size_t slot_bytes = s.slot_bytes, direct_bytes = s.direct_bytes;
   // Whole pages, so reserving one buffer never allocates a neighbour's page.
-  descs_bytes_ = round_up(slots * sizeof(SlotHeader), kPage);
+  descs_bytes_ = round_up(s.slots * sizeof(SlotHeader), kPage);
   buffer_stride_ = round_up(slot_bytes, kPage);
-  channel_stride_ = descs_bytes_ + slots * buffer_stride_;
+  channel_stride_ = descs_bytes_ + s.slots * buffer_stride_;
   // At least 256 bytes: zero-copy negotiation posts its offers here even when the
   // direct algorithm itself is turned off.
   direct_stride_ = sizeof(DirectHeader) + round_up(std::max<size_t>(direct_bytes, 256), kLine);
@@ -65,7 +65,10 @@ Layout::Layout(int world, uint32_t slots, size_t slot_bytes, size_t direct_bytes
   ctls_off_ = round_up(controls_off_ + world * sizeof(RankControl), kPage);
   direct_off_ = round_up(ctls_off_ + nchannels * sizeof(ChannelCtl), kPage);
   payloads_off_ = round_up(direct_off_ + 2 * static_cast<size_t>(world) * direct_stride_, kPage);
-  total_ = payloads_off_ + nchannels * channel_stride_;
+  stages_off_ = payloads_off_ + nchannels * channel_stride_;
+  stage_piece_ = s.two_shot_bytes != 0 ? s.two_shot_piece_bytes : 0;
+  stage_stride_ = round_up(2 * stage_piece_, kPage);
+  total_ = stages_off_ + 2 * static_cast<size_t>(world) * stage_stride_;
 }
 
 RankControl* Layout::control(void* base, int rank) const {
@@ -117,6 +120,15 @@ DirectHeader* Layout::direct(void* base, int rank, int parity) const {
   auto* p = static_cast<char*>(base) + direct_off_ +
             (2 * static_cast<size_t>(rank) + parity) * direct_stride_;
   return reinterpret_cast<DirectHeader*>(p);
+}
+
+char* Layout::stage(void* base, int rank, int parity) const {
+  return static_cast<char*>(base) + stages_off_ +
+         (2 * static_cast<size_t>(rank) + parity) * stage_stride_;
+}
+
+Extent Layout::stage_extent(int rank) const {
+  return {stages_off_ + 2 * static_cast<size_t>(rank) * stage_stride_, 2 * stage_stride_};
 }
 
 }  // namespace pycomm

@@ -1,7 +1,9 @@
 // The shared-memory segment of one communicator, as every rank maps it:
 //
-//   SegmentHeader | RankControl x world | ChannelCtl x channels | direct areas | channels
-//   '---------------------- reserved at creation ----------------------------' '- holes -'
+//   SegmentHeader | RankControl x world | ChannelCtl x channels | direct areas |
+//   '------------------------- reserved at creation --------------------------'
+//   channels | stage areas
+//   '-- holes, reserved as first used --'
 //
 // A channel carries messages from one rank to one peer: a single-producer single-consumer
 // ring of `slots` descriptors (the sender owns `head`, the receiver `tail`), each naming
@@ -13,7 +15,9 @@
 // Lane COLL serves collectives (run in order by one thread), lane P2P send/recv (run by
 // another thread), so a pending recv can never block a collective or the other way round.
 // Each rank's direct areas (two, used by alternate sequence numbers) hold a whole small
-// message that every peer reads at once.
+// message that every peer reads at once. Its stage areas (two likewise, each of two
+// pieces) hold what the two-shot all_reduce stages; they exist only when the group takes
+// it (more than two ranks) and are reserved by their rank when it first does.
 //
 // There are 2 x world x (world - 1) channels, but a ring only uses world of them and a
 // pipeline a few more, so they are holes in the file until a sender first uses one
@@ -30,7 +34,7 @@
 
 namespace pycomm {
 
-constexpr uint64_t kSegmentMagic = 0x35766d6d6f637970ull;  // "pycommv5"
+constexpr uint64_t kSegmentMagic = 0x36766d6d6f637970ull;  // "pycommv6"
 constexpr size_t kLine = 64;
 // Buffers a channel starts with: as many as a receiver that keeps up ever has in flight
 // (the chunk being filled, the one being read, one either side). It grows from there
@@ -104,6 +108,8 @@ struct GroupSettings {
   uint32_t zero_copy;  // 0 or 1
   uint32_t stripes;    // 1..kMaxStripes (csrc/torch/stripes.h)
   uint64_t stripe_bytes;
+  uint64_t two_shot_bytes;        // 0: the group never takes the two-shot
+  uint64_t two_shot_piece_bytes;  // a multiple of 64
 };
 
 struct alignas(kLine) SegmentHeader {
@@ -149,7 +155,7 @@ struct Extent {
 // Offsets of everything in a segment; every rank computes the same from the header.
 class Layout {
  public:
-  Layout(int world, uint32_t slots, size_t slot_bytes, size_t direct_bytes);
+  Layout(int world, const GroupSettings& s);
 
   size_t total_bytes() const { return total_; }
   // The part reserved when the segment is created; the payloads follow it.
@@ -172,6 +178,11 @@ class Layout {
   size_t first_channel_bytes() const;
   DirectHeader* direct(void* base, int rank, int parity) const;
   static void* payload(DirectHeader* h) { return h + 1; }
+  // A rank's stage area for one parity (two pieces of stage_piece_bytes()), and both of
+  // its areas (what it reserves). Empty when the group has no two-shot.
+  char* stage(void* base, int rank, int parity) const;
+  Extent stage_extent(int rank) const;
+  size_t stage_piece_bytes() const { return stage_piece_; }
 
  private:
   size_t channel_index(Lane lane, int src, int dst) const;
@@ -182,7 +193,9 @@ class Layout {
   size_t buffer_stride_;   // one buffer, in whole pages
   size_t channel_stride_;  // descriptors + buffers
   size_t direct_stride_;
-  size_t controls_off_, ctls_off_, direct_off_, payloads_off_, total_;
+  size_t stage_piece_;   // 0 when the group has no two-shot
+  size_t stage_stride_;  // one parity's area: two pieces, in whole pages
+  size_t controls_off_, ctls_off_, direct_off_, payloads_off_, stages_off_, total_;
 };
 
 }  // namespace pycomm

@@ -151,6 +151,12 @@ void Shared::reserve_channel(Lane lane, int dst, uint32_t buffers) const {
                        std::to_string(dst));
 }
 
+void Shared::reserve_stage_areas() const {
+  Extent e = layout_.stage_extent(rank_);
+  segment_.reserve(e.offset, e.bytes,
+                   "the two-shot all_reduce's stage areas of rank " + std::to_string(rank_));
+}
+
 // A channel grows only while /dev/shm keeps this much free besides: other groups, the
 // arena and other jobs on the host need it more than this channel needs depth.
 constexpr size_t kKeepShmFree = size_t{256} << 20;

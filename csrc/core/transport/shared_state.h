@@ -68,6 +68,8 @@ class Shared {
   void reserve_channel(Lane lane, int dst, uint32_t buffers) const;
   // Allocates one more buffer of it if /dev/shm has room to spare; whether it did.
   bool try_reserve_buffer(Lane lane, int dst, uint32_t b) const;
+  // This rank's stage areas (layout.h), once, before its first two-shot op.
+  void reserve_stage_areas() const;
 
  private:
   void ring_all(Lane lane, int except) const;  // behind one fence; `except` may be -1

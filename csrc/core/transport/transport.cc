@@ -160,12 +160,29 @@ void Transport::wait_for_peers(const OpCall& op, Behind behind) {
       });
 }
 
-void* Transport::direct_buffer(const OpCall& op) {
+// The areas for this parity were last used at seq - 2; peers may still read them until
+// they have finished that op.
+void Transport::wait_parity_free(const OpCall& op) {
   uint64_t seq = op.desc.seq;
-  // The area for this parity was last used at seq - 2; peers may still read it until
-  // they have finished that op.
   if (seq > 2) wait_for_peers(op, [&](int r) { return !peer_finished(r, seq - 2); });
-  return Layout::payload(shared_.layout().direct(shared_.base(), rank(), seq & 1));
+}
+
+void* Transport::direct_buffer(const OpCall& op) {
+  wait_parity_free(op);
+  return Layout::payload(shared_.layout().direct(shared_.base(), rank(), op.desc.seq & 1));
+}
+
+char* Transport::stage_area(const OpCall& op) {
+  if (!stage_reserved_) {
+    shared_.reserve_stage_areas();
+    stage_reserved_ = true;
+  }
+  wait_parity_free(op);
+  return shared_.layout().stage(shared_.base(), rank(), op.desc.seq & 1);
+}
+
+const char* Transport::peer_stage_area(int peer, const OpCall& op) const {
+  return shared_.layout().stage(shared_.base(), peer, op.desc.seq & 1);
 }
 
 // Whether `peer` has finished collective `seq`. What this rank has seen of it answers

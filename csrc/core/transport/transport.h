@@ -53,6 +53,14 @@ class Transport {
   // Waits until `peer` has posted for this op and checks it called the same thing.
   const void* wait_direct(int peer, const OpCall& op);
 
+  // ---- stage areas (collective lane only; the two-shot all_reduce) ---------------------
+  // This rank's area for op's sequence number (two pieces of stage_piece_bytes()), once
+  // every peer is done with its last use; reserved in /dev/shm the first time.
+  char* stage_area(const OpCall& op);
+  // `peer`'s area for op's sequence number; read it only after a step the peer posted.
+  const char* peer_stage_area(int peer, const OpCall& op) const;
+  size_t stage_piece_bytes() const { return shared_.layout().stage_piece_bytes(); }
+
   // ---- steps within one op (collective lane only) ---------------------------------------
   // Announces that this rank finished step `k` (1 .. 2^20 - 1) of op; wait_stage()
   // returns once every other rank has too.
@@ -65,6 +73,9 @@ class Transport {
   template <class Behind>
   void wait_for_peers(const OpCall& op, Behind behind);
   bool peer_finished(int peer, uint64_t seq);
+  // Waits until every peer has finished the op before the last one that used this
+  // rank's areas of op's parity (seq - 2).
+  void wait_parity_free(const OpCall& op);
 
   // What this rank, as a sender, knows of its channel to one peer.
   struct Outbox {
@@ -75,6 +86,7 @@ class Transport {
     uint32_t chosen = 0;      // the buffer acquire() handed out, for publish()
     uint8_t buffer_of[64]{};  // message index % slots -> its buffer
   };
+  bool stage_reserved_ = false;
   // The channel to `peer` is reserved in /dev/shm on first use (see layout.h).
   void reserve(int peer);
   // Frees the buffers of messages the receiver has released since last asked.

@@ -1,0 +1,87 @@
+// The two-shot all_reduce, for more than two ranks and messages past the direct size:
+// every rank stages its input in its own stage area, then reduces its own part of it
+// from every rank's area (the reduce-scatter shot) and copies every other rank's
+// reduced part out of that rank's area (the all-gather shot). Two steps per piece where
+// the ring takes 2(n-1) per chunk, for about the ring's memory traffic: what a rank
+// that shares its core waits for is the scheduler, once per step, so fewer steps win
+// (bench/README.md). Each part is reduced by one rank, sources in rank order, so every
+// rank gets bit-identical results.
+//
+// Messages longer than a piece go in pieces, alternately in the two halves of the area.
+// Rank r writes piece k into a half that its peers last read for piece k - 2; each peer
+// posted piece k - 1's first step after that, and r waited for that step before piece k,
+// so no extra wait is needed. Across ops the area's parity does the same (stage_area).
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "core/algorithms/algorithms.h"
+#include "core/algorithms/parts.h"
+#include "core/kernels/reduce.h"
+
+namespace pycomm {
+namespace {
+
+// The two steps of piece k, numbered from 1 as Transport's steps are.
+uint64_t staged_step(size_t k) { return 2 * k + 1; }
+uint64_t reduced_step(size_t k) { return 2 * k + 2; }
+
+struct StageAreas {
+  char* mine;
+  std::vector<const char*> all;  // every rank's, this rank's own included
+};
+
+StageAreas stage_areas(Transport& t, const OpCall& op) {
+  StageAreas s{t.stage_area(op), std::vector<const char*>(t.world())};
+  for (int r = 0; r < t.world(); ++r) s.all[r] = r == t.rank() ? s.mine : t.peer_stage_area(r, op);
+  return s;
+}
+
+// Reduces this rank's part of the piece (`len` elements, staged at `half` of every area)
+// into its output and into its own area, where the others copy it from.
+void reduce_my_part(const Args& a, int n, int rank, const StageAreas& s, size_t half, char* out,
+                    size_t len) {
+  const size_t es = dtype_size(a.dtype);
+  Piece mine = own_part(len, n, rank, es);
+  if (mine.count == 0) return;
+  std::vector<const void*> srcs(n);
+  for (int q = 0; q < n; ++q) srcs[q] = s.all[q] + half + mine.offset * es;
+  void* dsts[2] = {out + mine.offset * es, s.mine + half + mine.offset * es};
+  reduce_copy(a.dtype, a.op, dsts, 2, srcs.data(), n, mine.count, a.scale);
+}
+
+void copy_others_parts(const Args& a, int n, int rank, const StageAreas& s, size_t half, char* out,
+                       size_t len) {
+  const size_t es = dtype_size(a.dtype);
+  for (int q = 0; q < n; ++q) {
+    Piece part = own_part(len, n, q, es);
+    if (q != rank && part.count > 0)
+      std::memcpy(out + part.offset * es, s.all[q] + half + part.offset * es, part.count * es);
+  }
+}
+
+}  // namespace
+
+void all_reduce_two_shot(Transport& t, const OpCall& op, const Args& a) {
+  const int n = t.world();
+  const size_t es = dtype_size(a.dtype);
+  const size_t piece_bytes = t.stage_piece_bytes();
+  const size_t piece = piece_bytes / es;  // a multiple of 64 bytes: whole elements
+  StageAreas s = stage_areas(t, op);
+  const auto* in = static_cast<const char*>(a.in);
+  auto* out = static_cast<char*>(a.out);
+  for (size_t k = 0, first = 0; first < a.count; ++k, first += piece) {
+    const size_t len = std::min(piece, a.count - first);
+    const size_t half = (k & 1) * piece_bytes;
+    // In place (in == out) is safe: the piece is staged before any of it is written.
+    std::memcpy(s.mine + half, in + first * es, len * es);
+    t.post_stage(op, staged_step(k));
+    t.wait_stage(op, staged_step(k));
+    reduce_my_part(a, n, t.rank(), s, half, out + first * es, len);
+    t.post_stage(op, reduced_step(k));
+    t.wait_stage(op, reduced_step(k));
+    copy_others_parts(a, n, t.rank(), s, half, out + first * es, len);
+  }
+}
+
+}  // namespace pycomm
