@@ -2,12 +2,15 @@
 
 Each rank makes one pycomm group per variant over the same ranks, each created with its
 own ``PYCOMM_*`` settings (by default what the automatic choice picks between: the
-zero-copy negotiation then the ring, ``PYCOMM_DIRECT_BYTES=0``, and the direct
+zero-copy negotiation then the streamed algorithm, ``PYCOMM_DIRECT_BYTES=0``, which is
+the pair exchange at two ranks and the two-shot at more; the ring, which the two-shot
+replaced, ``PYCOMM_TWO_SHOT_BYTES=0``, at more than two ranks; and the direct
 algorithm, ``PYCOMM_ALGO=direct`` with an area as large as the largest size), and times
 ``pycomm.all_reduce_`` on each, rotating the order per call with a barrier before every
 call, so all see the same machine state. Each line is the median over calls of the
 slowest rank's time, and each variant's time over the first's (below 1: faster).
-``PYCOMM_DIRECT_BYTES``' and ``PYCOMM_CHUNK_BYTES``' defaults come from these tables.
+``PYCOMM_DIRECT_BYTES``', ``PYCOMM_CHUNK_BYTES``' and ``PYCOMM_TWO_SHOT_*``' defaults
+come from these tables.
 
 Example::
 
@@ -43,11 +46,15 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-def default_variants(max_bytes: int) -> list[tuple[str, dict[str, str]]]:
+def default_variants(max_bytes: int, nproc: int) -> list[tuple[str, dict[str, str]]]:
     """What the automatic choice picks between: above the direct size it negotiates
-    zero-copy and, for ordinary tensors, runs the ring (a direct size of 0 forces that
-    path at every size); and the direct algorithm at every size."""
-    return [("ring", {"PYCOMM_DIRECT_BYTES": "0"}),
+    zero-copy and, for ordinary tensors, streams (a direct size of 0 forces that path at
+    every size): the pair exchange at two ranks, the two-shot at more, where the ring
+    it replaced is timed beside it; and the direct algorithm at every size."""
+    streamed = [("pair" if nproc == 2 else "two-shot", {"PYCOMM_DIRECT_BYTES": "0"})]
+    if nproc > 2:
+        streamed.append(("ring", {"PYCOMM_DIRECT_BYTES": "0", "PYCOMM_TWO_SHOT_BYTES": "0"}))
+    return [*streamed,
             ("direct", {"PYCOMM_ALGO": "direct", "PYCOMM_DIRECT_BYTES": str(max_bytes)})]
 
 
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="NAME=PYCOMM_X=V[,...]: a group made with these settings (repeat)")
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
-    args.variants = args.variants or default_variants(args.max)
+    args.variants = args.variants or default_variants(args.max, args.nproc)
     import pycomm  # noqa: F401  registers the backend before the ranks start
 
     ctx = mp.get_context("spawn")

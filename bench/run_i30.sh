@@ -27,7 +27,7 @@ run() {  # name, then bench.collectives flags
     && python -m bench.quotes --write-readme > /dev/null \
     || echo "!! $name: bench/README.md or README.md not updated"
 }
-crossover() {  # name, nproc: pycomm's ring against its direct algorithm, one job
+crossover() {  # name, nproc: pycomm's streamed algorithms against its direct one, one job
   echo "== $1 $(date -u +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg)"
   python -m bench.algo_crossover --nproc "$2" -b 1K -e 256K --iters 400 --out "$OUT/crossover/$1.json" \
     > "$OUT/crossover/$1.log" 2>&1 || echo "!! $1 failed: see $OUT/crossover/$1.log"

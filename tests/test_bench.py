@@ -363,5 +363,14 @@ def test_algo_crossover_times_each_variant_in_one_job(tmp_path, capsys):
                          "--warmup", "1", "--bind", "none", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["bytes"] for r in rows] == [1024, 8192]
-    assert all(r["ring"] > 0 and r["direct"] > 0 for r in rows)
-    assert "direct/ring" in capsys.readouterr().out
+    assert all(r["pair"] > 0 and r["direct"] > 0 for r in rows)
+    assert "direct/pair" in capsys.readouterr().out
+
+
+def test_algo_crossover_times_the_ring_beside_the_two_shot_at_more_ranks():
+    from bench import algo_crossover
+
+    names = [name for name, _ in algo_crossover.default_variants(1 << 20, 4)]
+    assert names == ["two-shot", "ring", "direct"]
+    assert [name for name, _ in algo_crossover.default_variants(1 << 20, 2)] == ["pair",
+                                                                                  "direct"]
