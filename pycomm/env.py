@@ -41,7 +41,7 @@ KNOWN_VARIABLES: dict[str, str] = {
     "PYCOMM_ALGO": "auto (ring | direct)",
     "PYCOMM_CHUNK_BYTES": "262144 (one slot's payload)",
     "PYCOMM_SLOTS": "64 (messages in flight per channel; 4 buffers at first)",
-    "PYCOMM_DIRECT_BYTES": "4096, or 65536 with more ranks than cores",
+    "PYCOMM_DIRECT_BYTES": "4096, or 65536 with more ranks than cores (all_reduce of 3+: 4096)",
     "PYCOMM_ZERO_COPY": "1 (read arena tensors in place)",
     "PYCOMM_SPIN_US": "20, or 0 with more ranks than cores",
     "PYCOMM_YIELD_US": "1000",

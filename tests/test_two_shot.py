@@ -14,6 +14,7 @@ every rank's stage and copies the other parts out of their owners' stages.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -163,6 +164,41 @@ def test_the_first_two_shot_reserves_this_ranks_stage_areas(pool):
     ring = pool.run(_stage_bytes_reserved, piece, False)
     assert all(r["right"] for r in ring), ring
     assert all(r["first"] != WORLD * 4 * piece for r in ring), ring  # the ring's channels
+
+
+def _algorithms_taken(env: dict[str, str]) -> list[str]:
+    """What the TRACE log names for all_reduces of 4 and 8 KiB and of 1 MiB, in a group
+    made with ``env``: the last word before the reason, per op."""
+    os.environ.update(env, PYCOMM_DEBUG="TRACE", PYCOMM_DEBUG_SUBSYS="COLL")
+    try:
+        group = dist.new_group(backend="pycomm")
+    finally:
+        for key in (*env, "PYCOMM_DEBUG", "PYCOMM_DEBUG_SUBSYS"):
+            del os.environ[key]
+    with tempfile.TemporaryFile(mode="w+") as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            for numel in (1024, 2048, 1 << 18):
+                dist.all_reduce(torch.ones(numel), group=group)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        dist.destroy_process_group(group)
+        log.seek(0)
+        ops = [line for line in log.read().splitlines() if " all_reduce " in line]
+    return [line.split(": ")[-1].split(" (")[0] for line in ops]
+
+
+def test_direct_stops_at_4_kib_before_the_two_shot_and_a_forced_algorithm_wins(pool):
+    # 64 KiB is the direct size of ranks that share cores, measured against the ring.
+    for taken in pool.run(_algorithms_taken, {"PYCOMM_DIRECT_BYTES": "65536"}):
+        assert taken == ["direct", "two-shot", "two-shot"], taken
+    forced = {"PYCOMM_ALGO": "direct", "PYCOMM_DIRECT_BYTES": "65536"}
+    for taken in pool.run(_algorithms_taken, forced):
+        assert taken == ["direct", "direct", "ring"], taken
+    for taken in pool.run(_algorithms_taken, {"PYCOMM_ALGO": "ring"}):
+        assert taken == ["ring", "ring", "ring"], taken
 
 
 # --- settings it cannot honour --------------------------------------------------------

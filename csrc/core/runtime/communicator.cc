@@ -177,16 +177,18 @@ void Communicator::run_explained(OpCall& op, const char* algo, Why why, Body bod
 // An empty op still meets the other ranks (direct, whatever the settings), so one
 // rank's 0 elements against another's 10 is a mismatch named here, not a success
 // that leaves the other rank's op to pair with this rank's next one.
-bool Communicator::use_direct(size_t bytes) const {
-  return bytes == 0 || (cfg_.algo != Algo::RING && bytes <= cfg_.direct_bytes);
+bool Communicator::use_direct(size_t bytes, size_t cap) const {
+  return bytes == 0 || (cfg_.algo != Algo::RING && bytes <= std::min(cfg_.direct_bytes, cap));
 }
 
-std::string Communicator::direct_reason(size_t bytes) const {
+std::string Communicator::direct_reason(size_t bytes, size_t cap) const {
   if (bytes == 0) return "0 elements";
-  std::string limit = "PYCOMM_DIRECT_BYTES=" + std::to_string(cfg_.direct_bytes);
   if (cfg_.algo == Algo::RING) return "PYCOMM_ALGO=ring";
-  if (bytes <= cfg_.direct_bytes) return std::to_string(bytes) + " B <= " + limit;
-  return std::to_string(bytes) + " B > " + limit;
+  std::string limit = cap < cfg_.direct_bytes
+                          ? "the two-shot's direct size " + std::to_string(cap)
+                          : "PYCOMM_DIRECT_BYTES=" + std::to_string(cfg_.direct_bytes);
+  const bool direct = bytes <= std::min(cfg_.direct_bytes, cap);
+  return std::to_string(bytes) + (direct ? " B <= " : " B > ") + limit;
 }
 
 Args Communicator::reduction_args(DType dtype, RedOp op) const {
@@ -211,14 +213,15 @@ void Communicator::check_root(int root, const char* what) const {
 // arena (found out together), else the streamed algorithm. `bytes` is the message size.
 void Communicator::run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos,
                             const void* offered) {
-  if (use_direct(bytes)) {
+  const size_t cap = algos.direct_cap;
+  if (use_direct(bytes, cap)) {
     return run_explained(
-        c, "direct", [&] { return direct_reason(bytes); },
+        c, "direct", [&] { return direct_reason(bytes, cap); },
         [&] { algos.direct(*transport_, c, a); });
   }
   if (!try_zero_copy()) {
     return run_explained(
-        c, algos.streamed_name, [&] { return direct_reason(bytes); },
+        c, algos.streamed_name, [&] { return direct_reason(bytes, cap); },
         [&] { algos.streamed(*transport_, c, a); });
   }
   run(c, nullptr, [&] {
@@ -241,7 +244,7 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op) {
   static constexpr BulkAlgorithms kPair{all_reduce_direct, all_reduce_pair, all_reduce_zero_copy,
                                         "pair"};
   static constexpr BulkAlgorithms kTwoShot{all_reduce_direct, all_reduce_two_shot,
-                                           all_reduce_zero_copy, "two-shot"};
+                                           all_reduce_zero_copy, "two-shot", kTwoShotDirectBytes};
   static constexpr BulkAlgorithms kRing{all_reduce_direct, all_reduce_ring, all_reduce_zero_copy,
                                         "ring"};
   const size_t bytes = count * dtype_size(dtype);

@@ -30,7 +30,15 @@ struct BulkAlgorithms {
   void (*streamed)(Transport&, const OpCall&, const Args&);
   void (*zero_copy)(Transport&, const OpCall&, const Args&, const std::vector<char*>&);
   const char* streamed_name;  // "ring" or "chain", for the log
+  // The largest message direct takes for this family when PYCOMM_DIRECT_BYTES allows
+  // more: the two-shot overtakes it sooner than the ring (kTwoShotDirectBytes).
+  size_t direct_cap = ~size_t{0};
 };
+
+// The two-shot all_reduce is faster than direct from 8 KiB, with a core per rank or
+// two ranks per core alike (bench/results/i30/crossover/crossover-4r.log), where the
+// ring is not until 64 KiB on shared cores: all_reduce takes direct up to 4 KiB then.
+constexpr size_t kTwoShotDirectBytes = 4096;
 
 class Communicator {
  public:
@@ -82,7 +90,7 @@ class Communicator {
   // `offered`: this rank's buffer for the zero-copy negotiation (null: not offered).
   void run_bulk(OpCall& c, const Args& a, size_t bytes, const BulkAlgorithms& algos,
                 const void* offered);
-  bool use_direct(size_t bytes) const;
+  bool use_direct(size_t bytes, size_t cap = ~size_t{0}) const;
   std::string two_shot_text() const;  // for the init line: "" when the group has none
   // From the group's settings (rank 0's), so every rank decides alike.
   bool try_zero_copy() const { return cfg_.zero_copy && cfg_.algo == Algo::AUTO; }
@@ -90,7 +98,7 @@ class Communicator {
   // (zero-copy, or `fallback`: the algorithm used otherwise).
   std::vector<char*> negotiate(const OpCall& op, const void* mine, size_t bytes,
                                const char* fallback);
-  std::string direct_reason(size_t bytes) const;
+  std::string direct_reason(size_t bytes, size_t cap = ~size_t{0}) const;
   Args reduction_args(DType dtype, RedOp op) const;
   void check_root(int root, const char* what) const;
 

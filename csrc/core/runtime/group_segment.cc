@@ -108,10 +108,11 @@ size_t direct_bytes_for(const Config& cfg, int world) {
 
 // The two-shot all_reduce (two_shot.cc) takes two steps per piece where the ring takes
 // 2(n-1) per chunk, for about the ring's memory traffic. Measured here (4 ranks on 2
-// CPUs, bench/README.md): 0.4-0.6x the ring's time from 256 KiB to 4 MiB. Two ranks
-// have the pair exchange, which is as good; PYCOMM_ALGO=ring keeps the ring.
+// CPUs, bench/results/i30/two-shot/): 0.5-0.75x the ring's time from 64 KiB to 64 MiB,
+// so it takes every size. Two ranks have the pair exchange, 0.84-0.93x the two-shot's
+// time. PYCOMM_ALGO=ring or direct forces that algorithm instead.
 size_t two_shot_bytes_for(const Config& cfg, int world) {
-  if (world < 2 || cfg.algo == Algo::RING) return 0;
+  if (world < 2 || cfg.algo != Algo::AUTO) return 0;  // a forced algorithm is what runs
   if (cfg.two_shot_bytes != kTwoShotAuto) return cfg.two_shot_bytes;
   return world > 2 ? cfg.two_shot_piece_bytes * kMaxTwoShotPieces : 0;
 }
