@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench import _c2c
 from bench._cli import parse_size
 from bench._launch import bind_rank
 from bench._ports import hosted_store, init_default_group
@@ -124,14 +125,19 @@ def main(argv: list[str] | None = None) -> None:
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
+    # Which algorithm wins moves with the cores' state (how many hand-offs a schedule
+    # has matters most when a hand-off is slow), so the job says which it ran in.
+    c2c = [_c2c.reading()]
     with hosted_store(args.nproc):  # the ranks inherit its port (bench._ports)
         mp.start_processes(_spawned, args=(args.nproc, args, out), nprocs=args.nproc,
                            start_method="spawn")
         rows = out.get()
+    c2c.append(_c2c.reading())
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     print(f"# {args.nproc} ranks, float32 sum, pycomm.all_reduce_, barrier before each call, "
           f"median of {args.iters} calls (slowest rank); load {' '.join(load)}")
+    print(f"# c2c before: {_c2c.describe(c2c[0])}; after: {_c2c.describe(c2c[1])}")
     names = [name for name, _ in args.variants]
     for name, env in args.variants:
         print(f"# {name}: {','.join(f'{k}={v}' for k, v in env.items())}")
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"nproc": args.nproc, "variants": dict(args.variants), "load": load,
-                       "rows": rows}, f, indent=1)
+                       "c2c": c2c, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -364,7 +364,9 @@ def test_algo_crossover_times_each_variant_in_one_job(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["bytes"] for r in rows] == [1024, 8192]
     assert all(r["pair"] > 0 and r["direct"] > 0 for r in rows)
-    assert "direct/pair" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "direct/pair" in printed and "# c2c before: " in printed
+    assert len(json.loads(out.read_text())["c2c"]) == 2
 
 
 def test_algo_crossover_times_the_ring_beside_the_two_shot_at_more_ranks():
