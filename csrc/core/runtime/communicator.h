@@ -35,9 +35,10 @@ struct BulkAlgorithms {
   size_t direct_cap = ~size_t{0};
 };
 
-// The two-shot all_reduce is faster than direct from 8 KiB, with a core per rank or
-// two ranks per core alike (bench/results/i30/crossover/crossover-4r.log), where the
-// ring is not until 64 KiB on shared cores: all_reduce takes direct up to 4 KiB then.
+// Where ranks share cores the direct size (64 KiB) was measured against the ring; the
+// two-shot is within 10% of direct at 8-16 KiB and ahead from 32 KiB
+// (bench/results/i30/crossover/crossover-4r.log), so all_reduce takes direct only up to
+// 4 KiB, as it does with a core per rank.
 constexpr size_t kTwoShotDirectBytes = 4096;
 
 class Communicator {

@@ -108,9 +108,9 @@ size_t direct_bytes_for(const Config& cfg, int world) {
 
 // The two-shot all_reduce (two_shot.cc) takes two steps per piece where the ring takes
 // 2(n-1) per chunk, for about the ring's memory traffic. Measured here (4 ranks on 2
-// CPUs, bench/results/i30/two-shot/): 0.5-0.75x the ring's time from 64 KiB to 64 MiB,
-// so it takes every size. Two ranks have the pair exchange, 0.84-0.93x the two-shot's
-// time. PYCOMM_ALGO=ring or direct forces that algorithm instead.
+// CPUs, bench/results/i30/two-shot/): the ring took a median 1.28-1.42x its time from
+// 64 KiB to 64 MiB, so it takes every size. Two ranks have the pair exchange, faster
+// still (pair-2r.log there). PYCOMM_ALGO=ring or direct forces that algorithm instead.
 size_t two_shot_bytes_for(const Config& cfg, int world) {
   if (world < 2 || cfg.algo != Algo::AUTO) return 0;  // a forced algorithm is what runs
   if (cfg.two_shot_bytes != kTwoShotAuto) return cfg.two_shot_bytes;
