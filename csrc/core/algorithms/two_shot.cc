@@ -28,26 +28,27 @@ uint64_t reduced_step(size_t k) { return 2 * k + 2; }
 
 struct StageAreas {
   char* mine;
-  std::vector<const char*> all;  // every rank's, this rank's own included
+  std::vector<const char*> all;   // every rank's, this rank's own included
+  std::vector<const void*> srcs;  // reduce_my_part's sources, allocated once per op
 };
 
 StageAreas stage_areas(Transport& t, const OpCall& op) {
-  StageAreas s{t.stage_area(op), std::vector<const char*>(t.world())};
+  const auto n = static_cast<size_t>(t.world());
+  StageAreas s{t.stage_area(op), std::vector<const char*>(n), std::vector<const void*>(n)};
   for (int r = 0; r < t.world(); ++r) s.all[r] = r == t.rank() ? s.mine : t.peer_stage_area(r, op);
   return s;
 }
 
 // Reduces this rank's part of the piece (`len` elements, staged at `half` of every area)
 // into its output and into its own area, where the others copy it from.
-void reduce_my_part(const Args& a, int n, int rank, const StageAreas& s, size_t half, char* out,
+void reduce_my_part(const Args& a, int n, int rank, StageAreas& s, size_t half, char* out,
                     size_t len) {
   const size_t es = dtype_size(a.dtype);
   Piece mine = own_part(len, n, rank, es);
   if (mine.count == 0) return;
-  std::vector<const void*> srcs(n);
-  for (int q = 0; q < n; ++q) srcs[q] = s.all[q] + half + mine.offset * es;
+  for (int q = 0; q < n; ++q) s.srcs[q] = s.all[q] + half + mine.offset * es;
   void* dsts[2] = {out + mine.offset * es, s.mine + half + mine.offset * es};
-  reduce_copy(a.dtype, a.op, dsts, 2, srcs.data(), n, mine.count, a.scale);
+  reduce_copy(a.dtype, a.op, dsts, 2, s.srcs.data(), n, mine.count, a.scale);
 }
 
 void copy_others_parts(const Args& a, int n, int rank, const StageAreas& s, size_t half, char* out,

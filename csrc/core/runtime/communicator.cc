@@ -61,8 +61,7 @@ Communicator::Communicator(Rendezvous& rdv, int rank, int world, const Config& c
   log_init(g.layout, timeout);
 }
 
-// The choices this rank runs with, once (INFO, subsystems INIT and SHM): after
-// establish_segment, cfg_ holds the group's settings (rank 0's).
+// The two-shot's part of the init line: "" when the group has none.
 std::string Communicator::two_shot_text() const {
   if (cfg_.two_shot_bytes == 0) return "";
   const bool all = cfg_.two_shot_bytes >= cfg_.two_shot_piece_bytes * kMaxTwoShotPieces;
@@ -70,6 +69,8 @@ std::string Communicator::two_shot_text() const {
          " (pieces of " + kib(cfg_.two_shot_piece_bytes) + "), else ";
 }
 
+// The choices this rank runs with, once (INFO, subsystems INIT and SHM): after
+// establish_segment, cfg_ holds the group's settings (rank 0's).
 void Communicator::log_init(const Layout& layout, std::chrono::milliseconds timeout) const {
   if (log_.enabled(LogLevel::INFO, Subsys::INIT)) {
     char secs[32];
