@@ -7,7 +7,8 @@ the pair exchange at two ranks and the two-shot at more; the ring, which the two
 replaced, ``PYCOMM_TWO_SHOT_BYTES=0``, at more than two ranks; and the direct
 algorithm, ``PYCOMM_ALGO=direct`` with an area as large as the largest size), and times
 ``pycomm.all_reduce_`` on each, rotating the order per call with a barrier before every
-call, so all see the same machine state. Each line is the median over calls of the
+call, so all see the same machine state (``--op``: reduce_scatter or all_gather instead,
+through ``dist``). Each line is the median over calls of the
 slowest rank's time, and each variant's time over the first's (below 1: faster).
 ``PYCOMM_DIRECT_BYTES``', ``PYCOMM_CHUNK_BYTES``' and ``PYCOMM_TWO_SHOT_*``' defaults
 come from these tables.
@@ -72,8 +73,23 @@ def _time(op, barrier) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
-def _worker(rank: int, world: int, args: argparse.Namespace, out) -> None:
+def _op(name: str, size: int, group: dist.ProcessGroup, world: int):
+    """One call of op ``name`` on a message of ``size`` bytes as the core counts it:
+    all_reduce's buffer, reduce_scatter's whole input, all_gather's input."""
     import pycomm
+
+    if name == "all_reduce":
+        x = torch.ones(size // 4)
+        return lambda: pycomm.all_reduce_(x, group=group)
+    if name == "reduce_scatter":
+        x, out = torch.ones(size // 4 // world * world), torch.empty(size // 4 // world)
+        return lambda: dist.reduce_scatter_tensor(out, x, group=group)
+    x, out = torch.ones(size // 4), torch.empty(size // 4 * world)
+    return lambda: dist.all_gather_into_tensor(out, x, group=group)
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, out) -> None:
+    import pycomm  # noqa: F401  registers the backend in this spawned rank
 
     bind_rank(rank, world, args.bind)
     init_default_group("pycomm", rank, world)
@@ -82,8 +98,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, out) -> None:
     names = list(groups)
     size, rows = args.min, []
     while size <= args.max:
-        x = torch.ones(size // 4)
-        ops = {a: (lambda g=g, x=x: pycomm.all_reduce_(x, group=g)) for a, g in groups.items()}
+        ops = {a: _op(args.op, size, g, world) for a, g in groups.items()}
         bars = {a: (lambda g=g: dist.barrier(group=g)) for a, g in groups.items()}
         times: dict[str, list[float]] = {a: [] for a in names}
         for i in range(args.warmup + args.iters):
@@ -118,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bind", choices=("core", "none", "auto"), default="auto")
     p.add_argument("--variant", action="append", type=parse_variant, dest="variants",
                    help="NAME=PYCOMM_X=V[,...]: a group made with these settings (repeat)")
+    p.add_argument("--op", choices=("all_reduce", "reduce_scatter", "all_gather"),
+                   default="all_reduce", help="all_reduce through pycomm.all_reduce_, the "
+                   "others through dist (size: reduce_scatter's whole input, all_gather's input)")
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
     args.variants = args.variants or default_variants(args.max, args.nproc)
@@ -135,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     c2c.append(_c2c.reading())
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    print(f"# {args.nproc} ranks, float32 sum, pycomm.all_reduce_, barrier before each call, "
+    call = "pycomm.all_reduce_" if args.op == "all_reduce" else f"dist.{args.op}"
+    print(f"# {args.nproc} ranks, float32 sum, {call}, barrier before each call, "
           f"median of {args.iters} calls (slowest rank); load {' '.join(load)}")
     print(f"# c2c before: {_c2c.describe(c2c[0])}; after: {_c2c.describe(c2c[1])}")
     names = [name for name, _ in args.variants]
@@ -149,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
                         for n in names[1:]))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"nproc": args.nproc, "variants": dict(args.variants), "load": load,
-                       "c2c": c2c, "rows": rows}, f, indent=1)
+            json.dump({"nproc": args.nproc, "op": args.op, "variants": dict(args.variants),
+                       "load": load, "c2c": c2c, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ class ShmNeed:
 
 def shm_need(ext: ModuleType, ranks: int) -> ShmNeed:
     seg = ext._segment_bytes(ranks)
-    # A ring or chain's channel per rank, and the two-shot all_reduce's stage areas.
+    # A ring or chain's channel per rank, and the two-shot's stage areas.
     per_rank = seg["channel"] + seg["stage"]
     ring = seg["eager"] + ranks * per_rank if ranks > 1 else seg["eager"]
     stripes = seg["stripes"]

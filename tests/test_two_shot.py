@@ -112,7 +112,67 @@ def _two_shot_ops(count: int, piece_bytes: int, n: int) -> list[str]:
     dist.all_reduce(ints, op=dist.ReduceOp.MIN, group=group)
     if not torch.equal(ints, torch.stack([(t * 1000).to(torch.int32) for t in inputs]).amin(0)):
         problems.append("all_reduce MIN int32")
+    problems += _reduce_scatter_checks(inputs, group, n, piece_bytes)
+    problems += _all_gather_checks(inputs, group, n)
     dist.destroy_process_group(group)
+    return problems
+
+
+def _reduce_scatter_checks(inputs: list[torch.Tensor], group, n: int,
+                           piece_bytes: int) -> list[str]:
+    """reduce_scatter of every rank's whole input (n blocks), against the rank-order sums
+    of this rank's block: equal where the two-shot runs; where a piece cannot hold a line
+    of every block the ring does, which sums in ring order and rounds at every hop."""
+    rank, problems = dist.get_rank(), []
+    two_shot = piece_bytes // n >= 64
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+        if two_shot:
+            return torch.equal(got, want)
+        tolerance = 0.1 if got.itemsize == 2 else 1e-12  # bfloat16 rounded at each hop
+        return torch.allclose(got.double(), want.double(), rtol=tolerance, atol=tolerance)
+    per_rank = inputs[0].numel() // n
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    blocks = [t[: n * per_rank] for t in inputs]
+    out = torch.full((per_rank,), -1.0, dtype=torch.float64)
+    dist.reduce_scatter_tensor(out, blocks[rank].clone(), group=group)
+    if not same(out, _in_rank_order([b[mine] for b in blocks])):
+        problems.append("reduce_scatter SUM float64")
+    dist.reduce_scatter_tensor(out, blocks[rank].clone(), op=dist.ReduceOp.AVG, group=group)
+    if not same(out, _in_rank_order([b[mine] for b in blocks]) * (1.0 / n)):
+        problems.append("reduce_scatter AVG float64")
+    x = blocks[rank].clone()  # the output is this rank's block of the input
+    dist.reduce_scatter_tensor(x[mine], x, group=group)
+    if not same(x[mine], _in_rank_order([b[mine] for b in blocks])):
+        problems.append("reduce_scatter into its own block of the input")
+    halves = [b.to(torch.bfloat16) for b in blocks]
+    out16 = torch.empty(per_rank, dtype=torch.bfloat16)
+    dist.reduce_scatter_tensor(out16, halves[rank], group=group)
+    want = _in_rank_order([h[mine].float() for h in halves]).to(torch.bfloat16)
+    if not same(out16, want):
+        problems.append("reduce_scatter SUM bfloat16")
+    return problems
+
+
+def _all_gather_checks(inputs: list[torch.Tensor], group, n: int) -> list[str]:
+    """all_gather into a fresh tensor, into an unaligned slice, and in place (the input
+    is this rank's block of the output)."""
+    rank, problems = dist.get_rank(), []
+    count = inputs[0].numel()
+    out = torch.full((n * count,), -1.0, dtype=torch.float64)
+    dist.all_gather_into_tensor(out, inputs[rank], group=group)
+    if not torch.equal(out, torch.cat(inputs)):
+        problems.append("all_gather float64")
+    big = torch.zeros(n * count + 4, dtype=torch.float64)
+    dist.all_gather_into_tensor(big[1:1 + n * count], inputs[rank], group=group)
+    if not (torch.equal(big[1:1 + n * count], torch.cat(inputs)) and not big[0]
+            and not big[1 + n * count:].any()):
+        problems.append("all_gather into an unaligned slice")
+    out = torch.zeros(n * count, dtype=torch.float64)
+    out[rank * count:(rank + 1) * count] = inputs[rank]
+    dist.all_gather_into_tensor(out, out[rank * count:(rank + 1) * count], group=group)
+    if not torch.equal(out, torch.cat(inputs)):
+        problems.append("all_gather in place")
     return problems
 
 
@@ -166,39 +226,73 @@ def test_the_first_two_shot_reserves_this_ranks_stage_areas(pool):
     assert all(r["first"] != WORLD * 4 * piece for r in ring), ring  # the ring's channels
 
 
-def _algorithms_taken(env: dict[str, str]) -> list[str]:
-    """What the TRACE log names for all_reduces of 4 and 8 KiB and of 1 MiB, in a group
-    made with ``env``: the last word before the reason, per op."""
+# Each op at three message sizes as the core counts them (all_reduce's buffer,
+# reduce_scatter's whole input, all_gather's input): 4 KiB, 8 KiB and 1 MiB.
+def _op_calls(group) -> dict[str, list]:
+    n = dist.get_world_size(group)
+
+    def reduce_scatter(numel: int) -> None:
+        numel -= numel % n
+        dist.reduce_scatter_tensor(torch.empty(numel // n), torch.ones(numel), group=group)
+
+    def all_gather(numel: int) -> None:
+        dist.all_gather_into_tensor(torch.empty(n * numel), torch.ones(numel), group=group)
+
+    ops = {"all_reduce": lambda numel: dist.all_reduce(torch.ones(numel), group=group),
+           "reduce_scatter": reduce_scatter, "all_gather": all_gather}
+    return {name: [lambda op=op, numel=numel: op(numel) for numel in (1024, 2048 + n, 1 << 18)]
+            for name, op in ops.items()}
+
+
+def _algorithms_taken(env: dict[str, str]) -> dict[str, list[str]]:
+    """What the TRACE log names for each op of _op_calls, in a group made with ``env``:
+    the last word before the reason, per call."""
     os.environ.update(env, PYCOMM_DEBUG="TRACE", PYCOMM_DEBUG_SUBSYS="COLL")
     try:
         group = dist.new_group(backend="pycomm")
     finally:
         for key in (*env, "PYCOMM_DEBUG", "PYCOMM_DEBUG_SUBSYS"):
             del os.environ[key]
+    calls = _op_calls(group)
     with tempfile.TemporaryFile(mode="w+") as log:
         saved = os.dup(2)
         os.dup2(log.fileno(), 2)
         try:
-            for numel in (1024, 2048, 1 << 18):
-                dist.all_reduce(torch.ones(numel), group=group)
+            for op_calls in calls.values():
+                for call in op_calls:
+                    call()
         finally:
             os.dup2(saved, 2)
             os.close(saved)
         dist.destroy_process_group(group)
         log.seek(0)
-        ops = [line for line in log.read().splitlines() if " all_reduce " in line]
-    return [line.split(": ")[-1].split(" (")[0] for line in ops]
+        lines = log.read().splitlines()
+    return {name: [line.split(": ")[-1].split(" (")[0] for line in lines if f" {name} " in line]
+            for name in calls}
 
 
-def test_direct_stops_at_4_kib_before_the_two_shot_and_a_forced_algorithm_wins(pool):
-    # 64 KiB is the direct size of ranks that share cores, measured against the ring.
-    for taken in pool.run(_algorithms_taken, {"PYCOMM_DIRECT_BYTES": "65536"}):
-        assert taken == ["direct", "two-shot", "two-shot"], taken
-    forced = {"PYCOMM_ALGO": "direct", "PYCOMM_DIRECT_BYTES": "65536"}
-    for taken in pool.run(_algorithms_taken, forced):
-        assert taken == ["direct", "direct", "ring"], taken
-    for taken in pool.run(_algorithms_taken, {"PYCOMM_ALGO": "ring"}):
-        assert taken == ["ring", "ring", "ring"], taken
+def test_direct_size_before_the_two_shot_and_a_forced_algorithm_wins(pool):
+    def expect(env: dict[str, str], **algorithms: list[str]) -> None:
+        for taken in pool.run(_algorithms_taken, env):
+            assert taken == algorithms, (env, taken)
+
+    def every_op(algorithms: list[str]) -> dict[str, list[str]]:
+        return dict.fromkeys(("all_reduce", "reduce_scatter", "all_gather"), algorithms)
+
+    # 64 KiB is the direct size of ranks that share cores, measured against the ring:
+    # all_reduce's two-shot overtakes direct past 4 KiB; the others' keep it.
+    expect({"PYCOMM_DIRECT_BYTES": "65536"}, all_reduce=["direct", "two-shot", "two-shot"],
+           reduce_scatter=["direct", "direct", "two-shot"],
+           all_gather=["direct", "direct", "two-shot"])
+    expect({"PYCOMM_DIRECT_BYTES": "4096"}, **every_op(["direct", "two-shot", "two-shot"]))
+    expect({"PYCOMM_ALGO": "direct", "PYCOMM_DIRECT_BYTES": "65536"},
+           **every_op(["direct", "direct", "ring"]))
+    expect({"PYCOMM_ALGO": "ring"}, **every_op(["ring", "ring", "ring"]))
+    expect({"PYCOMM_TWO_SHOT_BYTES": "0", "PYCOMM_DIRECT_BYTES": "4096"},
+           **every_op(["direct", "ring", "ring"]))
+    # A piece too small to hold a cache line of every rank's block: reduce_scatter rings.
+    expect({"PYCOMM_TWO_SHOT_PIECE_BYTES": "128", "PYCOMM_DIRECT_BYTES": "0"},
+           all_reduce=["two-shot"] * 3, reduce_scatter=["ring"] * 3, all_gather=["two-shot"] * 3)
 
 
 # --- settings it cannot honour --------------------------------------------------------

@@ -70,7 +70,7 @@ py::dict segment_bytes(int world) {
   const size_t channel = world > 1 ? layout.first_channel_bytes() : 0;
   d["channel"] = channel;
   d["channels"] = channels;
-  // Each rank's two-shot stage areas, reserved by its first two-shot all_reduce.
+  // Each rank's two-shot stage areas, reserved by its first two-shot op.
   const size_t stage = layout.stage_extent(0).bytes;
   d["stage"] = stage;
   d["total"] = layout.eager_bytes() + channels * channel + world * stage;

@@ -32,6 +32,12 @@ void all_reduce_pair(Transport& t, const OpCall& op, const Args& a);
 // More ranks, mid sizes: stage, reduce one's own part from every stage, copy the rest
 // (two_shot.cc). Needs the group's stage areas (GroupSettings::two_shot_bytes > 0).
 void all_reduce_two_shot(Transport& t, const OpCall& op, const Args& a);
+// The two shots alone, one step per piece. reduce_scatter stages a piece of every rank's
+// block at once, so it needs the stage piece to hold n cache lines and the op to take
+// fewer pieces than it has steps: reduce_scatter_two_shot_fits says whether it does.
+void reduce_scatter_two_shot(Transport& t, const OpCall& op, const Args& a);  // in: world*count
+void all_gather_two_shot(Transport& t, const OpCall& op, const Args& a);      // out: world*count
+bool reduce_scatter_two_shot_fits(size_t count, size_t es, int n, size_t piece_bytes);
 
 // Chains along the ring, pipelined chunk by chunk.
 void broadcast_chain(Transport& t, const OpCall& op, const Args& a);

@@ -11,6 +11,10 @@
 // Rank r writes piece k into a half that its peers last read for piece k - 2; each peer
 // posted piece k - 1's first step after that, and r waited for that step before piece k,
 // so no extra wait is needed. Across ops the area's parity does the same (stage_area).
+//
+// reduce_scatter and all_gather are the two shots alone, one step per piece: a rank
+// writes piece k into the half its peers read for piece k - 2, and each peer posted
+// piece k - 1 after reading it, which this rank waited for before piece k.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -61,7 +65,61 @@ void copy_others_parts(const Args& a, int n, int rank, const StageAreas& s, size
   }
 }
 
+// reduce_scatter's piece: `len` elements of every rank's block, staged block after block,
+// a whole number of cache lines so that no two blocks share one.
+size_t block_piece_bytes(size_t piece_bytes, int n) { return piece_bytes / n / 64 * 64; }
+
 }  // namespace
+
+bool reduce_scatter_two_shot_fits(size_t count, size_t es, int n, size_t piece_bytes) {
+  const size_t block = block_piece_bytes(piece_bytes, n);
+  return block >= es && (count * es + block - 1) / block < Transport::kStagesPerOp;
+}
+
+void reduce_scatter_two_shot(Transport& t, const OpCall& op, const Args& a) {
+  const int n = t.world();
+  const size_t es = dtype_size(a.dtype);
+  const size_t piece = block_piece_bytes(t.stage_piece_bytes(), n) / es;
+  StageAreas s = stage_areas(t, op);
+  const auto* in = static_cast<const char*>(a.in);
+  auto* out = static_cast<char*>(a.out);
+  const size_t block = a.count * es;  // one rank's block of the input
+  for (size_t k = 0, first = 0; first < a.count; ++k, first += piece) {
+    const size_t len = std::min(piece, a.count - first);
+    char* staged = s.mine + (k & 1) * t.stage_piece_bytes();
+    // The others' blocks only: this rank reduces its own straight from its input.
+    for (int q = 0; q < n; ++q)
+      if (q != t.rank())
+        std::memcpy(staged + q * piece * es, in + q * block + first * es, len * es);
+    t.post_stage(op, k + 1);
+    t.wait_stage(op, k + 1);
+    const size_t mine = (k & 1) * t.stage_piece_bytes() + t.rank() * piece * es;
+    for (int q = 0; q < n; ++q) s.srcs[q] = s.all[q] + mine;
+    s.srcs[t.rank()] = in + t.rank() * block + first * es;
+    void* dst = out + first * es;
+    reduce_copy(a.dtype, a.op, &dst, 1, s.srcs.data(), n, len, a.scale);
+  }
+}
+
+void all_gather_two_shot(Transport& t, const OpCall& op, const Args& a) {
+  const int n = t.world();
+  const size_t es = dtype_size(a.dtype);
+  const size_t piece = t.stage_piece_bytes() / es;
+  StageAreas s = stage_areas(t, op);
+  const auto* in = static_cast<const char*>(a.in);
+  auto* out = static_cast<char*>(a.out);
+  const size_t block = a.count * es;  // one rank's block of the output
+  for (size_t k = 0, first = 0; first < a.count; ++k, first += piece) {
+    const size_t len = std::min(piece, a.count - first);
+    const size_t half = (k & 1) * t.stage_piece_bytes();
+    // The input may be this rank's block of the output (in place): stage it first.
+    std::memcpy(s.mine + half, in + first * es, len * es);
+    t.post_stage(op, k + 1);
+    t.wait_stage(op, k + 1);
+    for (int q = 0; q < n; ++q)
+      std::memcpy(out + q * block + first * es, s.all[q] + half, len * es);
+  }
+}
 
 void all_reduce_two_shot(Transport& t, const OpCall& op, const Args& a) {
   const int n = t.world();

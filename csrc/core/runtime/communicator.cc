@@ -65,8 +65,9 @@ Communicator::Communicator(Rendezvous& rdv, int rank, int world, const Config& c
 std::string Communicator::two_shot_text() const {
   if (cfg_.two_shot_bytes == 0) return "";
   const bool all = cfg_.two_shot_bytes >= cfg_.two_shot_piece_bytes * kMaxTwoShotPieces;
-  return "two-shot for all_reduce" + (all ? std::string() : " up to " + kib(cfg_.two_shot_bytes)) +
-         " (pieces of " + kib(cfg_.two_shot_piece_bytes) + "), else ";
+  return "two-shot for all_reduce, reduce_scatter and all_gather" +
+         (all ? std::string() : " up to " + kib(cfg_.two_shot_bytes)) + " (pieces of " +
+         kib(cfg_.two_shot_piece_bytes) + "), else ";
 }
 
 // The choices this rank runs with, once (INFO, subsystems INIT and SHM): after
@@ -264,8 +265,19 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType
   if (world_ == 1) {
     return run(c, "local", [&] { std::memmove(out, in, count * dtype_size(dtype)); });
   }
-  run_bulk(c, a, count * world_ * dtype_size(dtype),
-           {reduce_scatter_direct, reduce_scatter_ring, reduce_scatter_zero_copy, "ring"}, a.in);
+  // More than two ranks take the two-shot up to its size, as all_reduce does (at two the
+  // ring is one step per chunk already), but direct keeps its size: unlike all_reduce's,
+  // this two-shot was not ahead of direct below 256 KiB where ranks share cores
+  // (bench/results/i30/two-shot/rs-ag/).
+  static constexpr BulkAlgorithms kTwoShot{reduce_scatter_direct, reduce_scatter_two_shot,
+                                           reduce_scatter_zero_copy, "two-shot"};
+  static constexpr BulkAlgorithms kRing{reduce_scatter_direct, reduce_scatter_ring,
+                                        reduce_scatter_zero_copy, "ring"};
+  const size_t es = dtype_size(dtype);
+  const size_t bytes = count * world_ * es;
+  const bool two_shot = bytes <= cfg_.two_shot_bytes &&
+                        reduce_scatter_two_shot_fits(count, es, world_, cfg_.two_shot_piece_bytes);
+  run_bulk(c, a, bytes, two_shot ? kTwoShot : kRing, a.in);
 }
 
 void Communicator::all_gather(const void* in, void* out, size_t count, DType dtype) {
@@ -277,7 +289,12 @@ void Communicator::all_gather(const void* in, void* out, size_t count, DType dty
   OpCall c = begin(OpKind::ALL_GATHER, dtype, count, RedOp::NONE, -1);
   size_t bytes = count * dtype_size(dtype);
   if (world_ == 1) return run(c, "local", [&] { std::memmove(out, in, bytes); });
-  run_bulk(c, a, bytes, {all_gather_direct, all_gather_ring, all_gather_zero_copy, "ring"}, a.in);
+  // As reduce_scatter: the two-shot above the direct size, at more than two ranks.
+  static constexpr BulkAlgorithms kTwoShot{all_gather_direct, all_gather_two_shot,
+                                           all_gather_zero_copy, "two-shot"};
+  static constexpr BulkAlgorithms kRing{all_gather_direct, all_gather_ring, all_gather_zero_copy,
+                                        "ring"};
+  run_bulk(c, a, bytes, bytes <= cfg_.two_shot_bytes ? kTwoShot : kRing, a.in);
 }
 
 void Communicator::broadcast(void* data, size_t count, DType dtype, int root) {

@@ -13,7 +13,8 @@ enum class Algo { AUTO, RING, DIRECT };
 
 constexpr uint32_t kMaxStripes = 16;         // PYCOMM_STRIPES' upper bound
 constexpr size_t kTwoShotAuto = ~size_t{0};  // PYCOMM_TWO_SHOT_BYTES unset
-// A two-shot op takes two steps per piece, and an op has 2^20 steps (Transport).
+// A two-shot all_reduce takes two steps per piece (reduce_scatter and all_gather one),
+// and an op has 2^20 steps (Transport).
 constexpr size_t kMaxTwoShotPieces = size_t{1} << 18;
 
 struct Config {
@@ -25,8 +26,9 @@ struct Config {
   // picks it from the ranks per core when the communicator is created.
   size_t direct_bytes = 64 << 10;
   Algo algo = Algo::AUTO;  // PYCOMM_ALGO=auto|ring|direct
-  // PYCOMM_TWO_SHOT_BYTES: largest all_reduce of more than two ranks that takes the
-  // two-shot (two_shot.cc) instead of the ring; 0 turns it off. Unset, rank 0 picks it
+  // PYCOMM_TWO_SHOT_BYTES: largest all_reduce, reduce_scatter (its whole input) or
+  // all_gather (its input) of more than two ranks that takes the two-shot (two_shot.cc)
+  // instead of the ring; 0 turns it off. Unset, rank 0 picks it
   // from the world size when the communicator is created (group_segment.cc).
   // PYCOMM_TWO_SHOT_PIECE_BYTES: what one round of it stages per rank; a rank's stage
   // area holds two pieces for each of two sequence numbers (layout.h).

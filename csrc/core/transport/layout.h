@@ -16,7 +16,7 @@
 // another thread), so a pending recv can never block a collective or the other way round.
 // Each rank's direct areas (two, used by alternate sequence numbers) hold a whole small
 // message that every peer reads at once. Its stage areas (two likewise, each of two
-// pieces) hold what the two-shot all_reduce stages; they exist only when the group takes
+// pieces) hold what the two-shot algorithms stage; they exist only when the group takes
 // it (more than two ranks) and are reserved by their rank when it first does.
 //
 // There are 2 x world x (world - 1) channels, but a ring only uses world of them and a

@@ -154,7 +154,7 @@ void Shared::reserve_channel(Lane lane, int dst, uint32_t buffers) const {
 void Shared::reserve_stage_areas() const {
   Extent e = layout_.stage_extent(rank_);
   segment_.reserve(e.offset, e.bytes,
-                   "the two-shot all_reduce's stage areas of rank " + std::to_string(rank_));
+                   "the two-shot's stage areas of rank " + std::to_string(rank_));
 }
 
 // A channel grows only while /dev/shm keeps this much free besides: other groups, the

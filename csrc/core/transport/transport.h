@@ -53,7 +53,7 @@ class Transport {
   // Waits until `peer` has posted for this op and checks it called the same thing.
   const void* wait_direct(int peer, const OpCall& op);
 
-  // ---- stage areas (collective lane only; the two-shot all_reduce) ---------------------
+  // ---- stage areas (collective lane only; the two-shot algorithms) ---------------------
   // This rank's area for op's sequence number (two pieces of stage_piece_bytes()), once
   // every peer is done with its last use; reserved in /dev/shm the first time.
   char* stage_area(const OpCall& op);
