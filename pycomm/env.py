@@ -105,7 +105,9 @@ def torch_section(ext: ModuleType | None) -> dict[str, Any]:
     built = ext.build_info()
     out.update(built_against=built["torch_version"], compiler=built["compiler"],
                extension_cxx11_abi=built["cxx11_abi"], cuda_built=bool(built["cuda"]),
-               cuda_archs=cuda_archs(ext), cpu_kernels=built["kernel_isa"])
+               cuda_archs=cuda_archs(ext),
+               cpu_kernels=f"{built['kernel_isa']}, float16 converted by "
+                           f"{built.get('float16_conversion', '?')}")
     out["match"] = base_version(running) == built["torch_version"] and (
         built["cxx11_abi"] is None or built["cxx11_abi"] == out["cxx11_abi"])
     return out

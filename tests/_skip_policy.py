@@ -34,6 +34,7 @@ ALLOWED: dict[str, str] = {
     "root privileges": r"^no root\b",
     "a writable cgroup v1 memory controller": r"^no permission: cgroup v1 memory controller\b",
     "x86-64 CPU": r"^not x86-64\b",
+    "F16C (the CPU's float16 conversions)": r"^no F16C\b",
     "objdump": r"^no objdump\b",
     "readelf": r"^no readelf\b",
     "strace": r"^no strace\b",

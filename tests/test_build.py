@@ -49,3 +49,39 @@ def test_sum_kernels_are_vectorised(symbol, clone, instruction):
     assert re.search(instruction, _disassembly(symbol, clone)), (
         f"{symbol} [{clone}] has no packed add matching {instruction!r}"
     )
+
+
+def _function_disassembly(signature_start: str) -> str:
+    """The instructions of a function of pycomm._C whose demangled name starts so."""
+    from pycomm import _C
+
+    out = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", "-C", _C.__file__],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    match = re.search(rf"<{re.escape(signature_start)}[^>]*>:\n(.*?)\n\n", out, re.S)
+    assert match, f"no {signature_start} in {_C.__file__}"
+    return match.group(1)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64",
+                    reason="not x86-64: F16C is an x86-64 instruction set")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils)")
+@pytest.mark.parametrize(
+    ("function", "instructions"),
+    [
+        # float16's sum in registers: 8 halves widened, added as floats, narrowed
+        ("void pycomm::(anonymous namespace)::sum_fixed<2, 1>(",
+         [r"vcvtph2ps\s+.*%ymm", r"vaddps\s+.*%ymm", r"vcvtps2ph\s+"]),
+        ("void pycomm::(anonymous namespace)::sum_fixed<4, 2>(",
+         [r"vcvtph2ps\s+.*%ymm", r"vaddps\s+.*%ymm", r"vcvtps2ph\s+"]),
+        ("pycomm::f16_to_float_block(", [r"vcvtph2ps\s+.*%ymm"]),
+        ("pycomm::float_to_f16_block(", [r"vcvtps2ph\s+.*%ymm"]),
+    ],
+)
+def test_float16_kernels_convert_with_f16c(function, instructions):
+    """Built for every x86-64 CPU, the F16C kernels still hold the 8-wide instructions
+    (their target attribute, not the build's flags, enables them)."""
+    code = _function_disassembly(function)
+    missing = [i for i in instructions if not re.search(i, code)]
+    assert not missing, f"{function} lacks {missing}"

@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "core/kernels/f16c.h"
 #include "core/kernels/reduce.h"
 #include "core/runtime/config.h"
 #include "core/runtime/group_segment.h"
@@ -52,6 +53,7 @@ py::dict build_info() {
   d["cuda"] = false;
 #endif
   d["kernel_isa"] = pycomm::kernel_isa();
+  d["float16_conversion"] = pycomm::f16c_supported() ? "F16C" : "portable";
   return d;
 }
 

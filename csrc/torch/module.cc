@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "backend.h"
+#include "core/kernels/f16c.h"
 #include "core/kernels/reduce.h"
 #include "core/memory/arena.h"
 #include "core/runtime/config.h"
@@ -179,6 +180,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_reduce_copy", &reduce_copy_into, py::arg("dsts"), py::arg("srcs"), py::arg("op") = "sum",
         py::arg("scale") = 1.0, py::call_guard<py::gil_scoped_release>(),
         "Every dst = op over srcs in one pass (pycomm's reduce_copy kernel).");
+  m.def("_allow_f16c", &pycomm::allow_f16c, py::arg("allowed"),
+        "Tests: False makes the float16 kernels convert as on a CPU without F16C; returns "
+        "the previous setting.");
   m.def("unbound_tensor", &pycomm_torch::unbound_tensor, py::arg("sizes"), py::arg("dtype"),
         "A contiguous CPU tensor of that shape whose storage holds no memory yet.");
   m.def("bind_storage", &pycomm_torch::bind_storage, py::arg("target"), py::arg("source"),

@@ -30,7 +30,8 @@ inline __attribute__((always_inline)) uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(nan ? ((u >> 16) | 0x40u) : (rounded >> 16));
 }
 
-// IEEE half <-> float in integer and float arithmetic, written as selects so that loops
+// IEEE half <-> float in integer and float arithmetic (the kernels' way on a CPU without
+// F16C; f16c.h converts with the instructions where it has them), written as selects so that loops
 // over them vectorise. A plain _Float16 cast does not: GCC 12 converts one element at a
 // time (vcvtph2ps on a scalar), or calls libgcc on baseline x86-64, which made float16
 // reductions 6x slower than bfloat16. Exact, round to nearest even (F. Giesen's

@@ -1,7 +1,8 @@
 // Reduction kernels. Each public entry switches on dtype and op once, outside the loop,
 // and the loops are plain enough for GCC to vectorise. target_clones builds AVX-512,
-// AVX2 (+F16C for float16) and baseline copies of each kernel and picks one at load time,
-// so one wheel is fast on every x86-64 machine.
+// AVX2 and baseline copies of each kernel and picks one at load time, so one wheel is
+// fast on every x86-64 machine. float16 goes through reduce_copy's F16C path where the
+// CPU has it (f16c.h), so every float16 kernel of a process converts one way.
 #include "core/kernels/reduce.h"
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <string>
 
 #include "core/kernels/element_ops.h"
+#include "core/kernels/f16c.h"
 #include "core/kernels/float16.h"
 #include "core/kernels/kernel_attrs.h"
 #include "core/runtime/errors.h"
@@ -189,6 +191,10 @@ void reduce_pair(DType t, RedOp op, void* dst, const void* a, const void* b, siz
     case DType::BF16:
       return pair_bf16(op, as<uint16_t>(dst), as<uint16_t>(a), as<uint16_t>(b), n, float(scale));
     case DType::F16:
+      if (f16c_supported()) {  // converted as reduce_copy does (f16c.h), one way per process
+        const void* srcs[2] = {a, b};
+        return reduce_copy(t, op, &dst, 1, srcs, 2, n, scale);
+      }
       return pair_f16(op, as<uint16_t>(dst), as<uint16_t>(a), as<uint16_t>(b), n, float(scale));
     case DType::I8:
       return pair_i8(op, as<int8_t>(dst), as<int8_t>(a), as<int8_t>(b), n);
@@ -225,6 +231,7 @@ void scale_copy(DType t, void* dst, const void* src, size_t n, double scale) {
     case DType::BF16:
       return scale_bf16(as<uint16_t>(dst), as<uint16_t>(src), n, float(scale));
     case DType::F16:
+      if (f16c_supported()) return reduce_copy(t, RedOp::SUM, &dst, 1, &src, 1, n, scale);
       return scale_f16(as<uint16_t>(dst), as<uint16_t>(src), n, float(scale));
     default:
       if (dst != src) std::memcpy(dst, src, n * dtype_size(t));
