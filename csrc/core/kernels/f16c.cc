@@ -83,15 +83,23 @@ __attribute__((target("avx,f16c"))) void sum_fixed(uint16_t* const* dsts,
 template <int K>
 void sum_fixed_sources(uint16_t* const* dsts, int nd, const uint16_t* const* srcs, size_t n,
                        float scale) {
-  if (nd == 1) return sum_fixed<K, 1>(dsts, srcs, n, scale);
-  sum_fixed<K, 2>(dsts, srcs, n, scale);
+  switch (nd) {
+    case 1:
+      return sum_fixed<K, 1>(dsts, srcs, n, scale);
+    case 2:
+      return sum_fixed<K, 2>(dsts, srcs, n, scale);
+    case 3:
+      return sum_fixed<K, 3>(dsts, srcs, n, scale);
+    default:
+      return sum_fixed<K, 4>(dsts, srcs, n, scale);
+  }
 }
 
 }  // namespace
 
 bool sum_f16_registers(uint16_t* const* dsts, int nd, const uint16_t* const* srcs, int k, size_t n,
                        float scale) {
-  if (!f16c_supported() || nd < 1 || nd > 2) return false;
+  if (!f16c_supported() || nd < 1 || nd > 4) return false;
   switch (k) {
     case 1:
       sum_fixed_sources<1>(dsts, nd, srcs, n, scale);

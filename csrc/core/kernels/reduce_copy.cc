@@ -246,7 +246,7 @@ PYCOMM_REDUCE_COPY(rc_i32, I32)
 PYCOMM_REDUCE_COPY(rc_i64, I64)
 
 // float16 where the CPU converts it (f16c.h). SUM (and AVG), the reduction of gradients,
-// of 1-4 sources into 1-2 destinations sums in registers. Otherwise each source's block
+// of 1-4 sources into 1-4 destinations sums in registers. Otherwise each source's block
 // is widened into an L1 float block and folded by the float32 kernel, in source order,
 // and the result narrowed once into every destination. F16Elem's portable conversions
 // ran 1.5-4.6x float32's time, and these 0.6-1.3x (64 Ki elements, AMD EPYC VM).
