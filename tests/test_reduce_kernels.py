@@ -270,7 +270,7 @@ def _fastest_us(dsts: list[torch.Tensor], srcs: list[torch.Tensor], reps: int = 
 
 
 # Against float32 with the same sources and destinations, measured on the AMD EPYC
-# VM: bfloat16 0.5-1.0x; float16 with F16C 0.6-1.3x, portably 1.5-4.6x (its rounding is
+# VM: bfloat16 0.5-1.0x; float16 with F16C 0.3-1.1x, portably 1.5-4.6x (its rounding is
 # a longer vector sequence; the most against float32's plain copy, one source into one
 # destination). A loop GCC leaves scalar is 6-17x (bfloat16 with 4 sources into 2
 # destinations, float16 into 1 or 2), which these bounds catch with room for a noisy core.

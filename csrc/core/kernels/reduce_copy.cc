@@ -249,7 +249,7 @@ PYCOMM_REDUCE_COPY(rc_i64, I64)
 // of 1-4 sources into 1-4 destinations sums in registers. Otherwise each source's block
 // is widened into an L1 float block and folded by the float32 kernel, in source order,
 // and the result narrowed once into every destination. F16Elem's portable conversions
-// ran 1.5-4.6x float32's time, and these 0.6-1.3x (64 Ki elements, AMD EPYC VM).
+// ran 1.5-4.6x float32's time, and these 0.3-1.1x (64 Ki elements, AMD EPYC VM).
 void rc_f16_converted(RedOp op, uint16_t* const* dsts, int nd, const uint16_t* const* srcs, int k,
                       size_t n, float scale) {
   if (op == RedOp::SUM && sum_f16_registers(dsts, nd, srcs, k, n, scale)) return;
