@@ -35,6 +35,7 @@ ALLOWED: dict[str, str] = {
     "a writable cgroup v1 memory controller": r"^no permission: cgroup v1 memory controller\b",
     "x86-64 CPU": r"^not x86-64\b",
     "F16C (the CPU's float16 conversions)": r"^no F16C\b",
+    "a git checkout (an unpacked sdist)": r"^no git checkout\b",
     "objdump": r"^no objdump\b",
     "readelf": r"^no readelf\b",
     "strace": r"^no strace\b",

@@ -108,11 +108,12 @@ size_t direct_bytes_for(const Config& cfg, int world) {
 
 // The two-shot all_reduce (two_shot.cc) takes two steps per piece where the ring takes
 // 2(n-1) per chunk, for about the ring's memory traffic. Measured here (4 ranks on 2
-// CPUs, bench/results/i30/two-shot/): the ring took a median 1.28-1.42x its time from
-// 64 KiB to 64 MiB, so it takes every size. Two ranks have the pair exchange, faster
-// still (pair-2r.log there). reduce_scatter and all_gather take it too, one step per
-// piece where the ring takes n-1: the ring took 1.13-1.36x and 1.12-1.24x their time from
-// 256 KiB and 64 KiB (two-shot/rs-ag/). PYCOMM_ALGO=ring or direct forces that algorithm.
+// CPUs, bench/results/i30/two-shot/all-reduce/): the ring took a median 1.07-1.39x its
+// time from 64 KiB to 64 MiB, so it takes every size. Two ranks have the pair exchange,
+// faster still (the two-shot took 1.03-1.16x its time: two-shot/pair-2r/).
+// reduce_scatter and all_gather take it too, one step per piece where the ring takes
+// n-1: the ring took a median 0.93-1.26x and 1.13-1.24x their time from 64 KiB
+// (two-shot/rs-ag/). PYCOMM_ALGO=ring or direct forces that algorithm.
 size_t two_shot_bytes_for(const Config& cfg, int world) {
   if (world < 2 || cfg.algo != Algo::AUTO) return 0;  // a forced algorithm is what runs
   if (cfg.two_shot_bytes != kTwoShotAuto) return cfg.two_shot_bytes;
