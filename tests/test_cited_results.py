@@ -91,3 +91,16 @@ def test_every_cited_result_is_tracked():
                 missing.setdefault(path, []).append(str(page.relative_to(ROOT)))
     assert not missing, ("cited but not in the repository (ignored, or never committed): "
                          f"{missing}")
+
+
+@pytest.mark.parametrize(("path", "ignored"), [
+    ("bench/results/collectives.json", True),  # the README's first command writes these
+    ("bench/results/collectives.png", True),
+    ("bench/results/i30/some-run.json", False),  # a quoted run's files are committed
+    ("bench/results/i30/some-run.job1@pinned.png", False),
+])
+def test_default_outputs_are_ignored_and_quoted_runs_are_not(path, ignored):
+    if _tracked() is None:
+        pytest.skip("no git checkout: an unpacked sdist has no .gitignore to apply")
+    got = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT).returncode
+    assert (got == 0) == ignored, f"{path}: git check-ignore says ignored={got == 0}"
