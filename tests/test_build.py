@@ -3,6 +3,7 @@ of the very extension the tests load."""
 
 from __future__ import annotations
 
+import functools
 import platform
 import re
 import shutil
@@ -13,18 +14,23 @@ import pytest
 pytestmark = pytest.mark.usefixtures("require_pycomm")
 
 
-def _disassembly(symbol: str, clone: str) -> str:
-    """The instructions of one target clone of a kernel in pycomm._C."""
+@functools.cache
+def _objdump() -> str:
+    """The demangled disassembly of pycomm._C (read once: it is the same for every case)."""
     from pycomm import _C
 
-    out = subprocess.run(
+    return subprocess.run(
         ["objdump", "-d", "--no-show-raw-insn", "-C", _C.__file__],
         check=True, capture_output=True, text=True,
     ).stdout
+
+
+def _disassembly(symbol: str, clone: str) -> str:
+    """The instructions of one target clone of a kernel in pycomm._C."""
     head = rf"<pycomm::\(anonymous namespace\)::{symbol}\([^>]*\) \[clone \.{clone}\]>:"
     pattern = head + r"\n(.*?)\n\n"
-    match = re.search(pattern, out, re.S)
-    assert match, f"no [clone .{clone}] of {symbol} in {_C.__file__}"
+    match = re.search(pattern, _objdump(), re.S)
+    assert match, f"no [clone .{clone}] of {symbol} in pycomm._C"
     return match.group(1)
 
 
@@ -53,14 +59,8 @@ def test_sum_kernels_are_vectorised(symbol, clone, instruction):
 
 def _function_disassembly(signature_start: str) -> str:
     """The instructions of a function of pycomm._C whose demangled name starts so."""
-    from pycomm import _C
-
-    out = subprocess.run(
-        ["objdump", "-d", "--no-show-raw-insn", "-C", _C.__file__],
-        check=True, capture_output=True, text=True,
-    ).stdout
-    match = re.search(rf"<{re.escape(signature_start)}[^>]*>:\n(.*?)\n\n", out, re.S)
-    assert match, f"no {signature_start} in {_C.__file__}"
+    match = re.search(rf"<{re.escape(signature_start)}[^>]*>:\n(.*?)\n\n", _objdump(), re.S)
+    assert match, f"no {signature_start} in pycomm._C"
     return match.group(1)
 
 

@@ -11,6 +11,7 @@ results anyone quotes, and placeholders in upper case (``NAME``) are skipped.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 import subprocess
 from pathlib import Path
@@ -26,6 +27,7 @@ CITED = re.compile(
     r"(?<![\w/])(?:bench/)?results/((?:[A-Za-z0-9_.*@-]|\{[^}/\s]*\})+/(?:[A-Za-z0-9_./*@-]|\{[^}/\s]*\})*)")
 
 
+@functools.cache
 def _tracked() -> list[str] | None:
     try:
         out = subprocess.run(["git", "ls-files", "bench/results"], cwd=ROOT, check=True,

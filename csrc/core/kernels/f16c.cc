@@ -99,7 +99,7 @@ void sum_fixed_sources(uint16_t* const* dsts, int nd, const uint16_t* const* src
 
 bool sum_f16_registers(uint16_t* const* dsts, int nd, const uint16_t* const* srcs, int k, size_t n,
                        float scale) {
-  if (!f16c_supported() || nd < 1 || nd > 4) return false;
+  if (nd < 1 || nd > 4) return false;
   switch (k) {
     case 1:
       sum_fixed_sources<1>(dsts, nd, srcs, n, scale);

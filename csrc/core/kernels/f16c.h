@@ -31,7 +31,7 @@ void float_to_f16_block(const float* src, uint16_t* dst, size_t n);
 // source order and rounded once, as reduce_copy's contract, each value in a register from
 // its first load to its last store. Handles 1-4 sources into 1-4 destinations (every
 // case of 2-4 ranks, the zero-copy all_reduce's one destination per rank included) and
-// returns true; false for the others (left to the caller), and where !f16c_supported().
+// returns true; false for the others (left to the caller). Only where f16c_supported().
 bool sum_f16_registers(uint16_t* const* dsts, int nd, const uint16_t* const* srcs, int k, size_t n,
                        float scale);
 
