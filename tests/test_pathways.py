@@ -22,6 +22,7 @@ from parallel.pathways.fair_share import FairShare
 from parallel.pathways.mesh_context import _slice, _unravel
 from parallel.pathways.protocol import transfer_tag
 from parallel.pathways.scheduler import IslandScheduler, _InFlight
+from parallel.pathways.worker import _quoted as worker_quoted
 
 pytestmark = pytest.mark.usefixtures("require_pycomm")
 
@@ -466,6 +467,34 @@ def test_a_killed_worker_is_named_the_other_island_goes_on_and_the_island_restar
         y = client.call(fns.summed, a, x, out=V8)
         z = client.call(fns.plus, b, y, 1.0, out=V8)  # the links to the new island
         torch.testing.assert_close(z.result(1), torch.full((8,), 3.0, dtype=F64))
+
+
+def test_a_dead_workers_peers_failures_wait_for_the_scheduler_to_name_the_death():
+    """A killed worker's peer sees the death in its collective and, its mesh aborted, fails
+    every later node at once: those reports may reach the scheduler before the worker's
+    closed connection does. They echo the death, so the client is told the death."""
+    sched = IslandScheduler(0, 2, b"k")
+    told: list[tuple] = []
+    try:
+        sched._tell = lambda client, message: told.append(message)  # type: ignore[method-assign]
+        sched.pids = {0: 40, 1: 41}
+        for node in (12, 14):
+            sched.in_flight[(0, node)] = _InFlight(0, "spin", {0, 1}, mesh=0)
+        sched.load = [2, 2]
+        seen = ("island 0 rank 0: spin (node 12 of client 0) raised DistBackendError: "
+                f"pycomm: all_reduce (rank 0 of 2, seq 13, {'a long description ' * 30}) "
+                "failed: rank 1 (pid 41) died at /x/distributed_c10d.py:3245")
+        sched._on_failed(0, 12, 0, seen)
+        sched._on_failed(0, 14, 0, "island 0 rank 0: spin (node 14 of client 0) raised "
+                         "RuntimeError: mesh 0 of island 0 was aborted after node 12 "
+                         f"failed ({worker_quoted(seen)}); ask for a new mesh")
+        assert told == [], "the peer's view of a death is held for the scheduler's own word"
+        sched._worker_died(1)
+        death = "island 0 rank 1 (pid 41) died (its connection to the island's scheduler closed)"
+        assert told == [("failed", 12, death), ("failed", 14, death)]
+        assert not sched.in_flight
+    finally:
+        sched.stop()
 
 
 @pytest.mark.parametrize("last", ["cause", "done", "echo"])

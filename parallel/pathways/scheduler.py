@@ -23,6 +23,7 @@ import itertools
 import math
 import pickle
 import queue
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -54,13 +55,16 @@ class _InFlight:
     echo: str | None = None  # a rank's failure that only echoes a peer's abort, held back
 
 
-# What pycomm's ops raise on a rank whose peer aborted the group (csrc/torch/backend.cc).
-ABORT_ECHO = "aborted the process group"
+# What pycomm's ops raise on a rank whose failure only echoes a peer's: the peer aborted
+# the group (csrc/torch/backend.cc), or the peer died (Shared::peer_gone and died() in
+# csrc/core), which the scheduler names itself when the worker's connection closes. A
+# mesh refused after such a failure quotes it, so its later nodes are echoes too.
+ABORT_ECHO = re.compile(r"aborted the process group|rank \d+ \(pid \d+[^)]*\) died")
 
 
 def is_abort_echo(error: str) -> bool:
-    """Whether a rank's failure is only its peer's abort reaching it."""
-    return ABORT_ECHO in error
+    """Whether a rank's failure is only its peer's abort or death reaching it."""
+    return ABORT_ECHO.search(error) is not None
 
 
 class IslandScheduler:
@@ -275,7 +279,8 @@ class IslandScheduler:
             elif not state.failed:  # (a failure was told already)
                 self._tell(client, ("done", node, state.start, state.end))
 
-    def _on_failed(self, client: int, node: int, rank: int, error: str) -> None:
+    def _on_failed(self, client: int, node: int, rank: int, error: str,
+                   echo: bool | None = None) -> None:
         state = self._finish(client, node, rank)
         if state is None:
             return
@@ -283,7 +288,7 @@ class IslandScheduler:
         # The client is told the cause: a rank whose function raised aborts the mesh,
         # and its peers' waits end with the abort, possibly reported first. Such an echo
         # is told only if no rank reports anything else (the raising rank reports at once).
-        if not is_abort_echo(error):
+        if not (is_abort_echo(error) if echo is None else echo):
             self._tell_failed(client, node, state, error)
         elif state.echo is None:
             state.echo = error  # the first one, told below if it stays the only kind
@@ -364,8 +369,8 @@ class IslandScheduler:
                  f"(its connection to the island's scheduler closed)")
         self.dead[rank] = error
         for (client, node), state in list(self.in_flight.items()):
-            if rank in state.pending:
-                self._on_failed(client, node, rank, error)
+            if rank in state.pending:  # the cause its peers' failures echo
+                self._on_failed(client, node, rank, error, echo=False)
         for cid in self.clients:
             self._tell(cid, ("died", rank, error))
 

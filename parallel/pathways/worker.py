@@ -232,7 +232,7 @@ class Worker:
         ctx = self.meshes[node.mesh]
         if ctx.size() > 1 and not ctx.broken:
             ctx.broken = (f"mesh {node.mesh} of island {self.s.island} was aborted after "
-                          f"node {node.node} failed ({error[:300]}); ask for a new mesh")
+                          f"node {node.node} failed ({_quoted(error)}); ask for a new mesh")
             ctx.abort()
 
     def _inputs(self, ctx: MeshContext, node: Node, args: list[Any],
@@ -275,6 +275,14 @@ class Worker:
         frames = traceback.extract_tb(e.__traceback__)
         at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
         return f"{where}: {what} raised {type(e).__name__}: {e}{at}"
+
+
+def _quoted(error: str, limit: int = 300) -> str:
+    """``error`` within ``limit`` characters, its head and its tail: the scheduler reads
+    the tail (what pycomm says of a peer, before the location) to tell an abort's echo."""
+    if len(error) <= limit:
+        return error
+    return f"{error[:limit // 2]} ... {error[-(limit // 2):]}"
 
 
 class _FunctionRaised(Exception):
