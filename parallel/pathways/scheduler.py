@@ -280,7 +280,7 @@ class IslandScheduler:
                 self._tell(client, ("done", node, state.start, state.end))
 
     def _on_failed(self, client: int, node: int, rank: int, error: str,
-                   echo: bool | None = None) -> None:
+                   cause: bool = False) -> None:
         state = self._finish(client, node, rank)
         if state is None:
             return
@@ -288,7 +288,7 @@ class IslandScheduler:
         # The client is told the cause: a rank whose function raised aborts the mesh,
         # and its peers' waits end with the abort, possibly reported first. Such an echo
         # is told only if no rank reports anything else (the raising rank reports at once).
-        if not (is_abort_echo(error) if echo is None else echo):
+        if cause or not is_abort_echo(error):
             self._tell_failed(client, node, state, error)
         elif state.echo is None:
             state.echo = error  # the first one, told below if it stays the only kind
@@ -370,7 +370,7 @@ class IslandScheduler:
         self.dead[rank] = error
         for (client, node), state in list(self.in_flight.items()):
             if rank in state.pending:  # the cause its peers' failures echo
-                self._on_failed(client, node, rank, error, echo=False)
+                self._on_failed(client, node, rank, error, cause=True)
         for cid in self.clients:
             self._tell(cid, ("died", rank, error))
 
