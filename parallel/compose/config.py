@@ -40,8 +40,14 @@ class ParallelConfig:
             compute in; the optimizer steps fp32 master weights (in ZeRO's shards) with
             fp32 state. None: the model's own dtype.
         reduce_dtype: the dtype gradients are reduced in (default fp32).
-        loss_fn: ``fn(logits, targets) -> mean loss``; default: the mean cross-entropy
-            (vocab-parallel where the head is split over the vocabulary).
+        loss_fn: ``fn(logits, targets)`` returning a ``(sum, count)`` pair (the loss is
+            the sum over every micro-batch and replica divided by the global count, as
+            one process computes it) or a micro-batch's mean loss (weighted by its rows);
+            default: the cross-entropy over the targets that are not ``ignore_index``,
+            divided by their global count (vocab-parallel where the head is split over
+            the vocabulary). See :mod:`parallel.compose.loss`.
+        ignore_index: targets the default loss skips (HuggingFace's -100: padding,
+            prompt tokens in SFT).
         loss_scale: fp16's dynamic loss scaling: the initial scale, halved on an
             overflow (the step is skipped) and doubled after ``loss_scale_window``
             steps without one.
@@ -67,7 +73,8 @@ class ParallelConfig:
     seed: int = 0
     precision: str | None = None
     reduce_dtype: torch.dtype = torch.float32
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
+    ignore_index: int = -100
     loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     offload: str = "none"
@@ -142,8 +149,9 @@ class ParallelConfig:
 
 @dataclass
 class StepResult:
-    loss: float  # the mean loss over the global batch
+    loss: float  # the loss of the global batch, as one process computes it
     grad_norm: float  # before clipping (inf or nan on an fp16 overflow)
     lr: float
     skipped: bool = False  # fp16: the gradients overflowed, the update was not applied
     loss_scale: float = 1.0
+    tokens: int = 0  # the targets the loss counted (not ignored) in the global batch

@@ -7,28 +7,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from parallel.compose import checkpoint
 from parallel.compose import stage as build
 from parallel.compose.apply_tp import partial_grad_params
+from parallel.compose.batch import check_targets, model_inputs, vocab_of
 from parallel.compose.config import ParallelConfig, StepResult
 from parallel.compose.finalize import GradPhases, clip_grad_norm_, finalize_grads
+from parallel.compose.loss import StepLoss, not_ignored
 from parallel.compose.loss_scale import LossScaler
 from parallel.compose.mesh import ParallelMesh
 from parallel.compose.naming import ParamNames
 from parallel.compose.plain_dp import PlainDataParallel
-from parallel.compose.plan import Plan
+from parallel.compose.plan import ModelInputs, Plan
 from parallel.compose.recompute_units import checkpoint_units, zero3_units
 from parallel.compose.tied import CrossStageTies
 from parallel.compose.zero_side import ZeroPlan
 from parallel.pipeline.forward_only import forward_loss
+from parallel.pipeline.microbatch import split_batch
 from parallel.pipeline.pipeline import Pipeline
 from parallel.rng import seed_streams
 from parallel.tensor import comms
-from parallel.tensor.layers import vocab_parallel_cross_entropy
 from parallel.tensor.sharding import mark_tensor_parallel_group, spec_of
+
+_PAIR_WITH_OFFLOAD = ("parallelize: loss_fn returned a (sum, count) pair, but offload steps "
+                      "each unit in backward, before the step's count is known; return the "
+                      "mean loss with offload")
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
@@ -45,6 +50,9 @@ class ParallelModel:
         self.tp_group = mesh.group("tp")
         self.compute = config.compute_dtype(_model_dtype(model))
         self.master = torch.float64 if self.compute == torch.float64 else torch.float32
+        self.vocab = vocab_of(model, plan)  # before the head is split or dropped
+        self.last_tokens = 0  # the last step's count of targets the loss counted
+        self._loss: StepLoss | None = None  # the step's, while it runs
         self.stage_plan = self._build_stage(model)
         self._build_pipeline(model)
         # After the weights exist: torch's generator then differs per pipeline stage.
@@ -144,31 +152,61 @@ class ParallelModel:
         rows = batch[rank * per : (rank + 1) * per]
         return rows.to(self.compute) if rows.is_floating_point() else rows
 
-    def loss_fn(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        """The mean loss of a micro-batch: ``config.loss_fn``, or the cross-entropy of
-        the logits (vocab-parallel when they are split over the vocabulary), in fp32."""
+    def _step_loss(self, targets: torch.Tensor) -> StepLoss:
+        """This step's loss function (see :mod:`parallel.compose.loss`)."""
+        check_targets(targets, self.config, self.vocab)
+        return StepLoss(custom=self.config.loss_fn, ignore_index=self.config.ignore_index,
+                        tp_group=self.tp_group if self.stage_plan.split_logits else None,
+                        replicas=self.mesh.size("dp"),
+                        global_count=not_ignored(targets, self.config.ignore_index),
+                        elements=targets.numel(),
+                        replica_rows=targets.shape[0] // self.mesh.size("dp"),
+                        pair_refusal=_PAIR_WITH_OFFLOAD if self.config.offload != "none" else "")
+
+    def loss_fn(self, output: Any, targets: torch.Tensor) -> Any:
+        """The plan's logits of ``output`` in fp32, given to this step's loss."""
         logits = self.plan.output(output) if self.plan.output is not None else output
         if logits.is_floating_point():
             logits = logits.float()
-        if self.config.loss_fn is not None:
-            return self.config.loss_fn(logits, targets)
-        if self.stage_plan.split_logits:
-            return vocab_parallel_cross_entropy(logits, targets, self.tp_group).mean()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        assert self._loss is not None, "loss_fn is called inside a step"
+        return self._loss(logits, targets)
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> StepResult:
-        """One optimizer step on the global batch (the same ``tokens``/``targets`` on every
-        rank); returns its mean loss and the gradient norm, on every rank. Under fp16 a
-        step whose gradients overflowed is skipped (``skipped``), on every rank."""
+    def _use_inputs(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None,
+                    position_ids: torch.Tensor | None) -> None:
+        """The batch's model inputs, each micro-batch's set before its forward and backward
+        (see ``Pipeline.before_micro``)."""
+        given = model_inputs(tokens, attention_mask, position_ids, self.plan)
+        context = self.stage_plan.context
+        if context is None:
+            return
+        if given is None:
+            context.set_inputs(None)
+            self.pipeline.before_micro = None
+            return
+        rows = {k: self._rows(v) for k, v in given.given().items()}
+        micro = split_batch(rows, self.config.microbatches)
+        batches = [ModelInputs(**m) for m in micro]
+        self.pipeline.before_micro = lambda m: context.set_inputs(batches[m])
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor,
+                   attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None) -> StepResult:
+        """One optimizer step on the global batch (the same on every rank); returns its
+        loss (that of one process on the whole batch: targets equal to
+        ``config.ignore_index`` are not counted) and the gradient norm, on every rank.
+        ``attention_mask`` and ``position_ids`` (``(batch, seq)``, HuggingFace's
+        conventions, see :class:`~parallel.compose.plan.ModelInputs`) go to the model
+        where the plan takes them. Under fp16 a step whose gradients overflowed is
+        skipped (``skipped``), on every rank."""
         scale = self.scaler.scale if self.scaler else 1.0
-        loss = self.compute_gradients(tokens, targets, scale)
+        loss = self.compute_gradients(tokens, targets, scale, attention_mask, position_ids)
         parts = self.phases.grad_parts()
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.scaler is not None:
             if self.scaler.overflowed(parts):
                 self.scaler.update(True)
                 self.dp.zero_grad()
-                return StepResult(loss, float("inf"), lr, True, scale)
+                return StepResult(loss, float("inf"), lr, True, scale, self.last_tokens)
             self.scaler.unscale(parts)
         norm = clip_grad_norm_(parts, self.config.max_grad_norm)
         self.optimizer.step()
@@ -176,31 +214,52 @@ class ParallelModel:
         self.scheduler.step()
         if self.scaler is not None:
             self.scaler.update(False)
-        return StepResult(loss, norm, lr, False, scale)
+        return StepResult(loss, norm, lr, False, scale, self.last_tokens)
 
     def compute_gradients(self, tokens: torch.Tensor, targets: torch.Tensor,
-                          loss_scale: float = 1.0) -> float:
+                          loss_scale: float = 1.0, attention_mask: torch.Tensor | None = None,
+                          position_ids: torch.Tensor | None = None) -> float:
         """Forward and backward of every micro-batch, then :func:`finalize_grads`: the
-        step's complete gradients, not yet clipped or applied. Returns the mean loss."""
+        step's complete gradients, not yet clipped or applied. Returns the loss."""
         self.stage.train()
         self.dp.zero_grad()
         self.pipeline.loss_scale = loss_scale
-        loss = self.pipeline.step(self._rows(tokens), self._rows(targets), self.loss_fn)
+        self._loss = self._step_loss(targets)
+        self._use_inputs(tokens, attention_mask, position_ids)
+        shares = self.pipeline.step(self._rows(tokens), self._rows(targets), self.loss_fn,
+                                    loss_is_mean=False)
         finalize_grads(self.phases)
-        return self._dp_mean(loss)
+        factor, self.last_tokens = self._loss.finish(self._counts_loss())
+        if factor != 1.0:
+            for g, _ in self.phases.grad_parts():
+                g.mul_(factor)
+        return self._dp_mean(shares) * factor
+
+    def _counts_loss(self) -> bool:
+        """Whether this rank's loss counts add up to the global count (one per replica)."""
+        return self.pipeline.is_last and self.mesh.rank("tp") == 0
 
     @torch.no_grad()
-    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """The mean loss of the global batch, without gradients."""
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> float:
+        """The loss of the global batch (as :meth:`train_step` counts it), without
+        gradients."""
         self.stage.eval()
-        loss = forward_loss(self.pipeline, self._rows(tokens), self._rows(targets), self.loss_fn)
-        return self._dp_mean(loss)
+        self._loss = self._step_loss(targets)
+        self._use_inputs(tokens, attention_mask, position_ids)
+        shares = forward_loss(self.pipeline, self._rows(tokens), self._rows(targets),
+                              self.loss_fn, loss_is_mean=False)
+        factor, _ = self._loss.finish(self._counts_loss())
+        return self._dp_mean(shares) * factor
 
     @torch.no_grad()
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The whole batch's logits (fp32, the whole vocabulary), on every rank: what the
         unsplit model computes (an export's reload is checked against it)."""
         self.stage.eval()
+        self._use_inputs(tokens, attention_mask, position_ids)
         caught: list[torch.Tensor] = []
 
         def keep(output: Any, _targets: Any) -> torch.Tensor:
@@ -229,8 +288,8 @@ class ParallelModel:
         dist.broadcast(full, src=last, group=self.mesh.group("pp"))
         return comms.gather_dim(full, 0, self.mesh.group("dp"))
 
-    def _dp_mean(self, loss: torch.Tensor) -> float:
-        value = loss.detach().double().reshape(1).clone()
+    def _dp_mean(self, loss: torch.Tensor | float) -> float:
+        value = torch.as_tensor(loss).detach().double().reshape(1).clone()
         dist.all_reduce(value, group=self.mesh.group("dp"))
         return float(value) / self.mesh.size("dp")
 

@@ -18,29 +18,35 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.plan import ContextRequest, Plan, ResolvedLayer, resolve_layers
+from parallel.compose.plan import ContextRequest, ModelInputs, Plan, ResolvedLayer, resolve_layers
 from parallel.rng import TENSOR_PARALLEL, TRACKER
 from parallel.tensor import comms
 
 
 class ContextCache:
-    """The plan's context for the last batch shape seen (the values are constants of the
-    shape: recomputing them for every block and every step would only cost time)."""
+    """The plan's context for the micro-batch being computed: its :class:`ModelInputs`
+    are set before each forward (and before each backward, which may recompute), and the
+    values are computed once per request (a rotary table, the masks) while they stand."""
 
     def __init__(self, plan: Plan):
         self.fn = plan.context
-        self._key: tuple[Any, ...] | None = None
-        self._value: dict[str, Any] = {}
+        self.inputs: ModelInputs | None = None
+        self._values: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def set_inputs(self, inputs: ModelInputs | None) -> None:
+        """The micro-batch's model inputs (None: every token real, one document a row)."""
+        if inputs is not self.inputs:
+            self.inputs, self._values = inputs, {}
 
     def get(self, request: ContextRequest) -> dict[str, Any]:
-        if self.fn is None:
-            return {}
         key = (request.batch, request.seq, request.dtype, request.device)
-        if key != self._key:
-            with torch.no_grad():
-                self._value = self.fn(request)
-            self._key = key
-        return self._value
+        if key not in self._values:
+            values: dict[str, Any] = {}
+            if self.fn is not None:
+                with torch.no_grad():
+                    values = dict(self.fn(request))
+            self._values[key] = {**values, "inputs": request.inputs}
+        return self._values[key]
 
 
 class SequenceSplit:
@@ -67,19 +73,28 @@ class PlannedLayer(nn.Module):
         self.layer = layer
         self.mods = nn.ModuleList(modules)
         self.call = layer.call or _chain
-        self.context = context if layer.is_block else None
+        # blocks (the plan's context) and layers whose own call may read the batch's
+        # inputs (position ids)
+        self.context = context if layer.is_block or layer.call is not None else None
         self.split = split
 
     def _request(self, x: torch.Tensor, split_input: bool) -> ContextRequest:
+        assert self.context is not None
         seq = x.shape[1] * (self.split.world if split_input and self.split else 1)
-        return ContextRequest(x.shape[0], seq, x.dtype, x.device)
+        inputs = self.context.inputs
+        if inputs is not None:
+            _check_inputs_fit(inputs, x.shape[0], seq, self.layer.name)
+        return ContextRequest(x.shape[0], seq, x.dtype, x.device, inputs)
 
     def forward(self, x: Any) -> Any:
         split = self.split
         inside = split is not None and split.inside
-        context = {}
-        if self.context is not None and torch.is_tensor(x) and x.dim() >= 2:
+        context: dict[str, Any] = {}
+        if self.context is not None and self.layer.is_block and torch.is_tensor(x) \
+                and x.dim() >= 2:
             context = self.context.get(self._request(x, inside and not split.scatter))  # type: ignore[union-attr]
+        elif self.context is not None:  # a layer's own call: the batch's inputs only
+            context = {"inputs": self.context.inputs}
         if split is not None and split.scatter:
             x = comms.scatter_to_sequence_region(x, split.group)
         # On a rank's part of the sequence every random draw is its own (Megatron-LM).
@@ -92,6 +107,13 @@ class PlannedLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer {self.layer.index}: {self.layer.name}"
+
+
+def _check_inputs_fit(inputs: ModelInputs, batch: int, seq: int, layer: str) -> None:
+    for name, value in inputs.given().items():
+        if tuple(value.shape) != (batch, seq):
+            raise ValueError(f"layer {layer}: {name} of shape {tuple(value.shape)} does not fit "
+                             f"its input's (batch, sequence) ({batch}, {seq})")
 
 
 def stage_balance(layers: list[ResolvedLayer], stages: int, plan_name: str) -> list[int]:
@@ -121,19 +143,24 @@ def stage_balance(layers: list[ResolvedLayer], stages: int, plan_name: str) -> l
 
 
 def planned_layers(model: nn.Module, plan: Plan, layers: list[ResolvedLayer],
-                   split_for: Any = None) -> list[PlannedLayer]:
+                   split_for: Any = None, cache: ContextCache | None = None
+                   ) -> list[PlannedLayer]:
     """A :class:`PlannedLayer` for each of ``layers`` (``split_for(layer)``: its
-    :class:`SequenceSplit`, or None), sharing one context cache."""
-    cache = ContextCache(plan)
+    :class:`SequenceSplit`, or None), sharing one context cache (``cache``, or a new one)."""
+    cache = cache if cache is not None else ContextCache(plan)
     return [PlannedLayer(layer, [model.get_submodule(p) for p in layer.paths], cache,
                          split_for(layer) if split_for else None) for layer in layers]
 
 
-def sequential_forward(model: nn.Module, plan: Plan, tokens: torch.Tensor) -> torch.Tensor:
+def sequential_forward(model: nn.Module, plan: Plan, tokens: torch.Tensor,
+                       inputs: ModelInputs | None = None) -> torch.Tensor:
     """The model's logits computed layer by layer as the plan says, in one process: what
     every pipeline split of it computes (a plan whose layers do not reproduce the
-    model's own forward is wrong; compare with ``plan.output(model(tokens))``)."""
+    model's own forward is wrong; compare with
+    ``plan.output(model(tokens, **inputs.given()))``)."""
+    cache = ContextCache(plan)
+    cache.set_inputs(inputs)
     x: Any = tokens
-    for layer in planned_layers(model, plan, resolve_layers(plan, model)):
+    for layer in planned_layers(model, plan, resolve_layers(plan, model), cache=cache):
         x = layer(x)
     return plan.output(x) if plan.output is not None else x

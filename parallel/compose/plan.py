@@ -10,9 +10,11 @@
   units, and the sequence-parallel region;
 - ``tp``: module path pattern -> style (:mod:`parallel.compose.styles`), e.g.
   ``{"blocks.*.mlp.c_fc": "colwise", "blocks.*.mlp.c_proj": "rowwise"}``;
-- ``context``: values every block receives, computed once per forward from the batch's
-  shape (a rotary table, an attention mask), so that each pipeline stage computes them
-  itself;
+- ``context``: values every block receives, computed once per micro-batch from the
+  batch's shape and its :class:`ModelInputs` (a rotary table, the attention masks), so
+  that each pipeline stage computes them itself;
+- ``inputs``: which model inputs beside the tokens the plan honours (``attention_mask``,
+  ``position_ids``); a batch that brings one the plan does not name is refused;
 - ``output``: how the model's output becomes logits (HuggingFace: ``.logits``).
 
 Tied parameters (one ``nn.Parameter`` reached by two names, as ``lm_head.weight`` and
@@ -43,16 +45,46 @@ from parallel.compose.styles import Style
 LayerCall = Callable[[Sequence[nn.Module], Any, dict[str, Any]], Any]
 
 
+MODEL_INPUTS = ("attention_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """What a model takes beside its tokens, for the rows a layer computes, in
+    HuggingFace's conventions: ``attention_mask`` ``(batch, seq)``, 1 for a real token and
+    0 for padding (left or right); ``position_ids`` ``(batch, seq)``, restarting at 0 at
+    each document packed into a row (attention then stays inside each document, as with
+    HuggingFace's ``DataCollatorWithFlattening``)."""
+
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+
+    def given(self) -> dict[str, torch.Tensor]:
+        """The inputs that are set, by name (the keyword arguments of a model's forward)."""
+        return {k: v for k in MODEL_INPUTS if (v := getattr(self, k)) is not None}
+
+
 @dataclass(frozen=True)
 class ContextRequest:
     """What a plan's ``context`` is computed from: the whole batch's shape (the full
-    sequence, also where this rank holds a part of it), and the activations' dtype and
-    device."""
+    sequence, also where this rank holds a part of it), the activations' dtype and
+    device, and the micro-batch's :class:`ModelInputs` (None: every token real, one
+    document per row)."""
 
     batch: int
     seq: int
     dtype: torch.dtype
     device: torch.device
+    inputs: ModelInputs | None = None
+
+    def position_ids(self) -> torch.Tensor:
+        """The inputs' position ids, or ``0 .. seq-1`` for every row (shape (1, seq))."""
+        if self.inputs is not None and self.inputs.position_ids is not None:
+            return self.inputs.position_ids
+        return torch.arange(self.seq, device=self.device).unsqueeze(0)
+
+    def attention_mask(self) -> torch.Tensor | None:
+        return self.inputs.attention_mask if self.inputs is not None else None
 
 
 @dataclass(frozen=True)
@@ -67,6 +99,13 @@ class Layer:
     @classmethod
     def of(cls, spec: Layer | str) -> Layer:
         return spec if isinstance(spec, Layer) else cls((spec,))
+
+
+def call_with_inputs(modules: Sequence[nn.Module], x: Any, context: dict[str, Any]) -> Any:
+    """A layer that is a whole model: its forward gets the batch's model inputs as keywords
+    (``model(tokens, attention_mask=...)``, as a HuggingFace model takes them)."""
+    inputs = context.get("inputs")
+    return modules[0](x, **(inputs.given() if inputs is not None else {}))
 
 
 @dataclass
@@ -85,10 +124,13 @@ class Plan:
         divisible: ``{what: count}`` that the tensor-parallel size must divide (heads).
         init: ``init(path, module)`` initialises one module's own parameters (for a model
             built on the meta device; default: its ``reset_parameters()``).
+        inputs: the model inputs beside the tokens the plan honours (names from
+            ``MODEL_INPUTS``): its context or its layer calls read them from
+            :class:`ModelInputs`.
         name: what error messages call the model.
     """
 
-    layers: list[Layer | str] = field(default_factory=lambda: [Layer(("",))])
+    layers: list[Layer | str] = field(default_factory=lambda: [Layer(("",), call_with_inputs)])
     blocks: str | None = None
     tp: dict[str, Style | str | tuple[Style | str, ...]] = field(default_factory=dict)
     context: Callable[[ContextRequest], dict[str, Any]] | None = None
@@ -97,6 +139,7 @@ class Plan:
     zero3_units: list[str] | None = None
     divisible: dict[str, int] = field(default_factory=dict)
     init: Callable[[str, nn.Module], None] | None = None
+    inputs: tuple[str, ...] = ()
     name: str = "model"
 
     def recompute_patterns(self) -> list[str]:

@@ -20,7 +20,13 @@ from parallel.compose.apply_tp import (
     mark_partial_grads,
     styles_by_path,
 )
-from parallel.compose.layers import PlannedLayer, SequenceSplit, planned_layers, stage_balance
+from parallel.compose.layers import (
+    ContextCache,
+    PlannedLayer,
+    SequenceSplit,
+    planned_layers,
+    stage_balance,
+)
 from parallel.compose.materialize import Materializer
 from parallel.compose.mesh import ParallelMesh
 from parallel.compose.plan import Plan, ResolvedLayer, resolve_layers, under_any
@@ -42,6 +48,7 @@ class Stage:
     materializer: Materializer
     split_logits: bool = False
     modules: list[PlannedLayer] = field(default_factory=list)
+    context: ContextCache | None = None  # the plan's context, shared by the modules
 
 
 def plan_stage(model: nn.Module, plan: Plan, mesh: ParallelMesh, seed: int) -> Stage:
@@ -155,6 +162,8 @@ def stage_modules(model: nn.Module, plan: Plan, stage: Stage,
                   splits: dict[int, SequenceSplit]) -> nn.Sequential:
     """The pipeline's view: every layer, this stage's as :class:`PlannedLayer` modules
     and the others as placeholders."""
-    stage.modules = planned_layers(model, plan, stage.mine, lambda x: splits.get(x.index))
+    stage.context = ContextCache(plan)
+    stage.modules = planned_layers(model, plan, stage.mine, lambda x: splits.get(x.index),
+                                   stage.context)
     by_index: dict[int, Any] = {m.layer.index: m for m in stage.modules}
     return nn.Sequential(*[by_index.get(x.index, nn.Identity()) for x in stage.layers])

@@ -7,6 +7,10 @@ tensor parallelism splits by. ``GPTConfig(tie_embeddings=True)`` ties the LM hea
 token embedding, as nanoGPT and GPT-2 do. :meth:`GPT.parallel_plan` says how every
 strategy splits it (:mod:`parallel.models.gpt_plan`).
 
+Beside the tokens it takes HuggingFace's model inputs: an ``attention_mask`` (1 for a real
+token, 0 for padding, left or right) and ``position_ids`` (restarting at 0 at each
+document packed into a row; attention then stays inside each document).
+
 Example::
 
     model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64))
@@ -51,14 +55,17 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.attn_dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: (batch, 1, time, time), True where a query may attend to a key (see
+        :func:`attention_mask`); None: causal."""
         batch, time, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         # Heads come from the last dimension, so a column-split c_attn (whole heads per
         # rank) needs no change here: n_head is then the local head count.
         q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         dropout = self.attn_dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                           is_causal=mask is None)
         y = y.transpose(1, 2).reshape(batch, time, -1)
         # (the residual dropout is the block's: this module draws only on its heads)
         return self.c_proj(y)
@@ -84,8 +91,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attn(self.ln_1(x), mask))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -98,12 +105,14 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
         if tokens.shape[1] > self.wpe.num_embeddings:
             raise ValueError(f"GPT: sequence length {tokens.shape[1]} exceeds block_size "
                              f"{self.wpe.num_embeddings}")
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.drop(self.wte(tokens) + self.wpe(positions))
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.drop(self.wte(tokens) + self.wpe(position_ids))
 
 
 class GPT(nn.Module):
@@ -140,11 +149,38 @@ class GPT(nn.Module):
 
         return gpt_plan(self)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(tokens, position_ids)
+        mask = attention_mask_of(attention_mask, position_ids, tokens.shape[1], tokens.device)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.lm_head(self.ln_f(x))
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which packed document each token belongs to (0, 1, ... along a row): a new one
+    starts wherever the position does not follow the previous one (HuggingFace's
+    ``find_packed_sequence_indices``)."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (step != 1).cumsum(-1)
+
+
+def attention_mask_of(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                      seq: int, device: torch.device) -> torch.Tensor | None:
+    """The (batch, 1, seq, seq) boolean mask of what each query may attend to: earlier
+    keys that are real tokens (``attention_mask``) of its own document (``position_ids``);
+    None where that is plain causal attention. A padding token attends to itself, so no
+    row is empty (its output is never trained on, and every kernel stays finite)."""
+    if attention_mask is None and position_ids is None:
+        return None
+    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask.bool()[:, None, None, :]
+    if position_ids is not None:
+        docs = document_ids(position_ids)
+        mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
+    return mask | torch.eye(seq, dtype=torch.bool, device=device)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.plan import ContextRequest, Layer, Plan
+from parallel.compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
 from parallel.compose.styles import Colwise, LocalSizes, Rowwise
 from parallel.models.hf import attention_mask, hf_init, logits_of
 
@@ -59,10 +59,14 @@ H = "transformer.h.*"  # every block
 
 
 def embed_call(modules: Sequence[nn.Module], tokens: torch.Tensor,
-               _context: dict[str, Any]) -> torch.Tensor:
-    """``drop(wte(tokens) + wpe(positions))``, as ``GPT2Model.forward``."""
+               context: dict[str, Any]) -> torch.Tensor:
+    """``drop(wte(tokens) + wpe(positions))``, as ``GPT2Model.forward`` (the batch's
+    position ids where it gives them)."""
     wte, wpe, drop = modules
-    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+    inputs = context.get("inputs")
+    positions = inputs.position_ids if inputs is not None else None
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
     return drop(wte(tokens) + wpe(positions))
 
 
@@ -106,4 +110,5 @@ def gpt2_plan(model: nn.Module) -> Plan:
         output=logits_of,
         divisible={"attention heads": config.n_head},
         init=hf_init(model),
+        inputs=MODEL_INPUTS,
         name=type(model).__name__)

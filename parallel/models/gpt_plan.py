@@ -11,17 +11,42 @@ vocabulary (and stay tied when the model ties them).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from parallel.compose.plan import Plan
+from torch import nn
+
+from parallel.compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
 from parallel.compose.styles import Colwise, LocalSizes, PerRankRandom
+from parallel.models.gpt import attention_mask_of
+
+
+def gpt_context(request: ContextRequest) -> dict[str, Any]:
+    """What the GPT's forward computes once for its blocks: the attention mask."""
+    inputs = request.inputs
+    if inputs is None:
+        return {"mask": None}
+    return {"mask": attention_mask_of(inputs.attention_mask, inputs.position_ids,
+                                      request.seq, request.device)}
+
+
+def embed_call(modules: Sequence[nn.Module], tokens: Any, context: dict[str, Any]) -> Any:
+    inputs = context.get("inputs")
+    return modules[0](tokens, inputs.position_ids if inputs is not None else None)
+
+
+def block_call(modules: Sequence[nn.Module], x: Any, context: dict[str, Any]) -> Any:
+    return modules[0](x, context.get("mask"))
 
 
 def gpt_plan(model: Any) -> Plan:
     """The plan of a :class:`parallel.models.GPT`."""
     return Plan(
-        layers=["embed", "blocks.*", "ln_f", "lm_head"],
+        layers=[Layer(("embed",), embed_call), Layer(("blocks.*",), block_call), "ln_f",
+                "lm_head"],
         blocks="blocks.*",
+        context=gpt_context,
+        inputs=MODEL_INPUTS,
         tp={
             "embed.wte": "vocab_embedding",
             "blocks.*.attn": (LocalSizes(("n_head",)), PerRankRandom()),

@@ -49,7 +49,7 @@ from torch import nn
 
 from parallel._optional import require
 from parallel.compose.layers import sequential_forward
-from parallel.compose.plan import ContextRequest, Layer, Plan, matching
+from parallel.compose.plan import MODEL_INPUTS, ContextRequest, Layer, ModelInputs, Plan, matching
 from parallel.compose.styles import style_of
 
 # transformers' mask builders by layer type (``config.layer_types``).
@@ -179,17 +179,19 @@ def _accepted(fn: Callable[..., Any], offered: dict[str, Any]) -> dict[str, Any]
 
 def attention_mask(kind: str, config: Any, request: ContextRequest) -> Any:
     """The mask transformers builds for a layer of type ``kind`` over the whole sequence
-    of ``request`` without padding (None where the kernel applies causality itself)."""
+    of ``request``, from its padding mask and position ids (packed documents) as the
+    model's forward would (None where the kernel applies causality itself)."""
     masking_utils = require("transformers.masking_utils",
                             "parallel.models.hf (HuggingFace models' attention masks)")
     fn = getattr(masking_utils, MASKS[kind])
     # Only the shape, dtype and device are read: a stride-0 view allocates nothing.
     embeds = torch.zeros((), dtype=request.dtype, device=request.device).expand(
         request.batch, request.seq, int(getattr(config, "hidden_size", 1)))
-    positions = torch.arange(request.seq, device=request.device)
+    cache_positions = torch.arange(request.seq, device=request.device)
     offered = {"config": config, "inputs_embeds": embeds, "input_embeds": embeds,
-               "attention_mask": None, "cache": None, "past_key_values": None,
-               "position_ids": positions.unsqueeze(0), "cache_position": positions}
+               "attention_mask": request.attention_mask(), "cache": None,
+               "past_key_values": None, "position_ids": request.position_ids(),
+               "cache_position": cache_positions}
     return fn(**_accepted(fn, offered))
 
 
@@ -205,7 +207,7 @@ class _Context:
     types: tuple[str, ...]
 
     def __call__(self, request: ContextRequest) -> dict[str, Any]:
-        positions = torch.arange(request.seq, device=request.device).unsqueeze(0)
+        positions = request.position_ids()
         masks = {t: attention_mask(t, self.config, request) for t in set(self.types)}
         out = {"position_ids": positions, "attention_mask": masks}
         if self.rotary is not None:
@@ -351,7 +353,8 @@ def hf_causal_lm_plan(model: nn.Module) -> Plan:
     return Plan(layers=[Layer(layout.before), *decoders, Layer(layout.after), head],
                 blocks=f"{layout.blocks}.*", tp=_tp(model, prefix, layout),
                 context=_Context(config, rotary, tuple(types)), output=logits_of,
-                divisible=_divisible(config), init=hf_init(model), name=type(model).__name__)
+                divisible=_divisible(config), init=hf_init(model), inputs=MODEL_INPUTS,
+                name=type(model).__name__)
 
 
 def hf_init(model: nn.Module) -> Callable[[str, nn.Module], None]:
@@ -382,26 +385,53 @@ def _probe_tokens(model: nn.Module, device: torch.device) -> torch.Tensor:
     return (torch.arange(16, device=device) * 7919 % int(config.vocab_size)).reshape(2, 8)
 
 
-def _difference(model: nn.Module, plan: Plan, tokens: torch.Tensor, seed: int) -> float:
+def _probe_inputs(plan: Plan, device: torch.device) -> list[ModelInputs | None]:
+    """The probe's model inputs: none; padding (row 0 left-padded by 2, row 1
+    right-padded by 3); three packed documents (positions restarting) - those the plan
+    takes."""
+    mask = torch.ones(2, 8, dtype=torch.long, device=device)
+    mask[0, :2], mask[1, 5:] = 0, 0
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]], device=device)
+    probes: list[ModelInputs | None] = [None]
+    if "attention_mask" in plan.inputs:
+        probes.append(ModelInputs(attention_mask=mask))
+    if "position_ids" in plan.inputs:
+        probes.append(ModelInputs(position_ids=packed))
+    return probes
+
+
+def _difference(model: nn.Module, plan: Plan, tokens: torch.Tensor,
+                inputs: ModelInputs | None, seed: int) -> float:
+    given = inputs.given() if inputs is not None else {}
+    # No cache, as in training: with one, transformers does not read packed documents
+    # from the position ids (and the plan's context never has one).
+    given = {**given, **_accepted(model.forward, {"use_cache": False})}
     torch.manual_seed(seed)  # the same draws for both, where dropout is on
-    want = logits_of(model(tokens))
+    want = logits_of(model(tokens, **given))
     torch.manual_seed(seed)
-    got = sequential_forward(model, plan, tokens)
+    got = sequential_forward(model, plan, tokens, inputs)
     return float((got.float() - want.float()).abs().max())
 
 
 def check_plan_forward(model: nn.Module, plan: Plan, atol: float = 1e-5) -> float:
     """Run ``plan`` layer by layer and the model's own forward on a small fixed batch
-    (2 x 8 tokens): in eval mode, then in training mode with the same random draws (a
+    (2 x 8 tokens; also padded and packed where the plan takes an attention mask and
+    position ids): in eval mode, then in training mode with the same random draws (a
     plan that drops a dropout, or moves one, then differs). No gradients; every module's
     mode and the random generators are as before.
+
+    A model input the family's own forward treats otherwise than the plan (GPT-OSS's masks
+    do not read the position ids, so its attention crosses packed documents), or cannot
+    take (a padding mask that Youtu's attention fails on), is taken out of
+    ``plan.inputs``: a batch giving it is then refused by name, not trained otherwise
+    than the model computes.
 
     Returns:
         The largest difference of the logits.
 
     Raises:
-        ValueError: naming the model class, the mode and the difference, when it exceeds
-            ``atol``.
+        ValueError: naming the model class, the mode, the inputs and the difference, when
+            it exceeds ``atol``.
     """
     device = next(model.parameters()).device
     tokens = _probe_tokens(model, device)
@@ -412,14 +442,32 @@ def check_plan_forward(model: nn.Module, plan: Plan, atol: float = 1e-5) -> floa
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             for training in (False, True):
                 model.train(training)
-                diff = _difference(model, plan, tokens, seed=1234)
-                if not diff <= atol:  # also NaN
-                    raise ValueError(
-                        f"plan for {type(model).__name__} does not reproduce its forward "
-                        f"({'training' if training else 'eval'} mode): logits differ by up to "
-                        f"{diff:.3g} (atol {atol:g}); pass plan= with one that does")
-                worst = max(worst, diff)
+                for inputs in _probe_inputs(plan, device):
+                    if inputs is not None:
+                        _narrow_inputs(model, plan, tokens, inputs, atol)
+                        continue
+                    diff = _difference(model, plan, tokens, inputs, seed=1234)
+                    if not diff <= atol:  # also NaN
+                        given = sorted(inputs.given()) if inputs is not None else "no"
+                        raise ValueError(
+                            f"plan for {type(model).__name__} does not reproduce its forward "
+                            f"({'training' if training else 'eval'} mode, {given} model "
+                            f"inputs): logits differ by up to {diff:.3g} (atol {atol:g}); "
+                            "pass plan= with one that does")
+                    worst = max(worst, diff)
     finally:
         for module, mode in modes:
             module.training = mode
     return worst
+
+
+def _narrow_inputs(model: nn.Module, plan: Plan, tokens: torch.Tensor, inputs: ModelInputs,
+                   atol: float) -> None:
+    """Takes the probe's inputs out of ``plan.inputs`` unless the plan reproduces the
+    model's forward on them (see :func:`check_plan_forward`)."""
+    try:
+        same = _difference(model, plan, tokens, inputs, seed=1234) <= atol
+    except (RuntimeError, ValueError, TypeError):  # the family's forward cannot take them
+        same = False
+    if not same:
+        plan.inputs = tuple(k for k in plan.inputs if k not in inputs.given())

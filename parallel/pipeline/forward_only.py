@@ -14,10 +14,12 @@ from parallel.pipeline.pipeline import Pipeline
 
 
 @torch.no_grad()
-def forward_loss(pipe: Pipeline, inputs: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
-    """The mean of ``loss_fn`` over the batch (weighted by micro-batch rows), as
-    :meth:`Pipeline.step` computes it, without gradients. Every stage passes its batch
-    (the first stage's inputs and the last stage's targets are used)."""
+def forward_loss(pipe: Pipeline, inputs: Any, targets: Any, loss_fn: Any,
+                 loss_is_mean: bool = True) -> torch.Tensor:
+    """The mean of ``loss_fn`` over the batch (weighted by micro-batch rows; summed as
+    they are with ``loss_is_mean=False``), as :meth:`Pipeline.step` computes it, without
+    gradients. Every stage passes its batch (the first stage's inputs and the last
+    stage's targets are used)."""
     rows = inputs.shape[0]
     ins = split_batch(inputs, pipe.chunks)
     tgts = split_batch(targets, pipe.chunks)
@@ -25,9 +27,11 @@ def forward_loss(pipe: Pipeline, inputs: Any, targets: Any, loss_fn: Any) -> tor
     sends = []
     for m in range(pipe.chunks):
         x = ins[m] if pipe.is_first else recv_tensor(pipe.stage_id - 1, pipe.group)
+        pipe.entering(m)
         out = pipe.stage(x)
         if pipe.is_last:
-            total += loss_fn(out, tgts[m]).double() * (tgts[m].shape[0] / rows)
+            weight = tgts[m].shape[0] / rows if loss_is_mean else 1.0
+            total += loss_fn(out, tgts[m]).double() * weight
         else:
             sends.append(send_tensor(out, pipe.stage_id + 1, pipe.group))
     for pending in sends:

@@ -19,6 +19,7 @@ backward follows its forward at once under GPipe) or ``"never"``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,10 @@ class Pipeline:
         # fp16's loss scaling: backward starts from loss * loss_scale (the loss reported
         # stays unscaled); the gradients sent between stages are then scaled too
         self.loss_scale = 1.0
+        # Called with a micro-batch's index before its forward and before its backward
+        # (which may recompute the forward): a layer reading that micro-batch's other
+        # inputs (its attention mask) finds them set.
+        self.before_micro: Callable[[int], None] | None = None
         self.first_layer = sum(balance[: self.stage_id])
         layers = list(module)[self.first_layer : self.first_layer + balance[self.stage_id]]
         self.stage = nn.Sequential(*layers)
@@ -121,12 +126,16 @@ class Pipeline:
 
     # -- one training step -----------------------------------------------------------------------
 
-    def step(self, inputs: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
+    def step(self, inputs: Any, targets: Any, loss_fn: Any, loss_is_mean: bool = True
+             ) -> torch.Tensor:
         """Forward and backward of one mini-batch; gradients accumulate in the stage's
         parameters. Every rank calls it; only the first stage's ``inputs`` and the last
         stage's ``targets`` are used (pass None elsewhere). ``loss_fn(output, target)``
-        must return the mean over its micro-batch; the micro-batch losses are weighted
-        by their rows, so the result is the mini-batch's mean loss, returned on every rank.
+        returns the mean over its micro-batch, and the micro-batch losses are weighted
+        by their rows, so the result is the mini-batch's mean loss, returned on every
+        rank; with ``loss_is_mean=False`` it returns the micro-batch's share of the
+        mini-batch's loss (its sum over the batch's count of tokens: what a batch whose
+        rows hold different numbers of tokens needs), and the shares are summed.
 
         Raises:
             ValueError: on every rank, if the first stage's batch has fewer rows than
@@ -136,7 +145,8 @@ class Pipeline:
         state = _StepState()
         ins = split_batch(inputs, self.chunks) if self.is_first else None
         tgts = split_batch(targets, self.chunks) if self.is_last else None
-        weights = [t.shape[0] / rows for t in split_batch(torch.empty(rows), self.chunks)]
+        weights = ([t.shape[0] / rows for t in split_batch(torch.empty(rows), self.chunks)]
+                   if loss_is_mean else [1.0] * self.chunks)
         self._events = []
         steps = SCHEDULES[self.schedule](self.chunks, self.num_stages)[self.stage_id]
         state.order = {kind: [(signature, s.micro) for s in steps if s.kind == kind]
@@ -157,6 +167,7 @@ class Pipeline:
     def _forward(self, step: Step, state: _StepState, ins: list[Any] | None,
                  tgts: list[Any] | None, loss_fn: Any, weights: list[float]) -> None:
         m, micro = step.micro, _Micro()
+        self.entering(m)
         if ins is not None:  # the first layer gets the micro-batch as it is (tuple, dict...)
             stage_input = ins[m]
         else:
@@ -187,6 +198,7 @@ class Pipeline:
 
     def _backward(self, step: Step, state: _StepState) -> None:
         micro = state.micro.pop(step.micro)
+        self.entering(step.micro)
         if micro.loss is not None:
             start = time.perf_counter()
             scaled = micro.loss * self.loss_scale if self.loss_scale != 1.0 else micro.loss
@@ -202,6 +214,11 @@ class Pipeline:
                 grad_in = torch.zeros_like(micro.inputs)
             state.sends.append(send_tensor(grad_in, self.stage_id - 1, self.group))
         self._events.append(Event(self.stage_id, "B", step.micro, start, time.perf_counter()))
+
+    def entering(self, micro: int) -> None:
+        """Micro-batch ``micro``'s forward or backward is next (see ``before_micro``)."""
+        if self.before_micro is not None:
+            self.before_micro(micro)
 
     def _sync_data_parallel(self, last: bool) -> None:
         """A stage wrapped in a data-parallel module (``parallel.data.DataParallel``)

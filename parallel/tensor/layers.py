@@ -72,16 +72,20 @@ class ParallelSelfAttention(nn.Module):
                                                     sequence_parallel=sequence_parallel)
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: what each query may attend to, as the GPT's attention takes it
+        (:func:`parallel.models.gpt.attention_mask_of`); None: causal."""
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # (batch, time, local heads * head dim)
         batch, time, _ = q.shape
         q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         dropout = self.attn_dropout if self.training else 0.0
+        causal = mask is None
         if dropout:  # each rank drops in its own heads
             with TRACKER.fork(TENSOR_PARALLEL):
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                   is_causal=causal)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         y = y.transpose(1, 2).reshape(batch, time, -1)
         return self.c_proj(y)
 

@@ -341,37 +341,53 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor,
-                group: Group) -> torch.Tensor:
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Group,
+                ignore_index: int) -> torch.Tensor:
         _, rank = _tp(group)
         per_rank = logits.shape[-1]
         start = rank * per_rank
+        ignored = target == ignore_index
         # 1: the global max, for a stable exp.
         top = comms.all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
         shifted = logits - top.unsqueeze(-1)
-        # 2: the target's logit, from the one rank whose range holds it.
-        outside = (target < start) | (target >= start + per_rank)
+        # 2: the target's logit, from the one rank whose range holds it (none for an
+        # ignored token).
+        outside = (target < start) | (target >= start + per_rank) | ignored
         local = (target - start).masked_fill(outside, 0)
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         picked = comms.all_reduce(picked, group)
         # 3: the softmax denominator.
         exp = shifted.exp()
         total = comms.all_reduce(exp.sum(dim=-1), group)
-        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), outside, local)
-        return total.log() - picked
+        ctx.save_for_backward(exp.div_(total.unsqueeze(-1)), outside, local, ignored)
+        return (total.log() - picked).masked_fill(ignored, 0.0)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        softmax, outside, local = ctx.saved_tensors
+        softmax, outside, local, ignored = ctx.saved_tensors
         hit = (~outside).to(softmax.dtype).unsqueeze(-1)
         grad_logits = softmax.scatter_add(-1, local.unsqueeze(-1), -hit)
-        return grad_logits * grad.unsqueeze(-1), None, None
+        return grad_logits * grad.masked_fill(ignored, 0.0).unsqueeze(-1), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 group: Group) -> torch.Tensor:
+                                 group: Group, ignore_index: int = -100) -> torch.Tensor:
     """Per-token cross-entropy of vocab-split ``logits`` (``(..., vocab / TP)``, this
     rank's range) against ``target`` (``(...)``, global token ids), with three
-    all-reduces of per-token scalars and no full-vocabulary gather. ``.mean()`` of it
-    equals ``F.cross_entropy`` on the gathered logits."""
-    return _VocabParallelCrossEntropy.apply(logits, target, group)
+    all-reduces of per-token scalars and no full-vocabulary gather. A token whose target
+    is ``ignore_index`` has loss 0 and no gradient: the sum over the others divided by
+    their count equals ``F.cross_entropy(..., ignore_index=ignore_index)`` on the
+    gathered logits.
+
+    Raises:
+        ValueError: a target outside ``[0, vocab)`` that is not ``ignore_index`` (the
+            same on every TP rank, which all hold the targets).
+    """
+    vocab = logits.shape[-1] * dist.get_world_size(group)
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"vocab-parallel cross-entropy: target {int(target[where])} at "
+                         f"{where} is outside the vocabulary [0, {vocab}) and is not the "
+                         f"ignore_index {ignore_index}")
+    return _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)
