@@ -36,6 +36,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "cupy": ("cupy-cuda12x", "cupy"),
     "ray": ("ray", "ray"),
     "cloudpickle": ("cloudpickle", "pathways"),
+    "datasets": ("datasets", "data"),
+    "tensorboard": ("tensorboard", "tensorboard"),
 }
 
 

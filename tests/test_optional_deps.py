@@ -61,6 +61,15 @@ SITES = [
          "attention_mask('full_attention', None, None)"),
     Site("parallel/train/models.py", "transformers",
          "from parallel.train.models import _transformers; _transformers()"),
+    Site("parallel/train/tokenizer.py", "transformers",
+         "from parallel.train.tokenizer import load_tokenizer; load_tokenizer('t', True)"),
+    Site("parallel/train/hf_data.py", "datasets",
+         "from parallel.train.hf_data import _load; from pathlib import Path; "
+         "_load(Path('x.txt'), 'line')"),
+    Site("parallel/train/board.py", "tensorboard",
+         "from parallel.train.board import Board; Board('runs', 0)"),
+    Site("parallel/train/logs.py", "tqdm",  # the lines go out plainly, not through a bar
+         "import parallel.train.logs as m; print(m._tqdm)", soft="None"),
     Site("parallel/plan/shapes.py", "transformers",  # a Llama is then counted by hand
          "from parallel.plan.shapes import model_shape; "
          "from parallel.train.config import TrainConfig; "

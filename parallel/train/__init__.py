@@ -1,11 +1,16 @@
-"""``python -m parallel.train``: train the byte-level GPT on a (dp, tp, pp) mesh with every
-strategy of ``parallel/`` at once, as torchtitan's and nanoGPT's ``train.py`` do.
+"""``python -m parallel.train``: train a GPT (or a HuggingFace causal LM) on a (dp, tp, pp)
+mesh with every strategy of ``parallel/`` at once, as torchtitan's and nanoGPT's
+``train.py`` do, on bytes or on a tokenized dataset.
 
 - :mod:`~parallel.train.config`: the settings (TOML file, then flags);
-- :mod:`~parallel.train.data`: the corpus and batches drawn from (seed, step);
+- :mod:`~parallel.train.data`: the byte corpus and batches drawn from (seed, step);
+- :mod:`~parallel.train.tokenizer`, :mod:`~parallel.train.hf_data`,
+  :mod:`~parallel.train.batches`: ``--tokenizer``, ``--dataset`` and their padded or
+  packed batches; :mod:`~parallel.train.sources`: bytes or tokens, as the loop takes them;
 - :mod:`~parallel.train.loop`: one rank's run (engine, steps, validation, checkpoints);
 - :mod:`~parallel.train.launch`: torchrun or spawned ranks, and ``main``;
-- :mod:`~parallel.train.metrics`, :mod:`~parallel.train.plot`: what rank 0 reports.
+- :mod:`~parallel.train.metrics`, :mod:`~parallel.train.logs`, :mod:`~parallel.train.board`,
+  :mod:`~parallel.train.plot`: what rank 0 reports (bar, JSON lines, logging, TensorBoard).
 
 Example::
 

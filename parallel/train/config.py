@@ -30,13 +30,14 @@ def _opt(table: str, default: Any, help: str, choices: tuple[Any, ...] | None = 
 class TrainConfig:
     """Every setting of ``python -m parallel.train`` (see ``--help`` for each one)."""
 
-    # [model]: byte-level (vocabulary 256)
+    # [model]: byte-level (vocabulary 256), or the --tokenizer's vocabulary
     model: str = _opt("model", "gpt", "gpt | llama | qwen2 | mistral | gpt2 (HuggingFace "
                       "models from a config, sized by the flags below) | hf:CONFIG.json")
     n_layer: int = _opt("model", 4, "transformer blocks")
     n_head: int = _opt("model", 4, "attention heads")
     n_embd: int = _opt("model", 128, "embedding width")
-    block_size: int = _opt("model", 128, "context length in bytes")
+    block_size: int = _opt("model", 128, "context length in tokens (bytes without "
+                           "--tokenizer)")
     dropout: float = _opt("model", 0.0, "dropout probability")
     tie_embeddings: bool = _opt("model", True, "the LM head shares the token embedding")
     init: str = _opt("model", "full", "full: every rank builds the whole model; meta: on "
@@ -46,6 +47,20 @@ class TrainConfig:
     data: str = _opt("data", "", "a text file or a folder of them (default: the Python "
                      "standard library's .py sources)")
     val_fraction: float = _opt("data", 0.1, "the corpus's tail held out for validation")
+    tokenizer: str = _opt("data", "", "a HuggingFace tokenizer (a hub name or a folder, as "
+                          "AutoTokenizer.from_pretrained takes it) for --dataset; the model's "
+                          "vocabulary is then the tokenizer's")
+    dataset: str = _opt("data", "", "local files read with HuggingFace datasets (a .txt, "
+                        ".jsonl or .json file, or a folder of them), tokenized by --tokenizer")
+    text_field: str = _opt("data", "text", "the JSONL field holding a document's text")
+    text_sample: str = _opt("data", "line", ".txt files: a document per line, per paragraph "
+                            "(blank-line separated) or per file (datasets' sample_by)",
+                            ("line", "paragraph", "document"))
+    sft: bool = _opt("data", False, "JSONL records of prompt and response: only the "
+                     "response is trained (the prompt's targets are -100); the default "
+                     "when the records have both fields")
+    pack: bool = _opt("data", False, "documents end to end in full rows, position_ids "
+                      "restarting at each one (default: one document per row, padded)")
     batch_size: int = _opt("data", 16, "sequences per step (the global batch)")
     # [training]
     steps: int = _opt("training", 200, "optimizer steps")
@@ -103,6 +118,10 @@ class TrainConfig:
     metrics: str = _opt("output", "", "JSON lines, one per step and per validation (rank 0)")
     plot: str = _opt("output", "", "loss curve PNG (default: the metrics file's name, .png)")
     progress: bool = _opt("output", True, "tqdm progress bar on rank 0")
+    log_every: int = _opt("output", 10, "a line on the logger parallel.train every K "
+                          "steps (0: off)")
+    tensorboard: str = _opt("output", "", "TensorBoard event files in this folder (rank 0; "
+                            "pip install 'pycomm[tensorboard]')")
 
     @property
     def layout(self) -> MeshShape:
@@ -141,9 +160,30 @@ class TrainConfig:
                              "project's own (its checkpoints consolidate to a state dict)")
         if self.bucket_mb <= 0:
             raise ValueError(f"train: bucket_mb must be > 0, got {self.bucket_mb}")
-        for name in ("memory_gb", "plan_other_load"):
+        _check_data(self)
+        for name in ("memory_gb", "plan_other_load", "log_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train: {name} must be >= 0, got {getattr(self, name)}")
+
+
+def _check_data(cfg: TrainConfig) -> None:
+    """The byte corpus (--data) or a tokenized dataset (--dataset with --tokenizer), and
+    the settings that only a dataset reads."""
+    if bool(cfg.dataset) != bool(cfg.tokenizer):
+        given, other = ("dataset", "tokenizer") if cfg.dataset else ("tokenizer", "dataset")
+        raise ValueError(f"train: --{given} needs --{other} (a tokenized dataset takes "
+                         "both; without them the trainer reads --data as bytes)")
+    if cfg.dataset and cfg.data:
+        raise ValueError("train: give --data (bytes) or --dataset (tokenized), not both")
+    changed = [f"--{name.replace('_', '-')}" for name in ("sft", "pack", "text_field",
+               "text_sample") if getattr(cfg, name) != _fields()[name].default]
+    if changed and not cfg.dataset:
+        raise ValueError(f"train: {', '.join(changed)} given without --dataset, whose "
+                         "settings they are (the byte-level --data is one stream, already "
+                         "packed)")
+    if cfg.tokenizer and cfg.plan == "auto":
+        raise ValueError("train: --plan auto sizes byte-level models (vocabulary 256); with "
+                         "--tokenizer give the layout (--dp, --tp, --pp) yourself")
 
 
 def _check_choices(cfg: TrainConfig) -> None:
@@ -219,8 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     file's value, or the default, stays)."""
     parser = argparse.ArgumentParser(
         prog="python -m parallel.train", argument_default=argparse.SUPPRESS,
-        description="Train a byte-level model (the project's GPT or a HuggingFace one) on a "
-                    "(dp, tp, pp) mesh with every strategy of parallel/. Flags override "
+        description="Train a model (the project's GPT or a HuggingFace one) on bytes, or on "
+                    "a tokenized dataset (--dataset, --tokenizer), on a (dp, tp, pp) mesh "
+                    "with every strategy of parallel/. Flags override "
                     "--config's TOML keys ([table] key).")
     parser.add_argument("--config", help="TOML file of settings (flags override it)")
     groups = {t: parser.add_argument_group(f"[{t}]") for t in TABLES}

@@ -6,8 +6,9 @@
   port; a single rank runs in this very process.
 
 Settings that cannot work are refused before any rank starts where that is possible
-(the mesh's ``pp * dp * tp != WORLD_SIZE``, config errors), and otherwise by every rank
-alike (the engine's own checks), so no rank waits forever on one that gave up.
+(the mesh's ``pp * dp * tp != WORLD_SIZE``, config errors, a tokenizer or dataset that
+cannot be used), and otherwise by every rank alike (the engine's own checks), so no rank
+waits forever on one that gave up.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from parallel.train.auto import planned, planned_everywhere
 from parallel.train.config import TrainConfig, parse
 from parallel.train.loop import train_rank
+from parallel.train.sources import check_source
 
 
 def _init(cfg: TrainConfig, store: dist.Store | None = None, rank: int = 0, world: int = 1
@@ -53,6 +55,8 @@ def launch(cfg: TrainConfig) -> None:
     cfg = planned(cfg, cfg.nproc or cfg.layout.world)
     world = cfg.nproc or cfg.layout.world
     cfg.layout.check_world(world)  # the mesh's own message, before anything starts
+    if world > 1:  # one rank runs here: its own error is as early
+        check_source(cfg)
     # This process serves the rendezvous, not rank 0: a rank that raises (the engine's
     # checks raise on every rank alike) then cannot take the store away from the others,
     # who would report a lost connection instead of the error itself.

@@ -13,11 +13,13 @@ from parallel.compose.mesh import ParallelMesh
 from parallel.compose.parallelize import ParallelConfig, ParallelModel, parallelize
 from parallel.rng import seed_streams
 from parallel.train import ckpt
+from parallel.train.batches import Batch
 from parallel.train.config import TrainConfig
-from parallel.train.data import Corpus, derive_seed, load_corpus, train_batch, val_batches
+from parallel.train.data import derive_seed
 from parallel.train.metrics import Metrics, peak_rss_mb
-from parallel.train.models import build_model, describe_model
+from parallel.train.models import VOCAB, build_model, describe_model
 from parallel.train.schedule import WarmupCosine
+from parallel.train.sources import DataSource, load_source
 
 
 def parallel_config(cfg: TrainConfig) -> ParallelConfig:
@@ -34,14 +36,15 @@ def parallel_config(cfg: TrainConfig) -> ParallelConfig:
         lr_lambda=WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
 
 
-def build(cfg: TrainConfig) -> tuple[ParallelModel, int, str]:
+def build(cfg: TrainConfig, vocab: int = VOCAB) -> tuple[ParallelModel, int, str]:
     """The engine on this rank's part of the mesh, the whole model's parameter count and
-    its description. The model is built whole from ``seed`` on every rank (or on the
-    meta device, each rank then materializing its part), so every layout starts alike."""
+    its description, for data of ``vocab`` token ids (bytes by default). The model is
+    built whole from ``seed`` on every rank (or on the meta device, each rank then
+    materializing its part), so every layout starts alike."""
     mesh = ParallelMesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
-    model = build_model(cfg)
+    model = build_model(cfg, vocab)
     params = sum(p.numel() for p in model.parameters())
-    name = describe_model(cfg, model)
+    name = describe_model(cfg, model, vocab)
     return parallelize(model, mesh, parallel_config(cfg)), params, name
 
 
@@ -55,9 +58,10 @@ def seed_step(seed: int, step: int, mesh: ParallelMesh) -> None:
     seed_streams(s, mesh.rank("tp"), mesh.rank("pp"))
 
 
-def validate(engine: ParallelModel, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def validate(engine: ParallelModel, batches: list[Batch]) -> float:
     """The mean loss over the fixed held-out batches."""
-    return sum(engine.evaluate(x, y) for x, y in batches) / len(batches)
+    losses = [engine.evaluate(b.tokens, b.targets, **b.inputs()) for b in batches]
+    return sum(losses) / len(losses)
 
 
 def _due(step: int, every: int, last: int, at_end: bool) -> bool:
@@ -67,22 +71,22 @@ def _due(step: int, every: int, last: int, at_end: bool) -> bool:
 def train_rank(cfg: TrainConfig) -> None:
     """The whole run on this rank (the process group is up)."""
     torch.set_num_threads(cfg.threads)
-    corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.block_size)
-    engine, params, name = build(cfg)
+    data = load_source(cfg)
+    engine, params, name = build(cfg, data.vocab_size)
     start, resumed, changes = ckpt.resume(engine, cfg) if cfg.resume else (0, None, "")
     log = Metrics(dist.get_rank() == 0, cfg.metrics, cfg.plot_path(), cfg.progress,
-                  cfg.steps, start)
-    log.say(_banner(cfg, corpus, params, name))
+                  cfg.steps, start, cfg.log_every, cfg.tensorboard)
+    log.say(_banner(cfg, data, params, name))
     if resumed:
         log.say(f"resumed from {resumed} (step {start})")
     if changes:
         log.say(changes)
     if not start:
         log.record({"kind": "config", **dataclasses.asdict(cfg), "world": dist.get_world_size(),
-                    "params": params, "corpus": corpus.source, "corpus_bytes": corpus.size})
-    held_out = val_batches(corpus, cfg.seed, cfg.eval_batches, cfg.batch_size, cfg.block_size)
+                    "params": params, **data.record()})
+    held_out = data.val_batches(cfg.seed, cfg.eval_batches, cfg.batch_size, cfg.block_size)
     for step in range(start + 1, cfg.steps + 1):
-        _train_step(engine, cfg, corpus, step, log)
+        _train_step(engine, cfg, data, step, log)
         if _due(step, cfg.eval_every, cfg.steps, at_end=cfg.eval_every > 0):
             t0 = time.perf_counter()
             loss = validate(engine, held_out)
@@ -94,17 +98,17 @@ def train_rank(cfg: TrainConfig) -> None:
     log.close(f"{name}, {params / 1e6:.2f}M params, {describe(cfg)}")
 
 
-def _train_step(engine: ParallelModel, cfg: TrainConfig, corpus: Corpus, step: int,
+def _train_step(engine: ParallelModel, cfg: TrainConfig, data: DataSource, step: int,
                 log: Metrics) -> None:
     seed_step(cfg.seed, step, engine.mesh)
-    tokens, targets = train_batch(corpus, cfg.seed, step, cfg.batch_size, cfg.block_size)
+    batch = data.train_batch(cfg.seed, step, cfg.batch_size, cfg.block_size)
     t0 = time.perf_counter()
-    r = engine.train_step(tokens, targets)
+    r = engine.train_step(batch.tokens, batch.targets, **batch.inputs())
     seconds = time.perf_counter() - t0
     log.train({"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
-               "step_s": seconds, "tokens_per_s": tokens.numel() / seconds,
-               "skipped": r.skipped, "loss_scale": r.loss_scale,
-               "peak_rss_mb": peak_rss_mb()})
+               "step_s": seconds, "tokens_per_s": batch.tokens.numel() / seconds,
+               "trained_tokens": batch.trained_tokens(), "skipped": r.skipped,
+               "loss_scale": r.loss_scale, "peak_rss_mb": peak_rss_mb()})
 
 
 def describe(cfg: TrainConfig) -> str:
@@ -121,8 +125,7 @@ def _ranks(n: int) -> str:
     return f"{n} rank" + ("s" if n > 1 else "")
 
 
-def _banner(cfg: TrainConfig, corpus: Corpus, params: int, name: str) -> str:
-    return (f"train: {name}, {params / 1e6:.2f}M params | data: "
-            f"{corpus.source}, {corpus.size / 1e6:.1f} MB, {corpus.val.numel() / 1e6:.1f} MB "
-            f"held out | {describe(cfg)} | {_ranks(dist.get_world_size())} on {cfg.backend}, "
+def _banner(cfg: TrainConfig, data: DataSource, params: int, name: str) -> str:
+    return (f"train: {name}, {params / 1e6:.2f}M params | data: {data.describe()} | "
+            f"{describe(cfg)} | {_ranks(dist.get_world_size())} on {cfg.backend}, "
             f"batch {cfg.batch_size}x{cfg.block_size}")

@@ -1,19 +1,23 @@
-"""What rank 0 reports: a tqdm bar, one JSON line per step and per validation, a plot.
+"""What rank 0 reports: a tqdm bar, one JSON line per step and per validation, a plot,
+a ``logging`` line every ``--log-every`` steps (:mod:`~parallel.train.logs`) and, with
+``--tensorboard``, TensorBoard event files (:mod:`~parallel.train.board`).
 
 The lines (``--metrics FILE.jsonl``) are::
 
     {"kind": "config", ...every setting..., "world": 4, "params": 832768}
     {"kind": "train", "step": 1, "loss": 5.54, "grad_norm": 1.03, "lr": 0.0001,
-     "step_s": 0.12, "tokens_per_s": 17066.7, "skipped": false, "loss_scale": 1.0,
-     "peak_rss_mb": 612.3}
+     "step_s": 0.12, "tokens_per_s": 17066.7, "trained_tokens": 2048, "skipped": false,
+     "loss_scale": 1.0, "peak_rss_mb": 612.3}
     {"kind": "eval", "step": 50, "val_loss": 3.21, "eval_s": 0.4}
 
 ``lr`` is the rate the step used; ``tokens_per_s`` is the global batch's tokens over the
 step's wall time on rank 0 (the step ends in a world-wide collective, so that is the
-job's step time); ``peak_rss_mb`` is the largest peak resident set over all ranks
-(``getrusage``'s ``ru_maxrss``, gathered with a MAX all-reduce); ``skipped`` and
-``loss_scale`` are fp16's (an overflowed step is skipped on every rank). A resumed run
-first drops the lines after its checkpoint's step, so the file reads as one run.
+job's step time; padding included); ``trained_tokens`` the targets the loss counts (not
+-100: padding, SFT prompts and documents' last tokens are not); ``peak_rss_mb`` is the
+largest peak resident set over all ranks (``getrusage``'s ``ru_maxrss``, gathered with a
+MAX all-reduce); ``skipped`` and ``loss_scale`` are fp16's (an overflowed step is skipped
+on every rank). A resumed run first drops the lines after its checkpoint's step, so the
+file reads as one run.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from parallel._optional import available, note
+from parallel.train.board import Board
+from parallel.train.logs import LOGGER, log_to_stderr, step_line
 from parallel.train.plot import loss_curve
 
 # optional (pip install 'pycomm[bench]'): without it, no bar, the lines still go out
@@ -59,13 +65,18 @@ class Metrics:
     """Rank 0's reporting; on other ranks every method does nothing."""
 
     def __init__(self, enabled: bool, metrics: str, plot: str, progress: bool,
-                 steps: int, start: int):
+                 steps: int, start: int, log_every: int = 0, tensorboard: str = ""):
         self.enabled, self.plot = enabled, plot
         self.path = Path(metrics) if metrics else None
         self.history: list[dict[str, Any]] = []
         self.bar = None
+        self.steps, self.log_every = steps, log_every
+        self.board: Board | None = None
         if not enabled:
             return
+        log_to_stderr()
+        if tensorboard:
+            self.board = Board(tensorboard, start)
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.history = _kept_before_resume(self.path, start) if start else []
@@ -87,10 +98,17 @@ class Metrics:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             self.bar.update(1)
+        if self.board is not None:
+            self.board.train(rec)
+        if self.enabled and self.log_every and (rec["step"] % self.log_every == 0
+                                                or rec["step"] == self.steps):
+            LOGGER.info(step_line(rec, self.steps))
 
     def eval(self, step: int, val_loss: float, seconds: float) -> None:
         self.record({"kind": "eval", "step": step, "val_loss": val_loss, "eval_s": seconds})
         self.say(f"step {step}: val loss {val_loss:.4f}")
+        if self.board is not None:
+            self.board.eval(step, val_loss)
 
     def say(self, text: str) -> None:
         """A line above the progress bar (rank 0 only)."""
@@ -102,6 +120,8 @@ class Metrics:
             return
         if self.bar is not None:
             self.bar.close()
+        if self.board is not None:
+            self.board.close()
         if self.plot:
             drawn = loss_curve(self.history, Path(self.plot), title)
             self.say(f"loss curve -> {self.plot}" if drawn else note("matplotlib", "plot"))
