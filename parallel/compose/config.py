@@ -48,6 +48,11 @@ class ParallelConfig:
             the vocabulary). See :mod:`parallel.compose.loss`.
         ignore_index: targets the default loss skips (HuggingFace's -100: padding,
             prompt tokens in SFT).
+        sync_batchnorm: BatchNorm layers normalise over the whole data-parallel batch
+            (:mod:`parallel.data.sync_batchnorm`), so a layout trains what one process
+            trains; where no layer can see the whole batch (micro-batches, sequence
+            parallelism, recompute) the model is refused. False: each replica and
+            micro-batch normalises its own rows (DDP without SyncBatchNorm, GPipe).
         loss_scale: fp16's dynamic loss scaling: the initial scale, halved on an
             overflow (the step is skipped) and doubled after ``loss_scale_window``
             steps without one.
@@ -75,6 +80,7 @@ class ParallelConfig:
     reduce_dtype: torch.dtype = torch.float32
     loss_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
     ignore_index: int = -100
+    sync_batchnorm: bool = True
     loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     offload: str = "none"

@@ -24,6 +24,7 @@ from parallel.compose.plan import ModelInputs, Plan
 from parallel.compose.recompute_units import checkpoint_units, zero3_units
 from parallel.compose.tied import CrossStageTies
 from parallel.compose.zero_side import ZeroPlan
+from parallel.data.sync_batchnorm import batchnorm_paths, sync_batchnorm
 from parallel.pipeline.forward_only import forward_loss
 from parallel.pipeline.microbatch import split_batch
 from parallel.pipeline.pipeline import Pipeline
@@ -55,6 +56,7 @@ class ParallelModel:
         self._loss: StepLoss | None = None  # the step's, while it runs
         self.stage_plan = self._build_stage(model)
         self._build_pipeline(model)
+        self._batchnorm()
         # After the weights exist: torch's generator then differs per pipeline stage.
         seed_streams(config.seed, mesh.rank("tp"), mesh.rank("pp"))
         self.ties = CrossStageTies(self.stage_plan.ties, self.stage_plan.stage_of, mesh)
@@ -92,6 +94,29 @@ class ParallelModel:
         if self.config.recompute:
             group = self.tp_group if self.config.partition_activations else None
             checkpoint_units(self.plan, stage, group)
+
+    def _batchnorm(self) -> None:
+        """BatchNorm over the whole data-parallel batch (``config.sync_batchnorm``), or
+        refused where no layer could see it."""
+        paths = batchnorm_paths(self.stage)
+        if not paths or not self.config.sync_batchnorm:
+            return
+        config = self.config
+        blocked = [what for bad, what in (
+            (config.microbatches > 1, f"microbatches={config.microbatches} (each micro-batch "
+             "would be normalised alone)"),
+            (config.sequence_parallel, "sequence_parallel (a rank holds part of the sequence)"),
+            (config.recompute, "recompute (a recomputed forward would update the running "
+             "statistics twice)"))
+            if bad]
+        if blocked:
+            raise ValueError(
+                f"parallelize: the model's BatchNorm layers ({', '.join(paths[:3])}) normalise "
+                f"over their batch, which no layer sees whole with {'; '.join(blocked)}, so "
+                "the layout would train another model than one process; change that setting, "
+                "or set sync_batchnorm=False to normalise each micro-batch and replica alone")
+        if self.mesh.size("dp") > 1:
+            sync_batchnorm(self.stage, self.mesh.group("dp"))
 
     def _copies(self, p: nn.Parameter) -> int:
         """Ranks of one data-parallel replica that hold this same gradient."""

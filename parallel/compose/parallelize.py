@@ -28,13 +28,15 @@ Example::
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 from parallel.compose.config import ParallelConfig, StepResult
 from parallel.compose.engine import ParallelModel
 from parallel.compose.materialize import is_meta
 from parallel.compose.mesh import ParallelMesh
-from parallel.compose.plan import Plan
+from parallel.compose.plan import MODEL_INPUTS, Plan
 
 __all__ = ["ParallelConfig", "ParallelModel", "StepResult", "parallelize", "plan_for"]
 
@@ -52,7 +54,9 @@ def plan_for(model: nn.Module) -> Plan:
     """The plan of ``model``: its own (``model.parallel_plan()``), a known one for its
     class, one derived from a HuggingFace config's ``base_model_tp_plan`` and
     ``base_model_pp_plan``, an ``nn.Sequential``'s children as its layers, or else the
-    whole model as one layer (data parallelism and ZeRO need no more)."""
+    whole model as one layer (data parallelism and ZeRO need no more: a HuggingFace model
+    whose plan cannot be derived, an encoder or a ViT, trains so, and a layout that needs
+    its layers is refused quoting why they could not be derived)."""
     import importlib
 
     own = getattr(model, "parallel_plan", None)
@@ -63,12 +67,42 @@ def plan_for(model: nn.Module) -> Plan:
         module, _, fn = known.partition(":")
         return getattr(importlib.import_module(module), fn)(model)
     if _is_transformers_model(model):
-        from parallel.models.hf import hf_causal_lm_plan
+        from parallel.models.hf import hf_causal_lm_plan, logits_of
 
-        return hf_causal_lm_plan(model)
+        try:
+            return hf_causal_lm_plan(model)
+        except ValueError as err:
+            return Plan(output=logits_of, inputs=inputs_taken(model), unsplit_reason=str(err),
+                        name=type(model).__name__)
     if isinstance(model, nn.Sequential):
         return Plan(layers=[str(i) for i in range(len(model))], name=type(model).__name__)
-    return Plan(name=type(model).__name__)
+    return Plan(inputs=inputs_taken(model), name=type(model).__name__)
+
+
+def inputs_taken(model: nn.Module) -> tuple[str, ...]:
+    """The model inputs ``model``'s forward names (a whole model as one layer gets them
+    as keywords)."""
+    params = inspect.signature(model.forward).parameters
+    return tuple(name for name in MODEL_INPUTS if name in params)
+
+
+def check_layout_needs(plan: Plan, mesh: ParallelMesh, config: ParallelConfig) -> None:
+    """Refuses what needs a plan of the model's layers where none could be derived.
+
+    Raises:
+        ValueError: naming the settings and quoting why the layers are unknown.
+    """
+    if not plan.unsplit_reason:
+        return
+    pp, tp = mesh.size("pp"), mesh.size("tp")
+    needs = [what for wanted, what in (
+        (pp > 1, f"pp={pp}"), (tp > 1, f"tp={tp}"),
+        (config.sequence_parallel, "sequence_parallel"), (config.recompute, "recompute"))
+        if wanted]
+    if needs:
+        raise ValueError(f"parallelize: {', '.join(needs)} needs a plan of {plan.name}'s "
+                         f"layers, and none could be derived ({plan.unsplit_reason}); data "
+                         "parallelism and ZeRO 1-3 need none")
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig,
@@ -89,7 +123,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig,
     """
     config.check(mesh)
     plan = plan if plan is not None else plan_for(model)
-    if _is_transformers_model(model) and not is_meta(model):
+    check_layout_needs(plan, mesh, config)
+    if _is_transformers_model(model) and not is_meta(model) and not plan.is_whole_model():
         # A plan's layers must compute what the model's own forward does; checked on a
         # tiny batch while the whole model is still here (a family whose forward the
         # derivation does not reproduce is refused, not trained wrong).

@@ -127,6 +127,9 @@ class Plan:
         inputs: the model inputs beside the tokens the plan honours (names from
             ``MODEL_INPUTS``): its context or its layer calls read them from
             :class:`ModelInputs`.
+        unsplit_reason: why the plan is the whole model as one layer where a plan of its
+            layers was sought (a derivation's refusal); a layout that needs the layers
+            (tp, pp, sequence parallelism, recompute) is refused quoting it.
         name: what error messages call the model.
     """
 
@@ -140,7 +143,12 @@ class Plan:
     divisible: dict[str, int] = field(default_factory=dict)
     init: Callable[[str, nn.Module], None] | None = None
     inputs: tuple[str, ...] = ()
+    unsplit_reason: str = ""
     name: str = "model"
+
+    def is_whole_model(self) -> bool:
+        """Whether the plan's one layer is the whole model (nothing to cut or split)."""
+        return len(self.layers) == 1 and Layer.of(self.layers[0]).modules == ("",)
 
     def recompute_patterns(self) -> list[str]:
         return self.recompute if self.recompute is not None else _listed(self.blocks)

@@ -166,6 +166,17 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -233,6 +244,13 @@ def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """``g``. Forward: all-reduce (sum the partial outputs of a row-parallel layer).
     Backward: identity (the sum's gradient is the same for every term)."""
     return _ReduceFromRegion.apply(x, group)
+
+
+def sum_over_group(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Forward: all-reduce (a statistic of every rank's rows, as a synchronised
+    BatchNorm's). Backward: all-reduce (every rank's use of the sum depends on each
+    rank's ``x``)."""
+    return _SumOverGroup.apply(x, group)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
