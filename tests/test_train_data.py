@@ -11,7 +11,6 @@ the documents they come from; runs are subprocesses of the real command line.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
 import json
 import logging
@@ -27,7 +26,6 @@ transformers = pytest.importorskip("transformers", reason="no transformers (the 
 
 import datasets  # noqa: E402  (the test extra; after the skip: it is the [data] extra's too)
 
-from parallel.compose.parallelize import ParallelModel  # noqa: E402
 from parallel.train.batches import (  # noqa: E402
     IGNORE,
     Batch,
@@ -257,6 +255,18 @@ def test_the_model_vocabulary_is_the_tokenizer_s(tok_dir, tmp_path):
     assert llama.get_input_embeddings().num_embeddings == len(VOCAB)
 
 
+def test_a_vocabulary_tp_cannot_split_is_refused_naming_vocab_multiple(tok_dir, tmp_path):
+    """13 ids cannot be split over tp=2: refused, advising --vocab-multiple, which rounds
+    the model's vocabulary up (the same in every layout, so each trains the same model)."""
+    path = write_jsonl(tmp_path / "sft.jsonl", sft_records(10))
+    flags = ["--tokenizer", str(tok_dir), "--dataset", str(path)]
+    with pytest.raises(ValueError, match=r"vocabulary \(13: .*not divisible by tp \(2\); "
+                                         r"give --vocab-multiple 2"):
+        load_source(parse([*flags, "--tp", "2"]))
+    assert load_source(parse([*flags, "--tp", "2", "--vocab-multiple", "8"])).vocab_size == 16
+    assert load_source(parse([*flags, "--vocab-multiple", "2"])).vocab_size == 14
+
+
 # --- refusals -----------------------------------------------------------------------------
 
 
@@ -293,6 +303,7 @@ def test_tokenizer_without_eos_or_pad_says_what_to_set(tmp_path):
     (["--dataset", "d.jsonl"], "--dataset needs --tokenizer"),
     (["--tokenizer", "t"], "--tokenizer needs --dataset"),
     (["--pack", "--sft"], "--sft, --pack given without --dataset"),
+    (["--vocab-multiple", "64"], "--vocab-multiple given without --dataset"),
     (["--tokenizer", "t", "--dataset", "d", "--data", "x"], "not both"),
     (["--tokenizer", "t", "--dataset", "d", "--plan", "auto"], "--plan auto sizes byte-level"),
 ])
@@ -317,6 +328,9 @@ def test_a_bad_dataset_is_refused_before_any_rank_starts(tok_dir, tmp_path, caps
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "the cat"}, {"txt": "a mat"}])
     assert main(["--tokenizer", str(tok_dir), "--dataset", str(path), "--dp", "2"]) == 2
     assert "docs.jsonl line 2 has no 'text' field" in capsys.readouterr().err
+    good = write_jsonl(tmp_path / "good.jsonl", [{"text": "the cat"}] * 10)
+    assert main(["--tokenizer", str(tok_dir), "--dataset", str(good), "--tp", "2"]) == 2
+    assert "not divisible by tp (2)" in capsys.readouterr().err
 
 
 # --- logging ------------------------------------------------------------------------------
@@ -338,12 +352,6 @@ def test_a_log_line_every_log_every_steps_and_at_the_end(caplog):
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16",
         "--batch-size", "4", "--steps", "4", "--eval-every", "2", "--eval-batches", "2",
         "--warmup-steps", "1", "--no-progress", "--log-every", "2"]
-ENGINE_TAKES_INPUTS = {"attention_mask", "position_ids"} <= set(
-    inspect.signature(ParallelModel.train_step).parameters)
-needs_engine_inputs = pytest.mark.xfail(
-    not ENGINE_TAKES_INPUTS, strict=True, raises=AssertionError,
-    reason="engine.train_step takes no attention_mask/position_ids yet (issue 55's engine "
-           "change): the trainer calls it with them")
 
 
 def train(tmp_path: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -404,7 +412,6 @@ def test_a_byte_run_on_two_ranks_logs_and_writes_tensorboard(tmp_path, backend):
     assert_board_holds(board, out)
 
 
-@needs_engine_inputs
 def test_packed_sft_on_two_ranks_trains_what_one_process_trains(tok_dir, tmp_path, backend):
     """SFT JSONL, packed, dp=2 with --tensorboard: the losses of one process, step for
     step; the event file holds them; the logging line appears."""
@@ -424,7 +431,6 @@ def test_packed_sft_on_two_ranks_trains_what_one_process_trains(tok_dir, tmp_pat
     assert_board_holds(board, two)
 
 
-@needs_engine_inputs
 def test_padded_text_on_two_ranks_trains_what_one_process_trains(tok_dir, tmp_path, backend):
     """Text JSONL, one padded document per row (attention_mask), dp=2 against one process."""
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": sentence(i, 2 + i % 9)}

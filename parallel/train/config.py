@@ -40,6 +40,9 @@ class TrainConfig:
                            "--tokenizer)")
     dropout: float = _opt("model", 0.0, "dropout probability")
     tie_embeddings: bool = _opt("model", True, "the LM head shares the token embedding")
+    vocab_multiple: int = _opt("model", 1, "with --tokenizer: the model's vocabulary is the "
+                               "tokenizer's rounded up to a multiple of this (tp must "
+                               "divide it; the extra ids never occur in the data)")
     init: str = _opt("model", "full", "full: every rank builds the whole model; meta: on "
                      "the meta device, each rank materializes only what it holds",
                      ("full", "meta"))
@@ -140,7 +143,7 @@ class TrainConfig:
         self.layout  # noqa: B018 (MeshShape checks every dimension)
         _check_choices(self)
         for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "steps",
-                     "eval_batches", "threads"):
+                     "eval_batches", "threads", "vocab_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train: {name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.val_fraction < 1:
@@ -176,7 +179,7 @@ def _check_data(cfg: TrainConfig) -> None:
     if cfg.dataset and cfg.data:
         raise ValueError("train: give --data (bytes) or --dataset (tokenized), not both")
     changed = [f"--{name.replace('_', '-')}" for name in ("sft", "pack", "text_field",
-               "text_sample") if getattr(cfg, name) != _fields()[name].default]
+               "text_sample", "vocab_multiple") if getattr(cfg, name) != _fields()[name].default]
     if changed and not cfg.dataset:
         raise ValueError(f"train: {', '.join(changed)} given without --dataset, whose "
                          "settings they are (the byte-level --data is one stream, already "

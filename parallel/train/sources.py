@@ -16,7 +16,7 @@ from parallel.train.config import TrainConfig
 from parallel.train.data import Corpus, derive_seed, load_corpus, train_batch, val_batches
 from parallel.train.hf_data import hold_out, read_records, tokenize
 from parallel.train.models import VOCAB
-from parallel.train.tokenizer import load_tokenizer, vocab_size
+from parallel.train.tokenizer import load_tokenizer, model_vocab
 
 
 class DataSource(Protocol):
@@ -102,12 +102,15 @@ def load_source(cfg: TrainConfig) -> DataSource:
     train, val = hold_out(tokenize(tokenizer, records), cfg.val_fraction, cfg.block_size,
                           cfg.pack, source)
     pad = None if cfg.pack else int(tokenizer.pad_token_id)
-    return TokenSource(train, val, pad, vocab_size(tokenizer), source)
+    return TokenSource(train, val, pad, model_vocab(tokenizer, cfg.vocab_multiple, cfg.tp),
+                       source)
 
 
 def check_source(cfg: TrainConfig) -> None:
     """Refuse a tokenizer or dataset the run cannot use before any rank starts: the
-    tokenizer's special tokens and every record (ValueError naming what is wrong)."""
+    tokenizer's special tokens, the vocabulary's split over tp, and every record
+    (ValueError naming what is wrong)."""
     if cfg.dataset:
-        load_tokenizer(cfg.tokenizer, padded=not cfg.pack)
+        model_vocab(load_tokenizer(cfg.tokenizer, padded=not cfg.pack), cfg.vocab_multiple,
+                   cfg.tp)
         read_records(cfg.dataset, cfg.text_field, cfg.text_sample, cfg.sft)

@@ -39,6 +39,19 @@ def check_special_tokens(tokenizer: Any, name: str, padded: bool) -> None:
             "--tokenizer DIR, or pack the documents with --pack")
 
 
-def vocab_size(tokenizer: Any) -> int:
-    """The model's vocabulary: every id the tokenizer can give, added tokens included."""
-    return len(tokenizer)
+def model_vocab(tokenizer: Any, multiple: int, tp: int) -> int:
+    """The model's vocabulary: every id the tokenizer can give (added tokens included),
+    rounded up to a multiple of ``multiple`` (``--vocab-multiple``).
+
+    Raises:
+        ValueError: ``tp`` does not divide it (tensor parallelism splits the embedding
+            and the head over the vocabulary).
+    """
+    size = -(-len(tokenizer) // multiple) * multiple
+    if size % tp:
+        raise ValueError(f"train: the model's vocabulary ({size}: the tokenizer's "
+                         f"{len(tokenizer)}, rounded up to a multiple of --vocab-multiple "
+                         f"{multiple}) is not divisible by tp ({tp}); give --vocab-multiple "
+                         f"{tp} or a multiple of it (e.g. 64; the extra ids are never in the "
+                         "data)")
+    return size
