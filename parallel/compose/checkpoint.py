@@ -41,14 +41,21 @@ def _whole_shape(local: torch.Size, p: nn.Parameter, tp: int) -> torch.Size:
     return torch.Size(shape)
 
 
-def tensor_state(engine: Any) -> tuple[dict[str, Any], dict[str, list[str]]]:
+def tensor_state(engine: Any, owned_only: bool = False
+                 ) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """This rank's chunks of every parameter and optimizer state tensor, and the keys of
-    each parameter's scalar state (Adam's step) by name."""
+    each parameter's scalar state (Adam's step) by name. ``owned_only``: without the
+    copies of a parameter tied across pipeline stages that a stage other than its
+    owner's holds (each stage's ZeRO cuts its copy into other ranges; the copies are
+    equal, and a save writes the owner's)."""
     tp, tp_rank = engine.mesh.size("tp"), engine.mesh.rank("tp")
+    stage, stage_of = engine.mesh.rank("pp"), engine.stage_plan.stage_of
     state: dict[str, Any] = {}
     scalars: dict[str, list[str]] = {}
     for p, local, start, values, tensors, scalar in engine.dp.pieces():
         name = engine.names.of(p)
+        if owned_only and stage_of.get(name, stage) != stage:
+            continue
         whole = _whole_shape(local, p, tp)
         for key, flat in [("model", values), *((f"optim.{k}", t) for k, t in tensors.items())]:
             target = state.setdefault(f"{key}/{name}", ChunkedTensor(whole, flat.dtype, []))
@@ -74,7 +81,7 @@ def _scalar_value(value: Any) -> Any:
 def save(engine: Any, directory: str | os.PathLike, extra: dict[str, Any]) -> None:
     """Write ``engine``'s parameters, optimizer state, schedule position and ``extra``
     (step, data position...) to ``directory``. Collective over the world."""
-    state, _ = tensor_state(engine)
+    state, _ = tensor_state(engine, owned_only=True)
     state = {k: v if isinstance(v, ChunkedTensor) else _scalar_value(v) for k, v in state.items()}
     state.update(_objects(engine, extra))
     dcp_chunks.save(state, directory)
