@@ -15,6 +15,7 @@ from parallel.compose.apply_tp import partial_grad_params
 from parallel.compose.batch import check_targets, model_inputs, vocab_of
 from parallel.compose.config import ParallelConfig, StepResult
 from parallel.compose.finalize import GradPhases, clip_grad_norm_, finalize_grads
+from parallel.compose.generate import Sampling, generate
 from parallel.compose.loss import StepLoss, not_ignored
 from parallel.compose.loss_scale import LossScaler
 from parallel.compose.mesh import ParallelMesh
@@ -167,9 +168,11 @@ class ParallelModel:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def _rows(self, batch: torch.Tensor) -> torch.Tensor:
-        """This data-parallel replica's rows of the global batch."""
+    def _rows(self, batch: torch.Tensor, whole: bool = False) -> torch.Tensor:
+        """This data-parallel replica's rows of the global batch (``whole``: all of it)."""
         dp, rank = self.mesh.size("dp"), self.mesh.rank("dp")
+        if whole:
+            dp, rank = 1, 0
         if batch.shape[0] % dp:
             raise ValueError(f"parallelize: a batch of {batch.shape[0]} rows cannot be split "
                              f"over dp={dp} replicas")
@@ -197,7 +200,7 @@ class ParallelModel:
         return self._loss(logits, targets)
 
     def _use_inputs(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None,
-                    position_ids: torch.Tensor | None) -> None:
+                    position_ids: torch.Tensor | None, whole: bool = False) -> None:
         """The batch's model inputs, each micro-batch's set before its forward and backward
         (see ``Pipeline.before_micro``)."""
         given = model_inputs(tokens, attention_mask, position_ids, self.plan)
@@ -208,7 +211,7 @@ class ParallelModel:
             context.set_inputs(None)
             self.pipeline.before_micro = None
             return
-        rows = {k: self._rows(v) for k, v in given.given().items()}
+        rows = {k: self._rows(v, whole) for k, v in given.given().items()}
         micro = split_batch(rows, self.config.microbatches)
         batches = [ModelInputs(**m) for m in micro]
         self.pipeline.before_micro = lambda m: context.set_inputs(batches[m])
@@ -282,9 +285,11 @@ class ParallelModel:
     def logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The whole batch's logits (fp32, the whole vocabulary), on every rank: what the
-        unsplit model computes (an export's reload is checked against it)."""
+        unsplit model computes (an export's reload is checked against it). A batch whose
+        rows do not split over the replicas is computed whole by each."""
         self.stage.eval()
-        self._use_inputs(tokens, attention_mask, position_ids)
+        whole = tokens.shape[0] % self.mesh.size("dp") != 0
+        self._use_inputs(tokens, attention_mask, position_ids, whole)
         caught: list[torch.Tensor] = []
 
         def keep(output: Any, _targets: Any) -> torch.Tensor:
@@ -292,26 +297,39 @@ class ParallelModel:
             caught.append(logits.float())
             return torch.zeros(())
 
-        rows = self._rows(tokens)
+        rows = self._rows(tokens, whole)
         forward_loss(self.pipeline, rows, rows, keep)
         mine = torch.cat(caught) if caught else torch.empty(0)
         if self.stage_plan.split_logits:
             mine = comms.gather_dim(mine, mine.dim() - 1, self.tp_group)
-        return self._everywhere(mine, tokens.shape[0])
+        return self._everywhere(mine, rows.shape[0], gather=not whole)
 
-    def _everywhere(self, mine: torch.Tensor, rows: int) -> torch.Tensor:
-        """The last stage's rows of every replica, on every rank."""
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int,
+                 attention_mask: torch.Tensor | None = None, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None
+                 ) -> torch.Tensor:
+        """``tokens`` and up to ``max_new_tokens`` more, greedy or sampled, the same on
+        every rank and the one-process model's (:mod:`parallel.compose.generate`);
+        collective."""
+        sampling = Sampling(do_sample, temperature, top_k, seed)
+        return generate(self, tokens, max_new_tokens, attention_mask, sampling, eos_token_id,
+                        pad_token_id)
+
+    def _everywhere(self, mine: torch.Tensor, rows: int, gather: bool = True) -> torch.Tensor:
+        """The last stage's rows of every replica (``gather``; else of this one), on
+        every rank."""
         shape: list[Any] = [None]
         if self.pipeline.is_last:
             shape = [[rows, *mine.shape[1:]]]
         last = dist.get_global_rank(self.mesh.group("pp"), self.mesh.size("pp") - 1)
         dist.broadcast_object_list(shape, src=last, group=self.mesh.group("pp"))
-        per = rows // self.mesh.size("dp")
-        full = torch.empty([per, *shape[0][1:]], dtype=torch.float32)
+        full = torch.empty(shape[0], dtype=torch.float32)
         if self.pipeline.is_last:
             full.copy_(mine)
         dist.broadcast(full, src=last, group=self.mesh.group("pp"))
-        return comms.gather_dim(full, 0, self.mesh.group("dp"))
+        return comms.gather_dim(full, 0, self.mesh.group("dp")) if gather else full
 
     def _dp_mean(self, loss: torch.Tensor | float) -> float:
         value = torch.as_tensor(loss).detach().double().reshape(1).clone()

@@ -26,6 +26,8 @@ def forward_loss(pipe: Pipeline, inputs: Any, targets: Any, loss_fn: Any,
     total = torch.zeros(1, dtype=torch.float64)
     sends = []
     for m in range(pipe.chunks):
+        if tgts[m].shape[0] == 0:  # fewer rows than micro-batches: every stage skips it
+            continue
         x = ins[m] if pipe.is_first else recv_tensor(pipe.stage_id - 1, pipe.group)
         pipe.entering(m)
         out = pipe.stage(x)
