@@ -48,6 +48,9 @@ class ParallelConfig:
             the vocabulary). See :mod:`parallel.compose.loss`.
         ignore_index: targets the default loss skips (HuggingFace's -100: padding,
             prompt tokens in SFT).
+        compile: ``torch.compile`` each block of the plan in place (the modules a block
+            layer runs: torchtitan's per-block compilation), after the other strategies
+            are applied; the layers' communication stays outside the compiled code.
         sync_batchnorm: BatchNorm layers normalise over the whole data-parallel batch
             (:mod:`parallel.data.sync_batchnorm`), so a layout trains what one process
             trains; where no layer can see the whole batch (micro-batches, sequence
@@ -81,6 +84,7 @@ class ParallelConfig:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None
     ignore_index: int = -100
     sync_batchnorm: bool = True
+    compile: bool = False
     loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     offload: str = "none"

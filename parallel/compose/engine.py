@@ -13,6 +13,7 @@ from parallel.compose import checkpoint
 from parallel.compose import stage as build
 from parallel.compose.apply_tp import partial_grad_params
 from parallel.compose.batch import check_targets, model_inputs, vocab_of
+from parallel.compose.compiled import compile_blocks
 from parallel.compose.config import ParallelConfig, StepResult
 from parallel.compose.finalize import GradPhases, clip_grad_norm_, finalize_grads
 from parallel.compose.generate import Sampling, generate
@@ -62,6 +63,8 @@ class ParallelModel:
         seed_streams(config.seed, mesh.rank("tp"), mesh.rank("pp"))
         self.ties = CrossStageTies(self.stage_plan.ties, self.stage_plan.stage_of, mesh)
         self._build_data_side(model)
+        if config.compile:
+            compile_blocks(self.stage_plan)
         self.optimizer = self.dp.optimizer
         lam = config.lr_lambda or (lambda _step: 1.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lam)

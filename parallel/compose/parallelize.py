@@ -28,10 +28,12 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 from torch import nn
 
+from parallel.compose.compiled import uncompiled
 from parallel.compose.config import ParallelConfig, StepResult
 from parallel.compose.engine import ParallelModel
 from parallel.compose.materialize import is_meta
@@ -121,6 +123,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig,
         ValueError: a combination that cannot work, or a part of the model the layout
             needs and the plan does not cover, named, on every rank before any step.
     """
+    model, compiled = uncompiled(model)
+    if compiled and not config.compile:
+        config = dataclasses.replace(config, compile=True)
     config.check(mesh)
     plan = plan if plan is not None else plan_for(model)
     check_layout_needs(plan, mesh, config)

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.models.masks import attention_mask_of
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -57,7 +59,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``mask``: (batch, 1, time, time), True where a query may attend to a key (see
-        :func:`attention_mask`); None: causal."""
+        :func:`parallel.models.masks.attention_mask_of`); None: causal."""
         batch, time, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         # Heads come from the last dimension, so a column-split c_attn (whole heads per
@@ -156,31 +158,6 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, mask)
         return self.lm_head(self.ln_f(x))
-
-
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Which packed document each token belongs to (0, 1, ... along a row): a new one
-    starts wherever the position does not follow the previous one (HuggingFace's
-    ``find_packed_sequence_indices``)."""
-    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
-    return (step != 1).cumsum(-1)
-
-
-def attention_mask_of(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-                      seq: int, device: torch.device) -> torch.Tensor | None:
-    """The (batch, 1, seq, seq) boolean mask of what each query may attend to: earlier
-    keys that are real tokens (``attention_mask``) of its own document (``position_ids``);
-    None where that is plain causal attention. A padding token attends to itself, so no
-    row is empty (its output is never trained on, and every kernel stays finite)."""
-    if attention_mask is None and position_ids is None:
-        return None
-    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
-    if attention_mask is not None:
-        mask = mask & attention_mask.bool()[:, None, None, :]
-    if position_ids is not None:
-        docs = document_ids(position_ids)
-        mask = mask & (docs[:, None, :, None] == docs[:, None, None, :])
-    return mask | torch.eye(seq, dtype=torch.bool, device=device)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch import nn
 
 from parallel.compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
 from parallel.compose.styles import Colwise, LocalSizes, PerRankRandom
-from parallel.models.gpt import attention_mask_of
+from parallel.models.masks import attention_mask_of
 
 
 def gpt_context(request: ContextRequest) -> dict[str, Any]:

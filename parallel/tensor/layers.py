@@ -74,7 +74,7 @@ class ParallelSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``mask``: what each query may attend to, as the GPT's attention takes it
-        (:func:`parallel.models.gpt.attention_mask_of`); None: causal."""
+        (:func:`parallel.models.masks.attention_mask_of`); None: causal."""
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # (batch, time, local heads * head dim)
         batch, time, _ = q.shape
         q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))

@@ -87,6 +87,8 @@ class TrainConfig:
     sequence_parallel: bool = _opt("parallel", False, "split activations along the "
                                    "sequence between TP layers")
     recompute: bool = _opt("parallel", False, "activation checkpointing of every block")
+    compile: bool = _opt("parallel", False, "torch.compile each block in place (torchtitan's "
+                         "per-block compilation)")
     partition_activations: bool = _opt("parallel", False, "P_a: each TP rank keeps 1/tp of "
                                        "a checkpointed block's input (needs recompute)")
     microbatches: int = _opt("parallel", 0, "pipeline micro-batches per step (0: pp)")

@@ -25,6 +25,7 @@ from parallel.train.sources import DataSource, load_source
 def parallel_config(cfg: TrainConfig) -> ParallelConfig:
     return ParallelConfig(
         zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+        compile=cfg.compile,
         partition_activations=cfg.partition_activations,
         microbatches=cfg.effective_microbatches(), schedule=cfg.schedule,
         max_grad_norm=cfg.max_grad_norm or None, optimizer=torch.optim.AdamW,
@@ -118,6 +119,7 @@ def describe(cfg: TrainConfig) -> str:
                           if cfg.pp > 1 else "")
     return (f"dp{cfg.dp} {tp} {pp} zero{cfg.zero}" + (" recompute" if cfg.recompute else "")
             + (" P_a" if cfg.partition_activations else "")
+            + (" compiled" if cfg.compile else "")
             + f" {cfg.precision}, dropout {cfg.dropout}, seed {cfg.seed}")
 
 
