@@ -98,8 +98,12 @@ def _logits(model: nn.Module, b: Batch) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def one_process(name: str, case: str, steps: int) -> list[tuple[float, float]]:
-    """The curve every layout must reproduce: the loss and pre-clip gradient norm."""
+def one_process(name: str, case: str, steps: int, chunks: int = 1
+                ) -> list[tuple[float, float]]:
+    """The curve every layout must reproduce: the loss and pre-clip gradient norm.
+    ``chunks`` > 1 accumulates the gradient over that many chunks of rows, each loss
+    summed over the batch's count (the same loss in another order of summation: what
+    the fp32 rounding alone makes of a curve)."""
     from parallel.compose.optim_groups import param_groups
 
     model = build(name)
@@ -108,13 +112,19 @@ def one_process(name: str, case: str, steps: int) -> list[tuple[float, float]]:
     for step in range(steps):
         b = batch(case, step)
         opt.zero_grad()
-        logits = _logits(model, b)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), b.targets.reshape(-1),
-                               ignore_index=IGNORE)
-        loss.backward()
+        count = max(int((b.targets != IGNORE).sum()), 1)
+        total = 0.0
+        for rows in torch.arange(ROWS).chunk(chunks):
+            part = Batch(b.tokens[rows], b.targets[rows],
+                         **{k: v[rows] for k, v in b.inputs().items()})
+            logits = _logits(model, part)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), part.targets.reshape(-1),
+                                   ignore_index=IGNORE, reduction="sum") / count
+            loss.backward()
+            total += loss.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
-        out.append((loss.item(), norm.item()))
+        out.append((total, norm.item()))
     return out
 
 
