@@ -29,6 +29,7 @@ from types import ModuleType
 EXTRAS: dict[str, tuple[str, str]] = {
     "zmq": ("pyzmq", "ps"),
     "transformers": ("transformers", "hf"),
+    "safetensors": ("safetensors", "hf"),
     "matplotlib": ("matplotlib", "bench"),
     "tqdm": ("tqdm", "bench"),
     "mpi4py": ("mpi4py", "mpi"),

@@ -56,6 +56,8 @@ SITES = [
     Site("parallel/ps/server.py", "zmq", _PS + "import parallel.ps.server"),
     Site("parallel/compose/export.py", "transformers",
          "from parallel.compose.export import save_pretrained; save_pretrained('c', None, 'o')"),
+    Site("parallel/compose/pretrained.py", "safetensors",
+         "from parallel.compose.pretrained import load_pretrained; load_pretrained(None, 'x')"),
     Site("parallel/models/hf.py", "transformers",
          "from parallel.models.hf import attention_mask; "
          "attention_mask('full_attention', None, None)"),

@@ -23,6 +23,7 @@ from parallel.compose.mesh import ParallelMesh
 from parallel.compose.naming import ParamNames
 from parallel.compose.plain_dp import PlainDataParallel
 from parallel.compose.plan import ModelInputs, Plan
+from parallel.compose.pretrained import load_pretrained
 from parallel.compose.recompute_units import checkpoint_units, zero3_units
 from parallel.compose.tied import CrossStageTies
 from parallel.compose.zero_side import ZeroPlan
@@ -353,3 +354,9 @@ class ParallelModel:
     def load(self, directory: str) -> dict[str, Any]:
         """Load a checkpoint written in any layout; returns its ``extra``; collective."""
         return checkpoint.load(self, directory)
+
+    def load_pretrained(self, directory: str) -> int:
+        """This rank's pieces of HuggingFace safetensors weights (``save_pretrained``'s
+        folder) into the parameters, read piece by piece; returns the elements read;
+        collective (:mod:`parallel.compose.pretrained`)."""
+        return load_pretrained(self, directory)

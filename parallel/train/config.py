@@ -43,6 +43,10 @@ class TrainConfig:
     vocab_multiple: int = _opt("model", 1, "with --tokenizer: the model's vocabulary is the "
                                "tokenizer's rounded up to a multiple of this (tp must "
                                "divide it; the extra ids never occur in the data)")
+    from_pretrained: str = _opt("model", "", "a HuggingFace save_pretrained folder: the "
+                                "model of its config.json, its safetensors weights read "
+                                "by each rank for the pieces it holds (the model is built "
+                                "on the meta device; --model is then this folder's)")
     init: str = _opt("model", "full", "full: every rank builds the whole model; meta: on "
                      "the meta device, each rank materializes only what it holds",
                      ("full", "meta"))
@@ -160,7 +164,10 @@ class TrainConfig:
         if self.model not in MODELS and not self.model.startswith("hf:"):
             raise ValueError(f"train: model must be one of {MODELS} or hf:CONFIG.json, got "
                              f"{self.model!r}")
-        if self.export_hf and self.model == "gpt":
+        if self.from_pretrained and self.model not in ("gpt", f"hf:{self.from_pretrained}"):
+            raise ValueError(f"train: from_pretrained builds the model of "
+                             f"{self.from_pretrained}/config.json; drop --model {self.model}")
+        if self.export_hf and self.model == "gpt" and not self.from_pretrained:
             raise ValueError("train: export_hf writes a HuggingFace model; --model gpt is the "
                              "project's own (its checkpoints consolidate to a state dict)")
         if self.bucket_mb <= 0:

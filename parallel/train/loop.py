@@ -75,6 +75,8 @@ def train_rank(cfg: TrainConfig) -> None:
     data = load_source(cfg)
     engine, params, name = build(cfg, data.vocab_size)
     start, resumed, changes = ckpt.resume(engine, cfg) if cfg.resume else (0, None, "")
+    if cfg.from_pretrained and not resumed:
+        engine.load_pretrained(cfg.from_pretrained)
     log = Metrics(dist.get_rank() == 0, cfg.metrics, cfg.plot_path(), cfg.progress,
                   cfg.steps, start, cfg.log_every, cfg.tensorboard)
     log.say(_banner(cfg, data, params, name))

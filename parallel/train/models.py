@@ -33,8 +33,9 @@ def hf_config(cfg: Any, vocab: int = VOCAB) -> Any:
     """The HuggingFace config ``--model`` names, sized by the model flags, for data of
     ``vocab`` token ids."""
     tf = _transformers()
-    if cfg.model.startswith("hf:"):
-        config = tf.AutoConfig.from_pretrained(cfg.model.removeprefix("hf:"))
+    if cfg.model.startswith("hf:") or getattr(cfg, "from_pretrained", ""):
+        source = getattr(cfg, "from_pretrained", "") or cfg.model.removeprefix("hf:")
+        config = tf.AutoConfig.from_pretrained(source)
         if config.vocab_size < vocab:
             raise ValueError(f"train: {cfg.model} has vocab_size {config.vocab_size}; the "
                              f"trainer's data ({_data(cfg, vocab)}) need >= {vocab}")
@@ -56,9 +57,11 @@ def build_model(cfg: Any, vocab: int = VOCAB) -> nn.Module:
     """The model of ``cfg`` for ``vocab`` token ids (built from ``cfg.seed``; on the meta
     device with ``--init meta``: each rank then materializes only what it holds)."""
     torch.manual_seed(cfg.seed)
-    device = torch.device("meta") if cfg.init == "meta" else torch.device("cpu")
+    pretrained = getattr(cfg, "from_pretrained", "")
+    meta = cfg.init == "meta" or pretrained  # pretrained weights are read after the split
+    device = torch.device("meta") if meta else torch.device("cpu")
     with device:
-        if cfg.model == "gpt":
+        if cfg.model == "gpt" and not pretrained:
             return GPT(GPTConfig(vocab_size=vocab, block_size=cfg.block_size,
                                  n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                                  dropout=cfg.dropout, tie_embeddings=cfg.tie_embeddings))
@@ -69,7 +72,9 @@ def build_model(cfg: Any, vocab: int = VOCAB) -> nn.Module:
 
 def describe_model(cfg: Any, model: nn.Module, vocab: int = VOCAB) -> str:
     """``GPT`` or the HuggingFace class, with its shape."""
-    name = "GPT" if cfg.model == "gpt" else type(model).__name__
-    shape = (f"n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd}"
-             if not cfg.model.startswith("hf:") else cfg.model)
+    pretrained = getattr(cfg, "from_pretrained", "")
+    name = "GPT" if cfg.model == "gpt" and not pretrained else type(model).__name__
+    shape = (f"pretrained {pretrained}" if pretrained else cfg.model if
+             cfg.model.startswith("hf:") else
+             f"n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd}")
     return f"{name} ({shape}, block_size={cfg.block_size}, {_data(cfg, vocab)})"
