@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.models.masks import attention_mask_of
+from parallel.models.masks import attention_mask_of, with_mask
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attn(self.ln_1(x), mask))
+        x = x + self.resid_dropout(with_mask(self.attn, self.ln_1(x), mask))
         return x + self.mlp(self.ln_2(x))
+
 
 
 class Embedding(nn.Module):
@@ -156,7 +157,7 @@ class GPT(nn.Module):
         x = self.embed(tokens, position_ids)
         mask = attention_mask_of(attention_mask, position_ids, tokens.shape[1], tokens.device)
         for block in self.blocks:
-            x = block(x, mask)
+            x = with_mask(block, x, mask)
         return self.lm_head(self.ln_f(x))
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from parallel.compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
 from parallel.compose.styles import Colwise, LocalSizes, PerRankRandom
-from parallel.models.masks import attention_mask_of
+from parallel.models.masks import attention_mask_of, with_mask
 
 
 def gpt_context(request: ContextRequest) -> dict[str, Any]:
@@ -36,7 +36,7 @@ def embed_call(modules: Sequence[nn.Module], tokens: Any, context: dict[str, Any
 
 
 def block_call(modules: Sequence[nn.Module], x: Any, context: dict[str, Any]) -> Any:
-    return modules[0](x, context.get("mask"))
+    return with_mask(modules[0], x, context.get("mask"))
 
 
 def gpt_plan(model: Any) -> Plan:

@@ -21,8 +21,9 @@ def _fused_block_forward(block: Any) -> Any:
     mlp = block.mlp
     p = float(getattr(mlp.dropout, "p", 0.0))
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        x = x + block.attn(block.ln_1(x))
+    def forward(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = block.ln_1(x)
+        x = x + (block.attn(h) if mask is None else block.attn(h, mask=mask))
         h = fused_bias_gelu(F.linear(block.ln_2(x), mlp.c_fc.weight), mlp.c_fc.bias)
         return fused_bias_dropout_add(F.linear(h, mlp.c_proj.weight), mlp.c_proj.bias, x, p,
                                       block.training)
