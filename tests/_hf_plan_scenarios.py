@@ -26,6 +26,8 @@ EXTRA: dict[str, dict[str, Any]] = {
     "codegen": {"rotary_dim": 8},  # its default (64) exceeds the tiny head_dim
     "gptj": {"rotary_dim": 8},
     "youtu": {"head_dim": None},  # MLA: the head size comes from the rope/nope dims
+    "deepseek_v3": {"head_dim": None},
+    "axk1": {"head_dim": None},
     # the families below have no sdpa path
     "gemma2": {"attn_implementation": "eager"},
     "vaultgemma": {"attn_implementation": "eager"},

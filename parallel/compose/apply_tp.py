@@ -155,10 +155,12 @@ def gather_at_regions(model: nn.Module, styles: dict[str, list[Style]], group: A
 
 def apply_styles(model: nn.Module, styles: dict[str, list[Style]], group: Any,
                  blocks: list[str], sequence_parallel: bool, parallel_loss: bool,
-                 materialize: Callable[[str, nn.Module], None]) -> bool:
+                 materialize: Callable[[str, nn.Module], None],
+                 experts_by_ep: bool = False) -> bool:
     """Apply every style, deepest modules first; ``materialize(path, module)`` first
-    gives a module on the meta device its weights. Returns whether an LM head was split
-    over the vocabulary with split logits (the loss must then be vocab-parallel)."""
+    gives a module on the meta device its weights (``experts_by_ep``: fused experts are
+    left whole, for expert parallelism). Returns whether an LM head was split over the
+    vocabulary with split logits (the loss must then be vocab-parallel)."""
     world, split_logits = dist.get_world_size(group), False
     if sequence_parallel:
         gather_at_regions(model, styles, group, blocks)
@@ -170,7 +172,7 @@ def apply_styles(model: nn.Module, styles: dict[str, list[Style]], group: Any,
         in_blocks = sequence_parallel and under_any(path, blocks)
         colwise = any(isinstance(s, Colwise) for s in styles[path])
         ctx = TPContext(group, world, path, in_blocks and not colwise, parallel_loss,
-                        input_gathered=in_blocks and colwise)
+                        input_gathered=in_blocks and colwise, experts_by_ep=experts_by_ep)
         for style in sorted(styles[path], key=lambda s: not s.changes_module):
             new = style.apply(module, ctx)
             if new is not module:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from parallel.compose import dcp_chunks
-from parallel.compose.dcp_chunks import ChunkedTensor, chunks_of
+from parallel.compose.dcp_chunks import Chunk, ChunkedTensor, chunks_of
 from parallel.tensor.sharding import spec_of
 
 FORMAT = "pycomm-dcp/1"
@@ -39,6 +39,14 @@ def _whole_shape(local: torch.Size, p: nn.Parameter, tp: int) -> torch.Size:
     shape = list(local)
     shape[spec.dim] *= tp
     return torch.Size(shape)
+
+
+def _shifted(chunk: Chunk, first: int) -> Chunk:
+    """A chunk of this rank's experts placed among all the experts (expert parallelism
+    keeps experts ``first`` on: ``ep_slice``)."""
+    if not first:
+        return chunk
+    return Chunk((chunk.offsets[0] + first, *chunk.offsets[1:]), chunk.data)
 
 
 def tensor_state(engine: Any, owned_only: bool = False
@@ -57,9 +65,12 @@ def tensor_state(engine: Any, owned_only: bool = False
         if owned_only and stage_of.get(name, stage) != stage:
             continue
         whole = _whole_shape(local, p, tp)
+        first, experts = getattr(p, "ep_slice", (0, whole[0] if whole else 0))
         for key, flat in [("model", values), *((f"optim.{k}", t) for k, t in tensors.items())]:
-            target = state.setdefault(f"{key}/{name}", ChunkedTensor(whole, flat.dtype, []))
-            target.chunks += chunks_of(whole, spec_of(p), tp, tp_rank, flat, start)
+            target = state.setdefault(f"{key}/{name}", ChunkedTensor(
+                torch.Size([experts, *whole[1:]]) if whole else whole, flat.dtype, []))
+            target.chunks += [_shifted(c, first)
+                              for c in chunks_of(whole, spec_of(p), tp, tp_rank, flat, start)]
         for key, value in scalar.items():
             state[f"optim_scalar.{key}/{name}"] = value
         scalars[name] = sorted(scalar)

@@ -113,6 +113,10 @@ class ParallelConfig:
         if not self.reduce_dtype.is_floating_point:
             raise ValueError(f"parallelize: reduce_dtype must be a floating dtype, got "
                              f"{self.reduce_dtype}")
+        if mesh.size("ep") > 1 and self.zero:
+            raise ValueError(f"parallelize: ZeRO (zero={self.zero}) with expert parallelism "
+                             f"(ep={mesh.size('ep')}) is not supported yet: the experts' "
+                             "state would have to be sharded over their own group; use zero=0")
         self._check_offload(mesh)
 
     def _check_offload(self, mesh: ParallelMesh) -> None:
@@ -165,3 +169,4 @@ class StepResult:
     skipped: bool = False  # fp16: the gradients overflowed, the update was not applied
     loss_scale: float = 1.0
     tokens: int = 0  # the targets the loss counted (not ignored) in the global batch
+    aux_loss: float = 0.0  # the routers' load-balancing loss (times its coefficient) in loss

@@ -11,8 +11,10 @@ from torch import nn
 
 from parallel.compose import checkpoint
 from parallel.compose import stage as build
+from parallel.compose.apply_ep import expert_parallel
 from parallel.compose.apply_tp import partial_grad_params
 from parallel.compose.batch import check_targets, model_inputs, vocab_of
+from parallel.compose.batch_layers import batchnorm_over_batch, routing_stats
 from parallel.compose.compiled import compile_blocks
 from parallel.compose.config import ParallelConfig, StepResult
 from parallel.compose.finalize import GradPhases, clip_grad_norm_, finalize_grads
@@ -27,7 +29,6 @@ from parallel.compose.pretrained import load_pretrained
 from parallel.compose.recompute_units import checkpoint_units, zero3_units
 from parallel.compose.tied import CrossStageTies
 from parallel.compose.zero_side import ZeroPlan
-from parallel.data.sync_batchnorm import batchnorm_paths, sync_batchnorm
 from parallel.pipeline.forward_only import forward_loss
 from parallel.pipeline.microbatch import split_batch
 from parallel.pipeline.pipeline import Pipeline
@@ -56,10 +57,12 @@ class ParallelModel:
         self.master = torch.float64 if self.compute == torch.float64 else torch.float32
         self.vocab = vocab_of(model, plan)  # before the head is split or dropped
         self.last_tokens = 0  # the last step's count of targets the loss counted
+        self.last_aux = 0.0  # and its load-balancing loss
         self._loss: StepLoss | None = None  # the step's, while it runs
         self.stage_plan = self._build_stage(model)
         self._build_pipeline(model)
-        self._batchnorm()
+        batchnorm_over_batch(self)
+        self.routing = routing_stats(self)
         # After the weights exist: torch's generator then differs per pipeline stage.
         seed_streams(config.seed, mesh.rank("tp"), mesh.rank("pp"))
         self.ties = CrossStageTies(self.stage_plan.ties, self.stage_plan.stage_of, mesh)
@@ -80,6 +83,9 @@ class ParallelModel:
         if self.mesh.size("tp") > 1:
             build.tensor_parallel(model, self.plan, stage, self.mesh,
                                   self.config.sequence_parallel, self.config.loss_fn is None)
+        if self.mesh.size("ep") > 1:
+            expert_parallel(model, self.plan, stage.held, self.mesh.group("ep"),
+                            stage.materializer.module)
         build.materialize_rest(model, stage, but_zero3=self.config.zero == 3)
         build.tie_here(model, stage)
         build.drop_other_stages(model, stage)  # a tie's owner materialized for this stage
@@ -99,29 +105,6 @@ class ParallelModel:
         if self.config.recompute:
             group = self.tp_group if self.config.partition_activations else None
             checkpoint_units(self.plan, stage, group)
-
-    def _batchnorm(self) -> None:
-        """BatchNorm over the whole data-parallel batch (``config.sync_batchnorm``), or
-        refused where no layer could see it."""
-        paths = batchnorm_paths(self.stage)
-        if not paths or not self.config.sync_batchnorm:
-            return
-        config = self.config
-        blocked = [what for bad, what in (
-            (config.microbatches > 1, f"microbatches={config.microbatches} (each micro-batch "
-             "would be normalised alone)"),
-            (config.sequence_parallel, "sequence_parallel (a rank holds part of the sequence)"),
-            (config.recompute, "recompute (a recomputed forward would update the running "
-             "statistics twice)"))
-            if bad]
-        if blocked:
-            raise ValueError(
-                f"parallelize: the model's BatchNorm layers ({', '.join(paths[:3])}) normalise "
-                f"over their batch, which no layer sees whole with {'; '.join(blocked)}, so "
-                "the layout would train another model than one process; change that setting, "
-                "or set sync_batchnorm=False to normalise each micro-batch and replica alone")
-        if self.mesh.size("dp") > 1:
-            sync_batchnorm(self.stage, self.mesh.group("dp"))
 
     def _copies(self, p: nn.Parameter) -> int:
         """Ranks of one data-parallel replica that hold this same gradient."""
@@ -238,7 +221,8 @@ class ParallelModel:
             if self.scaler.overflowed(parts):
                 self.scaler.update(True)
                 self.dp.zero_grad()
-                return StepResult(loss, float("inf"), lr, True, scale, self.last_tokens)
+                return StepResult(loss, float("inf"), lr, True, scale, self.last_tokens,
+                                  self.last_aux)
             self.scaler.unscale(parts)
         norm = clip_grad_norm_(parts, self.config.max_grad_norm)
         self.optimizer.step()
@@ -246,7 +230,7 @@ class ParallelModel:
         self.scheduler.step()
         if self.scaler is not None:
             self.scaler.update(False)
-        return StepResult(loss, norm, lr, False, scale, self.last_tokens)
+        return StepResult(loss, norm, lr, False, scale, self.last_tokens, self.last_aux)
 
     def compute_gradients(self, tokens: torch.Tensor, targets: torch.Tensor,
                           loss_scale: float = 1.0, attention_mask: torch.Tensor | None = None,
@@ -258,6 +242,8 @@ class ParallelModel:
         self.pipeline.loss_scale = loss_scale
         self._loss = self._step_loss(targets)
         self._use_inputs(tokens, attention_mask, position_ids)
+        if self.routing is not None:
+            self.routing.reset()
         shares = self.pipeline.step(self._rows(tokens), self._rows(targets), self.loss_fn,
                                     loss_is_mean=False)
         finalize_grads(self.phases)
@@ -265,7 +251,8 @@ class ParallelModel:
         if factor != 1.0:
             for g, _ in self.phases.grad_parts():
                 g.mul_(factor)
-        return self._dp_mean(shares) * factor
+        self.last_aux = self.routing.loss() if self.routing is not None else 0.0
+        return self._dp_mean(shares) * factor + self.last_aux
 
     def _counts_loss(self) -> bool:
         """Whether this rank's loss counts add up to the global count (one per replica)."""
@@ -280,10 +267,16 @@ class ParallelModel:
         self.stage.eval()
         self._loss = self._step_loss(targets)
         self._use_inputs(tokens, attention_mask, position_ids)
+        if self.routing is not None:
+            self.routing.reset()
         shares = forward_loss(self.pipeline, self._rows(tokens), self._rows(targets),
                               self.loss_fn, loss_is_mean=False)
         factor, _ = self._loss.finish(self._counts_loss())
-        return self._dp_mean(shares) * factor
+        aux = 0.0
+        if self.routing is not None:
+            self.routing.finish()
+            aux = self.routing.loss()
+        return self._dp_mean(shares) * factor + aux
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -6,6 +6,12 @@ are consecutive, the ``dp`` replicas of a stage next, the pipeline stages outerm
 Every strategy takes its group from here, so groups agree with each other by
 construction: the pipeline neighbour of a rank has its ``dp`` and ``tp`` coordinates.
 
+Expert parallelism (``ep``) is drawn from ``dp``, as torchtitan borrows it from the
+data-parallel dimension: the data-parallel ranks of a stage form ``dp / ep`` groups of
+``ep`` consecutive ranks (``"ep"``: they split the experts and exchange tokens), and the
+ranks holding the same experts form the expert-data-parallel group (``"edp"``), which
+reduces (and under ZeRO shards) the experts' gradients and state.
+
 Example::
 
     dist.init_process_group("pycomm")
@@ -21,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DIMS = ("pp", "dp", "tp")
+EXPERT_DIMS = ("ep", "edp")  # drawn from dp
 
 
 @dataclass(frozen=True)
@@ -30,12 +37,16 @@ class MeshShape:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        bad = [f"{d}={getattr(self, d)!r}" for d in DIMS
+        bad = [f"{d}={getattr(self, d)!r}" for d in (*DIMS, "ep")
                if not isinstance(getattr(self, d), int) or getattr(self, d) < 1]
         if bad:
             raise ValueError(f"mesh: every dimension must be a positive int, got {', '.join(bad)}")
+        if self.dp % self.ep:
+            raise ValueError(f"mesh: ep({self.ep}) must divide dp({self.dp}): expert "
+                             "parallelism is drawn from the data-parallel ranks")
 
     @property
     def world(self) -> int:
@@ -48,7 +59,8 @@ class MeshShape:
                              f"{self.world} != WORLD_SIZE({world})")
 
     def __str__(self) -> str:
-        return f"pp{self.pp} x dp{self.dp} x tp{self.tp}"
+        ep = f" (ep{self.ep})" if self.ep > 1 else ""
+        return f"pp{self.pp} x dp{self.dp}{ep} x tp{self.tp}"
 
 
 class ParallelMesh:
@@ -58,6 +70,7 @@ class ParallelMesh:
 
     Args:
         pp, dp, tp: the dimensions' sizes; their product must be the world size.
+        ep: expert parallelism, drawn from ``dp`` (see the module docstring).
         device_type: the mesh's device type (``"cpu"`` for pycomm's shared memory).
 
     Raises:
@@ -65,8 +78,9 @@ class ParallelMesh:
             multiply to the world size (raised on every rank, before any group exists).
     """
 
-    def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, device_type: str = "cpu"):
-        self.shape = MeshShape(pp, dp, tp)
+    def __init__(self, pp: int = 1, dp: int = 1, tp: int = 1, device_type: str = "cpu",
+                 ep: int = 1):
+        self.shape = MeshShape(pp, dp, tp, ep)
         self.shape.check_world(dist.get_world_size())
         self.device_mesh: DeviceMesh = init_device_mesh(
             device_type, (pp, dp, tp), mesh_dim_names=DIMS)
@@ -74,13 +88,41 @@ class ParallelMesh:
         coords = self.device_mesh.get_coordinate()
         assert coords is not None  # every rank of the world is in the mesh
         self._coords = dict(zip(DIMS, coords, strict=True))
+        self._expert_groups(device_type)
+
+    def _expert_groups(self, device_type: str) -> None:
+        """``ep`` and ``edp``: a data-parallel rank ``d`` is expert rank ``d % ep`` of
+        expert-data-parallel rank ``d // ep`` (a second mesh over the same ranks:
+        ``(pp, dp / ep, ep, tp)``)."""
+        ep, dp = self.shape.ep, self.shape.dp
+        if ep == 1:  # the experts are whole on every data-parallel rank: no ep group
+            self._groups["edp"] = self._groups["dp"]
+            self._coords.update(ep=0, edp=self._coords["dp"])
+            return
+        pp, tp = self.shape.pp, self.shape.tp
+        rank_of = self.global_rank
+        ep_groups = [[rank_of(s, e * ep + i, t) for i in range(ep)]
+                     for s in range(pp) for e in range(dp // ep) for t in range(tp)]
+        edp_groups = [[rank_of(s, e * ep + i, t) for e in range(dp // ep)]
+                      for s in range(pp) for i in range(ep) for t in range(tp)]
+        self._groups["ep"] = dist.new_subgroups_by_enumeration(ep_groups)[0]
+        self._groups["edp"] = dist.new_subgroups_by_enumeration(edp_groups)[0]
+        self._coords.update(ep=self._coords["dp"] % ep, edp=self._coords["dp"] // ep)
 
     def group(self, dim: str) -> dist.ProcessGroup:
-        """The process group along ``dim`` that holds this rank."""
-        return self._groups[_checked(dim)]
+        """The process group along ``dim`` that holds this rank.
+
+        Raises:
+            KeyError: ``"ep"`` on a mesh without expert parallelism (ep = 1).
+        """
+        if _checked(dim) not in self._groups:
+            raise KeyError(f"mesh: no {dim} group: {self.shape} has no expert parallelism")
+        return self._groups[dim]
 
     def size(self, dim: str) -> int:
-        return int(getattr(self.shape, _checked(dim)))
+        if _checked(dim) == "edp":
+            return self.shape.dp // self.shape.ep
+        return int(getattr(self.shape, dim))
 
     def rank(self, dim: str) -> int:
         """This rank's coordinate along ``dim``."""
@@ -97,7 +139,7 @@ class ParallelMesh:
 
     def destroy(self) -> None:
         """Destroy this mesh's process groups (a job that builds several meshes)."""
-        for group in {id(g): g for g in self._groups.values()}.values():
+        for group in {id(g): g for g in self._groups.values()}.values():  # (edp may be dp)
             if group is not dist.group.WORLD:
                 dist.destroy_process_group(group)
         self._groups = {}
@@ -108,6 +150,6 @@ class ParallelMesh:
 
 
 def _checked(dim: str) -> str:
-    if dim not in DIMS:
-        raise KeyError(f"mesh: no dimension {dim!r}; the dimensions are {DIMS}")
+    if dim not in DIMS + EXPERT_DIMS:
+        raise KeyError(f"mesh: no dimension {dim!r}; the dimensions are {DIMS + EXPERT_DIMS}")
     return dim

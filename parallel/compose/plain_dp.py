@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel.compose.apply_ep import is_expert
 from parallel.compose.mesh import ParallelMesh
 from parallel.compose.optim_groups import ensure_state, param_groups
 from parallel.data.grad_average import GradAverager
@@ -37,6 +38,8 @@ class PlainDataParallel:
 
     def __init__(self, params: list[nn.Parameter], mesh: ParallelMesh, config: Any,
                  compute: torch.dtype, copies: Callable[[nn.Parameter], int]):
+        # the experts' last: their gradients are reduced over their own group
+        params = [p for p in params if not is_expert(p)] + [p for p in params if is_expert(p)]
         self.params, self.mesh, self.copies = params, mesh, copies
         self.mixed = any(p.dtype != compute for p in params)
         with torch.no_grad():
@@ -45,26 +48,35 @@ class PlainDataParallel:
             for p in params if self.mixed else []:
                 p.data = p.data.to(compute)
         low_reduce = self.mixed and config.reduce_dtype != torch.float32
-        self.averager = GradAverager(params if low_reduce else self.masters, mesh.group("dp"),
-                                     config.bucket_mb)
+        reduced = params if low_reduce else self.masters
+        dense = sum(not is_expert(p) for p in params)
+        self.averagers = [GradAverager(reduced[:dense], mesh.group("dp"), config.bucket_mb)]
+        if dense < len(params):  # summed over edp, over all dp replicas' tokens
+            self.averagers.append(GradAverager(reduced[dense:], mesh.group("edp"),
+                                               config.bucket_mb, divide_by=mesh.size("dp")))
         self.low_reduce = low_reduce
         self.optimizer = config.optimizer(param_groups(self.masters, config.weight_decay),
                                           **config.optimizer_kwargs)
 
+    def _average(self) -> None:
+        for averager in self.averagers:
+            averager()
+
     def reduce(self) -> None:
         if not self.mixed:
-            self.averager()
+            self._average()
             return
         if self.low_reduce:
-            self.averager()
+            self._average()
             for p, m in zip(self.params, self.masters, strict=True):
                 m.grad = p.grad.float()  # type: ignore[union-attr]
             return
         # Each low-precision gradient cast into its master's view of the fp32 buffer.
-        for p, m, view in zip(self.params, self.masters, self.averager.views, strict=True):
+        views = [v for averager in self.averagers for v in averager.views]
+        for p, m, view in zip(self.params, self.masters, views, strict=True):
             view.copy_(p.grad) if p.grad is not None else view.zero_()
             p.grad, m.grad = None, view
-        self.averager()
+        self._average()
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -78,11 +90,12 @@ class PlainDataParallel:
             for p in [*self.params, *self.masters]:
                 p.grad = None
         else:  # the gradients are the averaging buffer's views, zeroed in place
-            self.averager.zero()
+            for averager in self.averagers:
+                averager.zero()
 
     def grad_parts(self) -> list[tuple[torch.Tensor, float]]:
-        dp = self.mesh.size("dp")
-        return [(m.grad, 1.0 / (dp * self.copies(p)))
+        replicas = {False: self.mesh.size("dp"), True: self.mesh.size("edp")}
+        return [(m.grad, 1.0 / (replicas[is_expert(p)] * self.copies(p)))
                 for p, m in zip(self.params, self.masters, strict=True) if m.grad is not None]
 
     def pieces(self) -> list[Piece]:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from parallel.compose.styles import Style
+from parallel.moe.balance import RouterBalance
 
 # call(modules, x, context) -> x: one pipeline layer's forward.
 LayerCall = Callable[[Sequence[nn.Module], Any, dict[str, Any]], Any]
@@ -127,6 +128,11 @@ class Plan:
         inputs: the model inputs beside the tokens the plan honours (names from
             ``MODEL_INPUTS``): its context or its layer calls read them from
             :class:`ModelInputs`.
+        experts: pattern of the fused experts modules (HuggingFace's ``*Experts``), which
+            expert parallelism splits (``ep``); None: the model has none.
+        balance: the routers of a mixture of experts and its load-balancing loss
+            (:class:`parallel.moe.balance.RouterBalance`), which the step adds to the loss
+            over the whole global batch; None: no such loss.
         unsplit_reason: why the plan is the whole model as one layer where a plan of its
             layers was sought (a derivation's refusal); a layout that needs the layers
             (tp, pp, sequence parallelism, recompute) is refused quoting it.
@@ -143,6 +149,8 @@ class Plan:
     divisible: dict[str, int] = field(default_factory=dict)
     init: Callable[[str, nn.Module], None] | None = None
     inputs: tuple[str, ...] = ()
+    experts: str | None = None
+    balance: RouterBalance | None = None
     unsplit_reason: str = ""
     name: str = "model"
 

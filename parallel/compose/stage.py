@@ -110,7 +110,8 @@ def tensor_parallel(model: nn.Module, plan: Plan, stage: Stage, mesh: ParallelMe
             if under_any(owner, stage.held):
                 stage.materializer.module(owner, model.get_submodule(owner))
     stage.split_logits = apply_styles(model, styles, group, stage.blocks, sequence_parallel,
-                                      parallel_loss, stage.materializer)
+                                      parallel_loss, stage.materializer,
+                                      experts_by_ep=mesh.size("ep") > 1)
     mark_partial_grads(model, stage.held, stage.blocks, sequence_parallel)
 
 

@@ -39,6 +39,7 @@ class TPContext:
     sequence_parallel: bool
     parallel_loss: bool
     input_gathered: bool = False  # a split region's module gathered the sequence already
+    experts_by_ep: bool = False  # fused experts are split by expert parallelism instead
 
 
 class Style:
@@ -229,6 +230,60 @@ class TorchMultiheadAttention(Style):
                                                      ctx.sequence_parallel)
 
 
+_FUSED_EXPERTS = ("gate_up_proj", "down_proj", "num_experts")
+
+
+@dataclass(frozen=True)
+class TPExperts(Style):
+    """Fused experts (HuggingFace's ``*Experts``: ``gate_up_proj`` ``(E, 2I, H)``,
+    ``down_proj`` ``(E, H, I)``) with this rank's ``I / TP`` intermediate units of every
+    expert (``moe_tp_experts``: the packed gate and up split as ``packed_colwise``, the
+    down projection as ``rowwise``). The module's own forward runs on them; its input and
+    the routing weights are copied into the region (their gradients summed over ``tp``)
+    and its partial output summed, as Megatron-LM's MLP."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        from parallel.tensor import comms
+        from parallel.tensor.sharding import TPSpec, mark
+
+        if ctx.experts_by_ep:  # whole on every TP rank; expert parallelism splits them
+            return module
+        missing = [a for a in _FUSED_EXPERTS if not hasattr(module, a)]
+        gate_up: Any = getattr(module, "gate_up_proj", None)
+        if missing or gate_up.dim() != 3:
+            raise TypeError(f"tensor parallel: {ctx.path} is a {type(module).__name__}, not "
+                            f"fused experts (moe_tp_experts needs {_FUSED_EXPERTS}; lacks "
+                            f"{missing})")
+        if ctx.sequence_parallel:
+            raise ValueError(f"tensor parallel: {ctx.path}: experts split by tp "
+                             "(moe_tp_experts) with sequence parallelism is not supported")
+        for name, spec in (("gate_up_proj", TPSpec(dim=1, interleave=2)),
+                           ("down_proj", TPSpec(dim=2))):
+            whole = getattr(module, name)
+            if whole.shape[spec.dim or 0] % (ctx.world * spec.interleave):
+                raise ValueError(f"tensor parallel: {ctx.path}.{name} of shape "
+                                 f"{tuple(whole.shape)} cannot be split over tp = {ctx.world}")
+            part = nn.Parameter(spec.shard(whole.detach(), ctx.world, _rank(ctx)),
+                                requires_grad=whole.requires_grad)
+            mark(part, spec)
+            setattr(module, name, part)
+        forward, group = module.forward, ctx.group
+
+        def split(hidden: Any, index: Any, weights: Any) -> Any:
+            out = forward(comms.copy_to_tp_region(hidden, group), index,
+                          comms.copy_to_tp_region(weights, group))
+            return comms.reduce_from_tp_region(out, group)
+
+        module.forward = split
+        return module
+
+
+def _rank(ctx: TPContext) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(ctx.group)
+
+
 # HuggingFace's names (transformers' tensor_parallel.py) and this project's.
 _NAMED: dict[str, Style] = {
     "colwise": Colwise(),
@@ -246,6 +301,7 @@ _NAMED: dict[str, Style] = {
     "sequence_parallel": Replicated(),  # a norm: its region decides (see apply_tp)
     "per_rank_random": PerRankRandom(),
     "mha": TorchMultiheadAttention(),
+    "moe_tp_experts": TPExperts(),
 }
 
 

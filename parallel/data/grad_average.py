@@ -32,10 +32,13 @@ class GradAverager:
             (and gets the average, as in one process over the whole batch).
         group: the data-parallel group.
         bucket_mb: bucket size (C_B).
+        divide_by: the sum is divided by this instead of the group's size (experts'
+            gradients summed over their expert-data-parallel group, each replica's being
+            of the tokens of ``ep`` replicas, over all ``dp`` replicas).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None,
-                 bucket_mb: float = 25):
+                 bucket_mb: float = 25, divide_by: int | None = None):
         self.params = [p for p in params if p.requires_grad]
         self.group, self.world = group, dist.get_world_size(group)
         dtypes = {p.dtype for p in self.params}
@@ -43,6 +46,9 @@ class GradAverager:
             raise ValueError(f"GradAverager: parameters must share one dtype, got {dtypes}")
         dtype = dtypes.pop() if dtypes else torch.float32
         self.op, self.divide_after = averaging_op(group)
+        self.divisor = self.world
+        if divide_by is not None and divide_by != self.world:
+            self.op, self.divide_after, self.divisor = dist.ReduceOp.SUM, True, divide_by
         numel = sum(p.numel() for p in self.params)
         self.buffer = Arena.for_group(numel, dtype, group).buffer[:numel]
         self.views, offset = [], 0
@@ -63,7 +69,7 @@ class GradAverager:
     @torch.no_grad()
     def __call__(self) -> None:
         self._gather_grads()
-        if self.world == 1:
+        if self.world == 1 and self.divisor == 1:
             return
         works = []
         for first, last in self.buckets:
@@ -74,7 +80,7 @@ class GradAverager:
         for work in works:
             work.wait()
         if self.divide_after:
-            self.buffer.div_(self.world)
+            self.buffer.div_(self.divisor)
 
     def _gather_grads(self) -> None:
         """Gradients that are not the buffer's views (set by someone else, or none) are

@@ -51,6 +51,7 @@ from parallel._optional import require
 from parallel.compose.layers import sequential_forward
 from parallel.compose.plan import MODEL_INPUTS, ContextRequest, Layer, ModelInputs, Plan, matching
 from parallel.compose.styles import style_of
+from parallel.moe.balance import RouterBalance
 
 # transformers' mask builders by layer type (``config.layer_types``).
 MASKS = {"full_attention": "create_causal_mask",
@@ -261,14 +262,25 @@ def logits_of(output: Any) -> torch.Tensor:
 
 
 def _checked_style(model: nn.Module, path: str, style: Any) -> Any:
+    """``style`` for the modules ``path`` names; None where it names none of this
+    model's (an entry for layers this config does not build: Qwen3-MoE's dense MLPs).
+
+    Raises:
+        ValueError: a style this project does not implement, or one on a parameter of a
+            fused module (which a module style would leave whole).
+    """
     try:
         style_of(style, path)
     except ValueError as err:
         raise _refuse(model, str(err)) from err
-    if not matching(path, model):
-        raise _refuse(model, f"base_model_tp_plan entry {path!r} (style {style!r}) names no "
-                      "module (a parameter of a fused module?)")
-    return style
+    if matching(path, model):
+        return style
+    parent, _, leaf = path.rpartition(".")
+    if any(isinstance(getattr(model.get_submodule(p), leaf, None), nn.Parameter)
+           for p in matching(parent, model)):
+        raise _refuse(model, f"base_model_tp_plan entry {path!r} (style {style!r}) names a "
+                      "parameter of a fused module, not a module")
+    return None
 
 
 def _attention_patterns(tp: dict[str, Any], blocks: str) -> list[str]:
@@ -303,18 +315,73 @@ def _per_rank_random(model: nn.Module, tp: dict[str, Any], blocks: str) -> dict[
     return out
 
 
+# The fused experts' tensors as TPExperts splits them: gate_up_proj (E, 2I, H) by its
+# packed output rows, down_proj (E, H, I) by its input columns.
+_EXPERT_TENSOR_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+
+
+def _expert_entries(declared: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """The fused experts' entries (``X.experts``: ``moe_tp_experts``, and its parameters'
+    ``X.experts.gate_up_proj`` / ``down_proj``, which that style splits) as one module
+    style, the router beside them (``X.gate``) replicated; and the entries they replace."""
+    styles: dict[str, Any] = {}
+    taken: set[str] = set()
+    for pattern, style in declared.items():
+        if style != "moe_tp_experts":
+            continue
+        params = [p for p in declared if p.rpartition(".")[0] == pattern]
+        if {p.rpartition(".")[2]: declared[p] for p in params} != _EXPERT_TENSOR_STYLES:
+            continue  # another layout of the tensors: its styles are checked one by one
+        styles[pattern] = "moe_tp_experts"
+        styles[f"{pattern.rpartition('.')[0]}.gate"] = "replicated"
+        taken |= {pattern, *params}
+    return styles, taken
+
+
 def _tp(model: nn.Module, prefix: str, layout: _Layout) -> dict[str, Any]:
     """The config's styles under the base model's prefix; the embedding and the head
-    vocab-parallel (the head's logits split for the vocab-parallel loss)."""
+    vocab-parallel (the head's logits split for the vocab-parallel loss); fused experts
+    split by their intermediate units, the router replicated."""
     embed = layout.before[0]
     tp: dict[str, Any] = {}
-    for pattern, style in (getattr(model.config, "base_model_tp_plan", None) or {}).items():
+    declared = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    experts, taken = _expert_entries(declared)
+    entries = {**experts, **{p: s for p, s in declared.items() if p not in taken}}
+    for pattern, style in entries.items():
         path = f"{prefix}.{pattern}"
-        if path != embed:  # HF's embedding split (rowwise) gives way to the vocab split
-            tp[path] = _checked_style(model, path, style)
+        # HF's embedding split (rowwise) gives way to the vocab split
+        if path != embed and (checked := _checked_style(model, path, style)) is not None:
+            tp[path] = checked
     tp[embed] = "vocab_embedding"
     tp["lm_head"] = "vocab_head"
     return {**tp, **_per_rank_random(model, tp, layout.blocks)}
+
+
+def _experts(model: nn.Module, prefix: str) -> str | None:
+    """The pattern of the fused experts modules (``moe_tp_experts`` in the tp plan)."""
+    declared = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    found = [f"{prefix}.{p}" for p, s in declared.items() if s == "moe_tp_experts"]
+    return found[0] if len(found) == 1 and matching(found[0], model) else None
+
+
+def _router_balance(model: nn.Module, prefix: str) -> RouterBalance | None:
+    """The routers beside the fused experts and the load-balancing loss that the model's
+    forward adds to its loss (only with ``output_router_logits``, as transformers does)."""
+    config: Any = model.config
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if not coef or not getattr(config, "output_router_logits", False):
+        return None
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    declared = dict(getattr(config, "base_model_tp_plan", None) or {})
+    routers = [f"{prefix}.{p.rpartition('.')[0]}.gate" for p, s in declared.items()
+               if s == "moe_tp_experts"]
+    routers = [r for r in routers if matching(r, model)]
+    if not (experts and top_k and len(routers) == 1):
+        raise _refuse(model, f"its forward adds a load-balancing loss (router_aux_loss_coef "
+                      f"{coef}) whose routers and experts are not found (routers {routers}, "
+                      f"experts {experts}, top-k {top_k})")
+    return RouterBalance(routers[0], int(experts), int(top_k), float(coef))
 
 
 def _divisible(config: Any) -> dict[str, int]:
@@ -354,6 +421,7 @@ def hf_causal_lm_plan(model: nn.Module) -> Plan:
                 blocks=f"{layout.blocks}.*", tp=_tp(model, prefix, layout),
                 context=_Context(config, rotary, tuple(types)), output=logits_of,
                 divisible=_divisible(config), init=hf_init(model), inputs=MODEL_INPUTS,
+                experts=_experts(model, prefix), balance=_router_balance(model, prefix),
                 name=type(model).__name__)
 
 

@@ -97,6 +97,9 @@ class Pipeline:
         # (which may recompute the forward): a layer reading that micro-batch's other
         # inputs (its attention mask) finds them set.
         self.before_micro: Callable[[int], None] | None = None
+        # Called once per step, before its first backward (every forward of this stage
+        # has run): statistics over the whole batch (the routers' load balance).
+        self.before_backward: Callable[[], None] | None = None
         self.first_layer = sum(balance[: self.stage_id])
         layers = list(module)[self.first_layer : self.first_layer + balance[self.stage_id]]
         self.stage = nn.Sequential(*layers)
@@ -154,10 +157,13 @@ class Pipeline:
         self._prepost("F", state, 0)
         self._prepost("B", state, 0)
         last_backward = max(i for i, s in enumerate(steps) if s.kind == "B")
+        first_backward = min(i for i, s in enumerate(steps) if s.kind == "B")
         for i, step in enumerate(steps):
             if step.kind == "F":
                 self._forward(step, state, ins, tgts, loss_fn, weights)
             else:
+                if i == first_backward and self.before_backward is not None:
+                    self.before_backward()
                 self._sync_data_parallel(last=i == last_backward)
                 self._backward(step, state)
         for pending in state.sends:

@@ -1,0 +1,115 @@
+"""Mixtures of experts against one process (``tests/test_moe.py``): HuggingFace Mixtral and
+Qwen3-MoE from configs (4 experts, top-2, ``output_router_logits`` with a load-balancing
+coefficient of 0.02), on real batches, in the layouts of the composition matrix (GPipe's
+schedule where there are micro-batches: the load balance counts the whole batch before any
+backward). One process computes HuggingFace's own objective: the cross-entropy over the
+targets that are not ignored plus ``coef * aux_loss`` (its ``load_balancing_loss_func``
+over every layer and every real token)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests import _real_batch_scenarios as rb
+
+MODELS = ("mixtral", "qwen3_moe")
+CASES = ("ignored", "right_pad")
+COEF = 0.02
+
+
+def build(name: str) -> nn.Module:
+    import transformers
+
+    common = dict(vocab_size=rb.VOCAB, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=rb.SEQ, num_experts_per_tok=2,
+                  output_router_logits=True, router_aux_loss_coef=COEF,
+                  tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    if name == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            num_local_experts=4, **common))
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        num_experts=4, moe_intermediate_size=32, head_dim=8, norm_topk_prob=True, **common))
+
+
+def one_process(name: str, case: str, steps: int) -> list[tuple[float, float]]:
+    from parallel.compose.optim_groups import param_groups
+
+    model = build(name)
+    opt = torch.optim.AdamW(param_groups(list(model.parameters()), rb.DECAY), lr=rb.LR)
+    out = []
+    for step in range(steps):
+        b = rb.batch(case, step)
+        opt.zero_grad()
+        result = model(b.tokens, **b.inputs(), use_cache=False)
+        loss = F.cross_entropy(result.logits.reshape(-1, rb.VOCAB), b.targets.reshape(-1),
+                               ignore_index=rb.IGNORE) + COEF * result.aux_loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), rb.CLIP)
+        opt.step()
+        out.append((loss.item(), norm.item()))
+    return out
+
+
+def layouts() -> dict[str, tuple[int, int, int, int, dict[str, Any]]]:
+    """name -> (dp, tp, pp, ep, config): the composition matrix, under GPipe's schedule
+    where there are micro-batches (ZeRO left out where the experts are split by ep), and
+    expert parallelism over the data-parallel ranks."""
+    out = {}
+    for name, (dp, tp, pp, config) in rb.LAYOUTS.items():
+        config = {k: v for k, v in config.items() if k != "sequence_parallel"}
+        if config.get("microbatches", 1) > 1:
+            config["schedule"] = "gpipe"
+        out[name.replace("+SP", "")] = (dp, tp, pp, 1, config)
+        ep_layout = (dp, tp, pp, 2, {k: v for k, v in config.items() if k != "zero"})
+        if dp > 1 and ep_layout not in out.values():
+            out[f"{name.replace('+SP', '')} ep2"] = ep_layout
+    out["ep4"] = (4, 1, 1, 4, {})
+    return out
+
+
+def world_of(layout: str) -> int:
+    dp, tp, pp, _, _ = layouts()[layout]
+    return dp * tp * pp
+
+
+def curves(layout: str, steps: int) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    from parallel.compose.mesh import ParallelMesh
+    from parallel.compose.parallelize import ParallelConfig, parallelize
+
+    dp, tp, pp, ep, config = layouts()[layout]
+    out = {}
+    for name in MODELS:
+        for case in CASES:
+            mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
+            engine = parallelize(build(name), mesh, ParallelConfig(
+                max_grad_norm=rb.CLIP, weight_decay=rb.DECAY, optimizer_kwargs={"lr": rb.LR},
+                **config))
+            curve = []
+            for step in range(steps):
+                b = rb.batch(case, step)
+                r = engine.train_step(b.tokens, b.targets, **b.inputs())
+                curve.append((r.loss, r.grad_norm))
+            out[(name, case)] = curve
+            mesh.destroy()
+    return out
+
+
+def refusal(shape: dict[str, int], config: dict[str, Any]) -> str:
+    """The error ``parallelize`` raises for Mixtral in this layout, or ""."""
+    from parallel.compose.mesh import ParallelMesh
+    from parallel.compose.parallelize import ParallelConfig, parallelize
+
+    mesh = ParallelMesh(**shape)
+    try:
+        parallelize(build("mixtral"), mesh, ParallelConfig(**config))
+    except ValueError as err:
+        return str(err)
+    finally:
+        mesh.destroy()
+    return ""

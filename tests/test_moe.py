@@ -1,0 +1,40 @@
+"""Mixtures of experts train as one process does, the load-balancing loss included: the
+routing statistics of the whole global batch (every replica, micro-batch and pipeline
+stage) before the formula, in every layout of the composition matrix, experts split by
+tensor parallelism at tp > 1 (``tests/_moe_scenarios.py``). A 1F1B schedule with
+micro-batches, which starts a backward before the last forward, is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from pycomm.testing import RankPool
+from tests import _moe_scenarios as sc
+from tests import _real_batch_scenarios as rb
+
+pytestmark = pytest.mark.usefixtures("require_pycomm")
+
+REL = 1e-5
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {(m, c): sc.one_process(m, c, STEPS) for m in sc.MODELS for c in sc.CASES}
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_layout_trains_experts_and_their_balance_as_one_process(references, world):
+    layouts = [name for name in sc.layouts() if sc.world_of(name) == world]
+    with RankPool(world, backend="pycomm", pg_timeout_s=120) as pool:
+        for layout in layouts:
+            for got in pool.run(sc.curves, layout, STEPS):
+                for key, curve in got.items():
+                    loss, norm = rb.worst_relative(curve, references[key])
+                    assert loss < REL and norm < REL, (layout, key, loss, norm)
+
+
+def test_micro_batches_under_1f1b_are_refused_with_a_load_balancing_loss():
+    with RankPool(2, backend="pycomm", pg_timeout_s=60) as pool:
+        for message in pool.run(sc.refusal, {"dp": 2}, {"microbatches": 2, "schedule": "1f1b"}):
+            assert "load-balancing loss" in message and "gpipe" in message, message
