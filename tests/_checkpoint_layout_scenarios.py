@@ -53,13 +53,13 @@ def _steps(engine: Any, first: int, end: int) -> list[float]:
     return out
 
 
-def save_and_resume(saver: str, loader: str, root: str
+def save_and_resume(saver: str, loader: str, root: str, models: tuple[str, ...] = MODELS
                     ) -> dict[tuple[str, bool], tuple[list[float], int, list[float]]]:
-    """For each model, tied and untied: the uninterrupted run of ``saver`` (saving after
-    step ``SAVED_AT``), the step the checkpoint says, and the steps after it resumed in
-    ``loader``."""
+    """For each of ``models``, tied and untied: the uninterrupted run of ``saver`` (saving
+    after step ``SAVED_AT``), the step the checkpoint says, and the steps after it resumed
+    in ``loader``."""
     out = {}
-    for name in MODELS:
+    for name in models:
         for tied in (True, False):
             path = f"{root}/{name}-{'tied' if tied else 'untied'}"
             engine, mesh = _engine(saver, name, tied)

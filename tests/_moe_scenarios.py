@@ -78,25 +78,32 @@ def world_of(layout: str) -> int:
     return dp * tp * pp
 
 
-def curves(layout: str, steps: int) -> dict[tuple[str, str], list[tuple[float, float]]]:
+def rotation(layout: str) -> list[tuple[str, str]]:
+    """The (model, case) pairs a layout runs in the tests: every case, the model turning
+    with the layout and the case (all of them: ``pairs=None``)."""
+    i = list(layouts()).index(layout)
+    return [(MODELS[(i + j) % len(MODELS)], case) for j, case in enumerate(CASES)]
+
+
+def curves(layout: str, steps: int, pairs: list[tuple[str, str]] | None = None
+           ) -> dict[tuple[str, str], list[tuple[float, float]]]:
     from parallel.compose.mesh import ParallelMesh
     from parallel.compose.parallelize import ParallelConfig, parallelize
 
     dp, tp, pp, ep, config = layouts()[layout]
     out = {}
-    for name in MODELS:
-        for case in CASES:
-            mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
-            engine = parallelize(build(name), mesh, ParallelConfig(
-                max_grad_norm=rb.CLIP, weight_decay=rb.DECAY, optimizer_kwargs={"lr": rb.LR},
-                **config))
-            curve = []
-            for step in range(steps):
-                b = rb.batch(case, step)
-                r = engine.train_step(b.tokens, b.targets, **b.inputs())
-                curve.append((r.loss, r.grad_norm))
-            out[(name, case)] = curve
-            mesh.destroy()
+    for name, case in pairs or [(m, c) for m in MODELS for c in CASES]:
+        mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
+        engine = parallelize(build(name), mesh, ParallelConfig(
+            max_grad_norm=rb.CLIP, weight_decay=rb.DECAY, optimizer_kwargs={"lr": rb.LR},
+            **config))
+        curve = []
+        for step in range(steps):
+            b = rb.batch(case, step)
+            r = engine.train_step(b.tokens, b.targets, **b.inputs())
+            curve.append((r.loss, r.grad_norm))
+        out[(name, case)] = curve
+        mesh.destroy()
     return out
 
 

@@ -151,24 +151,28 @@ def layout_curves(layout: str, models: tuple[str, ...], cases: tuple[str, ...],
                   steps: int) -> dict[tuple[str, str], list[tuple[float, float]]]:
     """On the ranks of a pool of this layout's world: every model and case trained
     ``steps`` steps; the curve of each, keyed (model, case)."""
+    return layout_pairs(layout, [(m, c) for m in models for c in cases], steps)
+
+
+def layout_pairs(layout: str, pairs: list[tuple[str, str]], steps: int
+                 ) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """The same for the (model, case) ``pairs``."""
     from parallel.compose.mesh import ParallelMesh
     from parallel.compose.parallelize import ParallelConfig, parallelize
 
     dp, tp, pp, config = LAYOUTS[layout]
     out = {}
-    for name in models:
-        for case in cases:
-            mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)
-            engine = parallelize(build(name), mesh, ParallelConfig(
-                max_grad_norm=CLIP, weight_decay=DECAY, optimizer_kwargs={"lr": LR},
-                **config))
-            curve = []
-            for step in range(steps):
-                b = batch(case, step)
-                r = engine.train_step(b.tokens, b.targets, **b.inputs())
-                curve.append((r.loss, r.grad_norm))
-            out[(name, case)] = curve
-            mesh.destroy()
+    for name, case in pairs:
+        mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)
+        engine = parallelize(build(name), mesh, ParallelConfig(
+            max_grad_norm=CLIP, weight_decay=DECAY, optimizer_kwargs={"lr": LR}, **config))
+        curve = []
+        for step in range(steps):
+            b = batch(case, step)
+            r = engine.train_step(b.tokens, b.targets, **b.inputs())
+            curve.append((r.loss, r.grad_norm))
+        out[(name, case)] = curve
+        mesh.destroy()
     return out
 
 

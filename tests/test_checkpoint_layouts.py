@@ -1,7 +1,7 @@
 """Every layout of the composition matrix saves a checkpoint and the next layout of its
-world size resumes it, for the GPT and a HuggingFace Llama with tied and untied
-embeddings (``tests/_checkpoint_layout_scenarios.py``): the resumed steps' losses equal
-the uninterrupted run's within 1e-5."""
+world size resumes it, for the GPT and a HuggingFace Llama (taking turns by layout) with
+tied and untied embeddings (``tests/_checkpoint_layout_scenarios.py``): the resumed steps'
+losses equal the uninterrupted run's within 1e-5."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ def test_every_layout_saves_and_the_next_resumes(tmp_path, world):
     with RankPool(world, backend="pycomm", pg_timeout_s=120) as pool:
         for i, (saver, loader) in enumerate(pairs):
             root = str(tmp_path / f"pair{i}")
+            model = sc.MODELS[(list(rb.LAYOUTS).index(saver)) % len(sc.MODELS)]
             for key, (whole, start, resumed) in pool.run(sc.save_and_resume, saver, loader,
-                                                          root)[0].items():
+                                                          root, (model,))[0].items():
                 assert start == sc.SAVED_AT, (saver, key, start)
                 for got, want in zip(resumed, whole[start:], strict=True):
                     assert abs(got / want - 1) < REL, (saver, loader, key, got, want)

@@ -1,7 +1,8 @@
 """Mixtures of experts train as one process does, the load-balancing loss included: the
 routing statistics of the whole global batch (every replica, micro-batch and pipeline
 stage) before the formula, in every layout of the composition matrix, experts split by
-tensor parallelism at tp > 1 (``tests/_moe_scenarios.py``). A 1F1B schedule with
+tensor parallelism at tp > 1 or by expert parallelism (``tests/_moe_scenarios.py``; each
+layout runs both cases, the model turning with the layout). A 1F1B schedule with
 micro-batches, which starts a backward before the last forward, is refused by name."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def test_every_layout_trains_experts_and_their_balance_as_one_process(references
     layouts = [name for name in sc.layouts() if sc.world_of(name) == world]
     with RankPool(world, backend="pycomm", pg_timeout_s=120) as pool:
         for layout in layouts:
-            for got in pool.run(sc.curves, layout, STEPS):
+            for got in pool.run(sc.curves, layout, STEPS, sc.rotation(layout)):
                 for key, curve in got.items():
                     loss, norm = rb.worst_relative(curve, references[key])
                     assert loss < REL and norm < REL, (layout, key, loss, norm)
