@@ -39,3 +39,19 @@ def test_micro_batches_under_1f1b_are_refused_with_a_load_balancing_loss():
     with RankPool(2, backend="pycomm", pg_timeout_s=60) as pool:
         for message in pool.run(sc.refusal, {"dp": 2}, {"microbatches": 2, "schedule": "1f1b"}):
             assert "load-balancing loss" in message and "gpipe" in message, message
+
+
+def test_the_trainer_trains_a_mixtral_with_expert_parallelism(tmp_path):
+    """The README's command, shortened: a Mixtral-shaped model from a config file, dp2 with
+    ep2, its load-balancing loss in every step's record."""
+    import json
+
+    from tests.test_train import train
+
+    metrics = tmp_path / "m.jsonl"
+    done = train("--model", "hf:examples/mixtral-tiny.json", "--dp", 2, "--ep", 2,
+                 "--steps", 2, "--eval-every", 0, "--block-size", 32, "--batch-size", 4,
+                 "--no-progress", "--metrics", metrics)
+    assert "dp2 (ep2)" in done.stdout + done.stderr
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"]
+    assert len(steps) == 2 and all(0 < r["aux_loss"] < r["loss"] for r in steps), steps

@@ -83,6 +83,8 @@ class TrainConfig:
     dp: int = _opt("parallel", 1, "data-parallel replicas")
     tp: int = _opt("parallel", 1, "tensor-parallel ranks")
     pp: int = _opt("parallel", 1, "pipeline stages")
+    ep: int = _opt("parallel", 1, "expert parallelism, drawn from dp (a mixture of experts' "
+                   "experts split over ep ranks)")
     zero: int = _opt("parallel", 0, "ZeRO stage over dp", (0, 1, 2, 3))
     precision: str = _opt("parallel", "fp32", "compute dtype (fp32 master weights and "
                           "optimizer state either way; fp16 scales the loss)",
@@ -134,7 +136,7 @@ class TrainConfig:
 
     @property
     def layout(self) -> MeshShape:
-        return MeshShape(pp=self.pp, dp=self.dp, tp=self.tp)
+        return MeshShape(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep)
 
     def effective_microbatches(self) -> int:
         return self.microbatches or self.pp

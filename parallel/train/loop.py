@@ -42,7 +42,7 @@ def build(cfg: TrainConfig, vocab: int = VOCAB) -> tuple[ParallelModel, int, str
     its description, for data of ``vocab`` token ids (bytes by default). The model is
     built whole from ``seed`` on every rank (or on the meta device, each rank then
     materializing its part), so every layout starts alike."""
-    mesh = ParallelMesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp)
+    mesh = ParallelMesh(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, ep=cfg.ep)
     model = build_model(cfg, vocab)
     params = sum(p.numel() for p in model.parameters())
     name = describe_model(cfg, model, vocab)
@@ -110,7 +110,8 @@ def _train_step(engine: ParallelModel, cfg: TrainConfig, data: DataSource, step:
     seconds = time.perf_counter() - t0
     log.train({"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                "step_s": seconds, "tokens_per_s": batch.tokens.numel() / seconds,
-               "trained_tokens": batch.trained_tokens(), "skipped": r.skipped,
+               "trained_tokens": batch.trained_tokens(), "aux_loss": r.aux_loss,
+               "skipped": r.skipped,
                "loss_scale": r.loss_scale, "peak_rss_mb": peak_rss_mb()})
 
 
@@ -119,7 +120,8 @@ def describe(cfg: TrainConfig) -> str:
     tp = f"tp{cfg.tp}" + (" (SP)" if cfg.sequence_parallel else "")
     pp = f"pp{cfg.pp}" + (f" ({cfg.schedule}, M={cfg.effective_microbatches()})"
                           if cfg.pp > 1 else "")
-    return (f"dp{cfg.dp} {tp} {pp} zero{cfg.zero}" + (" recompute" if cfg.recompute else "")
+    dp = f"dp{cfg.dp}" + (f" (ep{cfg.ep})" if cfg.ep > 1 else "")
+    return (f"{dp} {tp} {pp} zero{cfg.zero}" + (" recompute" if cfg.recompute else "")
             + (" P_a" if cfg.partition_activations else "")
             + (" compiled" if cfg.compile else "")
             + f" {cfg.precision}, dropout {cfg.dropout}, seed {cfg.seed}")
