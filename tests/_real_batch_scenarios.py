@@ -10,12 +10,13 @@ prints the table for more steps).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from parallel.train.batches import Batch
 
 VOCAB, SEQ, ROWS = 64, 16, 4
 IGNORE = -100
@@ -23,18 +24,6 @@ LR, CLIP, DECAY = 3e-3, 1.0, 0.1
 MODELS = ("gpt", "llama", "qwen3")
 CASES = ("ignored", "right_pad", "left_pad", "packed")
 PAD = 0
-
-
-@dataclass(frozen=True)
-class Batch:
-    tokens: torch.Tensor
-    targets: torch.Tensor
-    attention_mask: torch.Tensor | None = None
-    position_ids: torch.Tensor | None = None
-
-    def inputs(self) -> dict[str, torch.Tensor]:
-        return {k: v for k in ("attention_mask", "position_ids")
-                if (v := getattr(self, k)) is not None}
 
 
 def build(name: str) -> nn.Module:
