@@ -14,7 +14,8 @@ import torch
 from parallel.compose.layers import sequential_forward
 from parallel.compose.plan import Layer
 from parallel.models.gpt2_plan import gpt2_plan
-from parallel.models.hf import DecoderCall, check_plan_forward, hf_causal_lm_plan
+from parallel.models.hf import DecoderCall, hf_causal_lm_plan
+from parallel.models.hf_check import check_plan_forward
 from pycomm.testing import RankPool
 from tests import _hf_plan_scenarios as sc
 

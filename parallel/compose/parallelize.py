@@ -133,7 +133,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig,
         # A plan's layers must compute what the model's own forward does; checked on a
         # tiny batch while the whole model is still here (a family whose forward the
         # derivation does not reproduce is refused, not trained wrong).
-        from parallel.models.hf import check_plan_forward
+        from parallel.models.hf_check import check_plan_forward
 
         check_plan_forward(model, plan)
     return ParallelModel(model, mesh, config, plan)
