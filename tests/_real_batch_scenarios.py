@@ -26,8 +26,13 @@ CASES = ("ignored", "right_pad", "left_pad", "packed")
 PAD = 0
 
 
-def build(name: str) -> nn.Module:
-    """The model ``name``, fp32, from seed 0 (the same on every rank)."""
+def build(name: str, dtype: str = "float32") -> nn.Module:
+    """The model ``name`` in ``dtype`` (float32; float64 shows the layouts exact beyond
+    fp32's rounding), from seed 0 (the same on every rank)."""
+    return _build(name).to(getattr(torch, dtype))
+
+
+def _build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "gpt":
         from parallel.models import GPT, GPTConfig
@@ -87,7 +92,7 @@ def _logits(model: nn.Module, b: Batch) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def one_process(name: str, case: str, steps: int, chunks: int = 1
+def one_process(name: str, case: str, steps: int, chunks: int = 1, dtype: str = "float32"
                 ) -> list[tuple[float, float]]:
     """The curve every layout must reproduce: the loss and pre-clip gradient norm.
     ``chunks`` > 1 accumulates the gradient over that many chunks of rows, each loss
@@ -95,7 +100,7 @@ def one_process(name: str, case: str, steps: int, chunks: int = 1
     the fp32 rounding alone makes of a curve)."""
     from parallel.compose.optim_groups import param_groups
 
-    model = build(name)
+    model = build(name, dtype)
     opt = torch.optim.AdamW(param_groups(list(model.parameters()), DECAY), lr=LR)
     out = []
     for step in range(steps):
@@ -137,14 +142,15 @@ def world_of(layout: str) -> int:
 
 
 def layout_curves(layout: str, models: tuple[str, ...], cases: tuple[str, ...],
-                  steps: int) -> dict[tuple[str, str], list[tuple[float, float]]]:
+                  steps: int, dtype: str = "float32"
+                  ) -> dict[tuple[str, str], list[tuple[float, float]]]:
     """On the ranks of a pool of this layout's world: every model and case trained
     ``steps`` steps; the curve of each, keyed (model, case)."""
-    return layout_pairs(layout, [(m, c) for m in models for c in cases], steps)
+    return layout_pairs(layout, [(m, c) for m in models for c in cases], steps, dtype)
 
 
-def layout_pairs(layout: str, pairs: list[tuple[str, str]], steps: int
-                 ) -> dict[tuple[str, str], list[tuple[float, float]]]:
+def layout_pairs(layout: str, pairs: list[tuple[str, str]], steps: int,
+                 dtype: str = "float32") -> dict[tuple[str, str], list[tuple[float, float]]]:
     """The same for the (model, case) ``pairs``."""
     from parallel.compose.mesh import ParallelMesh
     from parallel.compose.parallelize import ParallelConfig, parallelize
@@ -153,7 +159,7 @@ def layout_pairs(layout: str, pairs: list[tuple[str, str]], steps: int
     out = {}
     for name, case in pairs:
         mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)
-        engine = parallelize(build(name), mesh, ParallelConfig(
+        engine = parallelize(build(name, dtype), mesh, ParallelConfig(
             max_grad_norm=CLIP, weight_decay=DECAY, optimizer_kwargs={"lr": LR}, **config))
         curve = []
         for step in range(steps):

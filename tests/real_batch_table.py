@@ -26,20 +26,22 @@ def _commit() -> str:
     return out.stdout.strip()
 
 
-def measure(steps: int) -> dict[str, dict[str, list[float]]]:
+def measure(steps: int, dtype: str = "float32") -> dict[str, dict[str, list[float]]]:
     """layout -> "model/case" -> [loss difference, norm difference]; the first columns
     are one process against itself, accumulating over 2 and 4 chunks of rows (the fp32
     rounding's own spread)."""
-    want = {(m, c): sc.one_process(m, c, steps) for m in sc.MODELS for c in sc.CASES}
+    want = {(m, c): sc.one_process(m, c, steps, dtype=dtype)
+            for m in sc.MODELS for c in sc.CASES}
     cells: dict[str, dict[str, list[float]]] = {}
     for chunks in (2, 4):
         cells[f"1 process, {chunks} chunks"] = {
-            f"{m}/{c}": list(sc.worst_relative(sc.one_process(m, c, steps, chunks), want[(m, c)]))
+            f"{m}/{c}": list(sc.worst_relative(sc.one_process(m, c, steps, chunks, dtype),
+                                                 want[(m, c)]))
             for m, c in want}
     for world in sorted({sc.world_of(name) for name in sc.LAYOUTS}):
         with RankPool(world, backend="pycomm", pg_timeout_s=300) as pool:
             for layout in (n for n in sc.LAYOUTS if sc.world_of(n) == world):
-                ranks = pool.run(sc.layout_curves, layout, sc.MODELS, sc.CASES, steps)
+                ranks = pool.run(sc.layout_curves, layout, sc.MODELS, sc.CASES, steps, dtype)
                 cells[layout] = {
                     f"{m}/{c}": [max(sc.worst_relative(r[(m, c)], want[(m, c)])[i]
                                      for r in ranks) for i in (0, 1)]
@@ -63,16 +65,18 @@ def markdown(cells: dict[str, dict[str, list[float]]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     start = time.time()
-    cells = measure(args.steps)
+    cells = measure(args.steps, args.dtype)
     table = markdown(cells)
     print(table)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({
-            "steps": args.steps, "commit": _commit(), "torch": torch.__version__,
+            "steps": args.steps, "dtype": args.dtype, "commit": _commit(),
+            "torch": torch.__version__,
             "cpu": platform.processor() or platform.machine(), "seconds": time.time() - start,
             "cells": cells}, indent=1))
         Path(args.out).with_suffix(".md").write_text(table + "\n")

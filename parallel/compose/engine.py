@@ -32,6 +32,7 @@ from parallel.compose.zero_side import ZeroPlan
 from parallel.pipeline.forward_only import forward_loss
 from parallel.pipeline.microbatch import split_batch
 from parallel.pipeline.pipeline import Pipeline
+from parallel.precision import widened
 from parallel.rng import seed_streams
 from parallel.tensor import comms
 from parallel.tensor.sharding import mark_tensor_parallel_group, spec_of
@@ -179,10 +180,10 @@ class ParallelModel:
                         pair_refusal=_PAIR_WITH_OFFLOAD if self.config.offload != "none" else "")
 
     def loss_fn(self, output: Any, targets: torch.Tensor) -> Any:
-        """The plan's logits of ``output`` in fp32, given to this step's loss."""
+        """The plan's logits of ``output`` in fp32 or wider, given to this step's loss."""
         logits = self.plan.output(output) if self.plan.output is not None else output
         if logits.is_floating_point():
-            logits = logits.float()
+            logits = widened(logits)
         assert self._loss is not None, "loss_fn is called inside a step"
         return self._loss(logits, targets)
 
@@ -291,7 +292,7 @@ class ParallelModel:
 
         def keep(output: Any, _targets: Any) -> torch.Tensor:
             logits = self.plan.output(output) if self.plan.output is not None else output
-            caught.append(logits.float())
+            caught.append(widened(logits))
             return torch.zeros(())
 
         rows = self._rows(tokens, whole)
@@ -317,12 +318,12 @@ class ParallelModel:
     def _everywhere(self, mine: torch.Tensor, rows: int, gather: bool = True) -> torch.Tensor:
         """The last stage's rows of every replica (``gather``; else of this one), on
         every rank."""
-        shape: list[Any] = [None]
+        shape: list[Any] = [None, None]
         if self.pipeline.is_last:
-            shape = [[rows, *mine.shape[1:]]]
+            shape = [[rows, *mine.shape[1:]], str(mine.dtype).removeprefix("torch.")]
         last = dist.get_global_rank(self.mesh.group("pp"), self.mesh.size("pp") - 1)
         dist.broadcast_object_list(shape, src=last, group=self.mesh.group("pp"))
-        full = torch.empty(shape[0], dtype=torch.float32)
+        full = torch.empty(shape[0], dtype=getattr(torch, shape[1]))
         if self.pipeline.is_last:
             full.copy_(mine)
         dist.broadcast(full, src=last, group=self.mesh.group("pp"))

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.precision import accumulation_dtype
+
 # A rank's part of the gradients, as (tensor, weight): the weight is 1 / how many
 # ranks hold the same values, so the sum over the mesh counts each element once.
 GradParts = Callable[[], list[tuple[torch.Tensor, float]]]
@@ -64,8 +66,9 @@ def sum_partial_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup |
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads: list[torch.Tensor] = [p.grad for p in params if p.grad is not None]
-    # fp32 whatever the gradients' dtype: a sum of bf16 parts would round once more
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    # fp32 or wider whatever the gradients' dtype: a sum of bf16 parts would round once more
+    dtype = accumulation_dtype(*(g.dtype for g in grads))
+    flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
     dist.all_reduce(flat, group=group)
     for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(part.view_as(g))

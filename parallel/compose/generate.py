@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from parallel.precision import widened
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -46,7 +48,7 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling,
     """The next token of each row from its last position's logits ``(batch, vocab)``."""
     if not sampling.do_sample:
         return logits.argmax(dim=-1)
-    scaled = logits.float() / sampling.temperature
+    scaled = widened(logits) / sampling.temperature
     if sampling.top_k is not None:
         kth = scaled.topk(min(sampling.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.compose.mesh import ParallelMesh
+from parallel.precision import widened
 from parallel.tensor.sharding import spec_of
 
 
@@ -118,8 +119,8 @@ class CrossStageTies:
     @torch.no_grad()
     def sum_grads(self, tensors: list[tuple[torch.Tensor, Any]]) -> None:
         """Sum each copy's gradient (or its ZeRO shard) over the stages holding it, in
-        fp32 (the sum of low-precision gradients would round twice)."""
+        fp32 or wider (the sum of low-precision gradients would round twice)."""
         for grad, group in tensors:
-            total = grad.float()
+            total = widened(grad)
             dist.all_reduce(total, group=group)
             grad.copy_(total)

@@ -41,4 +41,4 @@ def forward_loss(pipe: Pipeline, inputs: Any, targets: Any, loss_fn: Any,
     last = pipe.num_stages - 1
     src = dist.get_global_rank(pipe.group, last) if pipe.group is not None else last
     dist.broadcast(total, src=src, group=pipe.group)
-    return total[0].float()
+    return total[0]

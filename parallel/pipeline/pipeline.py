@@ -282,7 +282,7 @@ class Pipeline:
         src = self.num_stages - 1
         dist.broadcast(total, src=dist.get_global_rank(self.group, src)
                        if self.group is not None else src, group=self.group)
-        return total[0].to(torch.float32)
+        return total[0]
 
     def receive_stats(self) -> dict[str, int]:
         """Messages received so far whose receive was posted ahead, and the others."""
