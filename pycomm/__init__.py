@@ -15,6 +15,7 @@ from pycomm._extension import check_extension, extension_error
 from pycomm._install import version as _version
 from pycomm.arena import arena_stats, empty, in_arena, use_arena, zeros
 from pycomm.bucketer import Bucketer, plan_buckets
+from pycomm.dispatch_ops import combine, dispatch
 from pycomm.flat_arena import Arena
 from pycomm.ops import all_reduce_
 
@@ -28,6 +29,8 @@ __all__ = [
     "__version__",
     "all_reduce_",
     "arena_stats",
+    "combine",
+    "dispatch",
     "empty",
     "extension_error",
     "in_arena",

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <tuple>
 #include <vector>
 
 #include "core/runtime/communicator.h"
@@ -133,6 +134,13 @@ class ProcessGroupPycomm : public c10d::Backend {
   // calls: all_reduce_now and the torch.ops.pycomm.all_reduce_ custom op).
   void all_reduce_direct(at::Tensor& t, const c10d::ReduceOp& op);
   void barrier_now();
+  // Expert parallelism's dispatch as one op (counted.cc): the rows of `input`, sent
+  // `send_counts` (int64, world x groups: rows per peer and per group of that peer, in
+  // the order `input` holds them) to each peer, received with the counts learned in the
+  // op. Returns the received rows (source-major) and their counts (world x groups).
+  // Synchronous, in the group's order with queued ops.
+  std::tuple<at::Tensor, at::Tensor> all_to_all_counted(const at::Tensor& input,
+                                                        const at::Tensor& send_counts);
 
   // Bytes of shared memory this group's segment takes (for logs and tests).
   size_t segment_bytes() const { return comm_ ? comm_->segment_bytes() : 0; }

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/runtime/types.h"
@@ -66,6 +68,30 @@ void all_to_all_pairwise(Transport& t, const OpCall& op, const AllToAllArgs& a);
 // peers this rank pulled from.
 int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const AllToAllArgs& a);
 size_t all_to_all_offer_bytes(int world);
+
+// An all_to_all of rows whose receive counts are not known beforehand: each rank posts
+// how many rows it sends each peer - split into `groups` counts per peer (expert
+// parallelism's dispatch: the rows for each of that peer's experts, in order) - in the
+// same offer as its blocks, reads its peers', has `allocate` return the output for the
+// rows it will receive, then moves the rows as all_to_all_pull does. One op: no separate
+// exchange of the counts and no return to the caller between the two.
+struct CountedAllToAllArgs {
+  const void* in = nullptr;
+  DType dtype = DType::F32;
+  size_t row_elems = 0;               // elements per row (the same on every rank)
+  size_t groups = 1;                  // counts per peer (the same on every rank)
+  std::vector<uint64_t> send_counts;  // rows, world x groups, peer-major, as `in` holds them
+  // Given the rows received, world x groups, source-major: where to put them (at least
+  // their total x row_elems elements), in source order.
+  std::function<void*(const std::vector<uint64_t>& recv_counts)> allocate;
+};
+// Returns how many peers were read in place. Throws InvalidArgument when the peers'
+// row size or group count differ from this rank's, CommError when a peer's counts are
+// not consistent with its blocks.
+int all_to_all_counted(Transport& t, PeerMemory& peers, const OpCall& op,
+                       const CountedAllToAllArgs& a, bool may_pull);
+// The direct-area bytes its offer takes.
+size_t all_to_all_counted_offer_bytes(int world, size_t groups);
 void gather_to_root(Transport& t, const OpCall& op, const Args& a);     // out: world*count at root
 void scatter_from_root(Transport& t, const OpCall& op, const Args& a);  // in: world*count at root
 

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/algorithms/algorithms.h"
+#include "core/algorithms/all_to_all_offer.h"
 #include "core/memory/arena.h"
 #include "core/runtime/errors.h"
 #include "core/runtime/faults.h"
@@ -57,30 +58,12 @@ void all_to_all_pairwise(Transport& t, const OpCall& op, const AllToAllArgs& a) 
 
 namespace {
 
-// What a rank posts before an all_to_all: whether its input is in the arena (and so may
-// be read in place), where, and which block of it goes to each rank.
-struct AllToAllOffer {
-  uint32_t pull_me;
-  uint32_t world;
-  uint64_t pid_ns;  // peers read in place only within one PID namespace
-  ArenaLocation where;
-  struct Block {
-    uint64_t offset, count;  // elements
-  } blocks[1];               // world of them
-};
-
 // The extent of a's input: the end of its furthest block, in bytes.
 size_t input_bytes(const AllToAllArgs& a) {
   size_t end = 0;
   for (size_t q = 0; q < a.send_counts.size(); ++q)
     end = std::max(end, a.send_offsets[q] + a.send_counts[q]);
   return end * dtype_size(a.dtype);
-}
-
-}  // namespace
-
-size_t all_to_all_offer_bytes(int world) {
-  return offsetof(AllToAllOffer, blocks) + world * sizeof(AllToAllOffer::Block);
 }
 
 // Whether `from` lets `to` read its blocks in place (both decide it alike).
@@ -102,19 +85,30 @@ const char* pulled_block(PeerMemory& peers, int from, const AllToAllOffer& their
   return peers.resolve(from, theirs.where, end) + begin;
 }
 
-int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const AllToAllArgs& a) {
-  const int n = t.world(), r = t.rank();
-  const size_t es = dtype_size(a.dtype);
+}  // namespace
+
+size_t all_to_all_offer_bytes(int world) {
+  return offsetof(AllToAllOffer, blocks) + world * sizeof(AllToAllOffer::Block);
+}
+
+AllToAllOffer* fill_all_to_all_offer(Transport& t, const OpCall& op, const AllToAllArgs& a,
+                                     bool may_pull) {
+  const int n = t.world();
   auto* mine = static_cast<AllToAllOffer*>(t.direct_buffer(op));
   const size_t in_bytes = input_bytes(a);
   ArenaLocation where;
-  mine->pull_me = in_bytes > 0 && Arena::instance().locate(a.in, in_bytes, &where);
+  mine->pull_me = may_pull && in_bytes > 0 && Arena::instance().locate(a.in, in_bytes, &where);
   mine->where = posted(where);
   mine->world = static_cast<uint32_t>(n);
   mine->pid_ns = pid_namespace_id();
   for (int q = 0; q < n; ++q) mine->blocks[q] = {a.send_offsets[q], a.send_counts[q]};
-  t.post_direct(op);
+  return mine;
+}
 
+int move_all_to_all_blocks(Transport& t, PeerMemory& peers, const OpCall& op, const AllToAllArgs& a,
+                           const AllToAllOffer& mine) {
+  const int n = t.world(), r = t.rank();
+  const size_t es = dtype_size(a.dtype);
   const auto* in = static_cast<const char*>(a.in);
   auto* out = static_cast<char*>(a.out);
   std::memmove(out + a.recv_offsets[r] * es, in + a.send_offsets[r] * es, a.send_counts[r] * es);
@@ -125,7 +119,7 @@ int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const All
     const auto* theirs = static_cast<const AllToAllOffer*>(t.wait_direct(from, op));
     const auto* receiver = static_cast<const AllToAllOffer*>(t.wait_direct(to, op));
     char* dst = out + a.recv_offsets[from] * es;
-    const bool pull = pulls(*theirs, *mine);
+    const bool pull = pulls(*theirs, mine);
     if (pull) {
       const AllToAllOffer::Block b = theirs->blocks[r];
       if (b.count != a.recv_counts[from]) {
@@ -137,7 +131,7 @@ int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const All
       ++pulled;
     }
     // Whoever pulls from us is not sent to; whoever offers is not received from.
-    const bool pulled_by_to = pulls(*mine, *receiver);
+    const bool pulled_by_to = pulls(mine, *receiver);
     pulled_from_me = pulled_from_me || pulled_by_to;
     exchange(t, op, pulled_by_to ? -1 : to, in + a.send_offsets[to] * es, a.send_counts[to] * es,
              pull ? -1 : from, dst, a.recv_counts[from] * es);
@@ -146,6 +140,12 @@ int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const All
   t.post_stage(op, 1);
   if (pulled_from_me) t.wait_stage(op, 1);
   return pulled;
+}
+
+int all_to_all_pull(Transport& t, PeerMemory& peers, const OpCall& op, const AllToAllArgs& a) {
+  const AllToAllOffer* mine = fill_all_to_all_offer(t, op, a, true);
+  t.post_direct(op);
+  return move_all_to_all_blocks(t, peers, op, a, *mine);
 }
 
 void gather_to_root(Transport& t, const OpCall& op, const Args& a) {

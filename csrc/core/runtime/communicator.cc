@@ -344,6 +344,32 @@ void Communicator::all_to_all(const AllToAllArgs& args) {
   });
 }
 
+void Communicator::all_to_all_counted(const CountedAllToAllArgs& args) {
+  const size_t need = all_to_all_counted_offer_bytes(world_, args.groups);
+  if (args.send_counts.size() != static_cast<size_t>(world_) * args.groups) {
+    throw InvalidArgument("pycomm: all_to_all_counted: rank " + std::to_string(rank_) + " gave " +
+                          std::to_string(args.send_counts.size()) + " counts for " +
+                          std::to_string(world_) + " ranks x " + std::to_string(args.groups) +
+                          " groups");
+  }
+  if (need > cfg_.direct_bytes) {
+    throw InvalidArgument("pycomm: all_to_all_counted: " + std::to_string(world_) + " ranks x " +
+                          std::to_string(args.groups) + " groups of counts take " +
+                          std::to_string(need) + " bytes of the direct area, which has " +
+                          std::to_string(cfg_.direct_bytes) + " (PYCOMM_DIRECT_BYTES)");
+  }
+  OpCall c = begin(OpKind::ALL_TO_ALL_COUNTED, args.dtype, args.row_elems, RedOp::NONE, -1);
+  run(c, nullptr, [&] {
+    int pulled = pycomm::all_to_all_counted(*transport_, *peers_, c, args, try_zero_copy());
+    if (log_.enabled(LogLevel::TRACE, Subsys::COLL)) {
+      log_.log(LogLevel::TRACE, Subsys::COLL,
+               "seq " + std::to_string(c.desc.seq) + " " + describe(c.desc) +
+                   ": counts in the offers, " + std::to_string(pulled) + " of " +
+                   std::to_string(world_ - 1) + " peers read in place");
+    }
+  });
+}
+
 void Communicator::gather(const void* in, void* out, size_t count, DType dtype, int root) {
   check_root(root, "gather");
   Args a;

@@ -70,6 +70,13 @@ class Communicator {
   // The reduction of every rank's `in` lands in `out` at the root (in may equal out).
   void reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, int root);
   void all_to_all(const AllToAllArgs& args);
+  // See CountedAllToAllArgs. Throws InvalidArgument when its counts do not fit the
+  // direct area (PYCOMM_DIRECT_BYTES): check counted_fits first.
+  void all_to_all_counted(const CountedAllToAllArgs& args);
+  // Whether `groups` counts per rank fit the offer (every rank decides alike).
+  bool counted_fits(size_t groups) const {
+    return all_to_all_counted_offer_bytes(world_, groups) <= cfg_.direct_bytes;
+  }
   void gather(const void* in, void* out, size_t count, DType dtype, int root);
   void scatter(const void* in, void* out, size_t count, DType dtype, int root);
   void barrier();

@@ -95,6 +95,8 @@ const char* opkind_name(OpKind k) {
       return "barrier";
     case OpKind::SEND:
       return "send";
+    case OpKind::ALL_TO_ALL_COUNTED:
+      return "all_to_all_counted";
   }
   return "?";
 }

@@ -20,6 +20,7 @@ enum class OpKind : uint32_t {
   SCATTER,
   BARRIER,
   SEND,
+  ALL_TO_ALL_COUNTED,  // count: elements per row
 };
 
 size_t dtype_size(DType t);
