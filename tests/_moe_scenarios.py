@@ -1,10 +1,11 @@
-"""Mixtures of experts against one process (``tests/test_moe.py``): HuggingFace Mixtral and
-Qwen3-MoE from configs (4 experts, top-2, ``output_router_logits`` with a load-balancing
-coefficient of 0.02), on real batches, in the layouts of the composition matrix (GPipe's
-schedule where there are micro-batches: the load balance counts the whole batch before any
-backward). One process computes HuggingFace's own objective: the cross-entropy over the
-targets that are not ignored plus ``coef * aux_loss`` (its ``load_balancing_loss_func``
-over every layer and every real token)."""
+"""Mixtures of experts against one process (``tests/test_moe.py``): the project's GPT with
+experts, HuggingFace Mixtral and Qwen3-MoE from configs (4 experts, top-2, a load-balancing
+coefficient of 0.02: HuggingFace's with ``output_router_logits``), on real batches, in the
+layouts of the composition matrix (GPipe's schedule where there are micro-batches: the load
+balance counts the whole batch before any backward). One process computes HuggingFace's
+own objective: the cross-entropy over the targets that are not ignored plus
+``coef * aux_loss`` (its ``load_balancing_loss_func`` over every layer and every real
+token; the GPT's ``forward_with_aux``, the same function)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,19 @@ from torch import nn
 
 from tests import _real_batch_scenarios as rb
 
-MODELS = ("mixtral", "qwen3_moe")
+MODELS = ("gpt", "mixtral", "qwen3_moe")
 CASES = ("ignored", "right_pad")
 COEF = 0.02
 
 
 def build(name: str) -> nn.Module:
+    if name == "gpt":
+        from parallel.models import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=rb.VOCAB, block_size=rb.SEQ, n_layer=2, n_head=4,
+                             n_embd=32, moe_experts=4, moe_top_k=2, moe_aux_coef=COEF,
+                             moe_intermediate=64))
     import transformers
 
     common = dict(vocab_size=rb.VOCAB, hidden_size=32, intermediate_size=64,
@@ -46,14 +54,22 @@ def one_process(name: str, case: str, steps: int) -> list[tuple[float, float]]:
     for step in range(steps):
         b = rb.batch(case, step)
         opt.zero_grad()
-        result = model(b.tokens, **b.inputs(), use_cache=False)
-        loss = F.cross_entropy(result.logits.reshape(-1, rb.VOCAB), b.targets.reshape(-1),
-                               ignore_index=rb.IGNORE) + COEF * result.aux_loss
+        logits, aux = _forward(model, b)
+        loss = F.cross_entropy(logits.reshape(-1, rb.VOCAB), b.targets.reshape(-1),
+                               ignore_index=rb.IGNORE) + COEF * aux
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), rb.CLIP)
         opt.step()
         out.append((loss.item(), norm.item()))
     return out
+
+
+def _forward(model: nn.Module, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits and the load-balancing loss (without its coefficient)."""
+    if hasattr(model, "forward_with_aux"):  # the project's GPT
+        return model.forward_with_aux(b.tokens, **b.inputs())
+    result = model(b.tokens, **b.inputs(), use_cache=False)
+    return result.logits, result.aux_loss
 
 
 def layouts() -> dict[str, tuple[int, int, int, int, dict[str, Any]]]:

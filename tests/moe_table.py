@@ -1,8 +1,8 @@
-"""The mixture-of-experts table: Mixtral and Qwen3-MoE x real-batch case x every layout of
-``_moe_scenarios`` (expert parallelism, experts by tp, pipelines under GPipe) trained
-``--steps`` steps against HuggingFace's own objective in one process; prints the largest
-relative difference of the loss (cross-entropy + coefficient x aux loss) and of the
-pre-clip gradient norm per cell, as Markdown, and writes them as JSON.
+"""The mixture-of-experts table: the GPT with experts, Mixtral and Qwen3-MoE x real-batch
+case x every layout of ``_moe_scenarios`` (expert parallelism, experts by tp, pipelines
+under GPipe) trained ``--steps`` steps against HuggingFace's own objective in one process;
+prints the largest relative difference of the loss (cross-entropy + coefficient x aux
+loss) and of the pre-clip gradient norm per cell, as Markdown, and writes them as JSON.
 
     python -m tests.moe_table --steps 20 --out bench/results/moe/fp32.json
 """

@@ -1,9 +1,11 @@
-"""Mixtures of experts train as one process does, the load-balancing loss included: the
-routing statistics of the whole global batch (every replica, micro-batch and pipeline
-stage) before the formula, in every layout of the composition matrix, experts split by
-tensor parallelism at tp > 1 or by expert parallelism (``tests/_moe_scenarios.py``; each
-layout runs both cases, the model turning with the layout). A 1F1B schedule with
-micro-batches, which starts a backward before the last forward, is refused by name."""
+"""Mixtures of experts (the project's GPT with experts, Mixtral, Qwen3-MoE) train as one
+process does, the load-balancing loss included: the routing statistics of the whole
+global batch (every replica, micro-batch and pipeline stage) before the formula, in every
+layout of the composition matrix, experts split by tensor parallelism at tp > 1 or by
+expert parallelism (``tests/_moe_scenarios.py``; each layout runs both cases, the model
+turning with the layout). A 1F1B schedule with micro-batches, which starts a backward
+before the last forward, is refused by name. The trainer trains a Mixtral from a config
+and the GPT with ``--moe-experts``."""
 
 from __future__ import annotations
 
@@ -55,3 +57,21 @@ def test_the_trainer_trains_a_mixtral_with_expert_parallelism(tmp_path):
     assert "dp2 (ep2)" in done.stdout + done.stderr
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"]
     assert len(steps) == 2 and all(0 < r["aux_loss"] < r["loss"] for r in steps), steps
+
+
+def test_the_trainer_trains_the_gpt_with_experts_and_expert_parallelism(tmp_path):
+    """docs/composition.md's command, shortened: --model gpt --moe-experts 4 --moe-top-k 2
+    at dp2 with ep2, its load-balancing loss in every step's record."""
+    import json
+
+    from tests.test_train import train
+
+    metrics = tmp_path / "m.jsonl"
+    done = train("--model", "gpt", "--moe-experts", 4, "--moe-top-k", 2, "--dp", 2, "--ep", 2,
+                 "--n-layer", 2, "--n-embd", 64, "--steps", 2, "--eval-every", 0,
+                 "--block-size", 32, "--batch-size", 4, "--no-progress", "--metrics", metrics)
+    out = done.stdout + done.stderr
+    assert "4 experts top-2" in out and "dp2 (ep2)" in out, out
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"]
+    # 0.01 x aux; aux is k = 2 when the routing is balanced, at most E = 4
+    assert len(steps) == 2 and all(0.015 < r["aux_loss"] <= 0.04 for r in steps), steps

@@ -7,6 +7,12 @@ tensor parallelism splits by. ``GPTConfig(tie_embeddings=True)`` ties the LM hea
 token embedding, as nanoGPT and GPT-2 do. :meth:`GPT.parallel_plan` says how every
 strategy splits it (:mod:`parallel.models.gpt_plan`).
 
+``GPTConfig(moe_experts=E, moe_top_k=k)`` makes every block's MLP a mixture of E experts,
+each token routed to k of them: HuggingFace Mixtral's sparse block, SwiGLU experts
+included (:mod:`parallel.models.gpt_moe`). Its objective is the cross-entropy plus
+``moe_aux_coef`` times the routers' load-balancing loss, which :meth:`GPT.forward_with_aux`
+returns beside the logits (the engine computes it over the global batch itself).
+
 Beside the tokens it takes HuggingFace's model inputs: an ``attention_mask`` (1 for a real
 token, 0 for padding, left or right) and ``position_ids`` (restarting at 0 at each
 document packed into a row; attention then stays inside each document).
@@ -16,6 +22,10 @@ Example::
     model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64))
     logits = model(tokens)                       # (batch, time, vocab)
     loss = lm_loss(logits, targets)
+
+    moe = GPT(GPTConfig(n_embd=64, moe_experts=4, moe_top_k=2, moe_aux_coef=0.01))
+    logits, aux = moe.forward_with_aux(tokens)
+    loss = lm_loss(logits, targets) + moe.cfg.moe_aux_coef * aux
 """
 
 from __future__ import annotations
@@ -28,6 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.models.gpt_moe import (
+    Experts,
+    SparseMoE,
+    TopKRouter,
+    load_balancing_loss,
+    router_logits,
+)
 from parallel.models.masks import attention_mask_of, with_mask
 
 
@@ -41,12 +58,36 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_embeddings: bool = False
+    # A mixture of experts in every block (0: the dense GELU MLP): E experts, each token
+    # routed to the top k, the load-balancing loss weighted by moe_aux_coef (Switch
+    # Transformer's 0.01; 0: none), each expert moe_intermediate wide (None: 4 * n_embd,
+    # the dense MLP's width).
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_aux_coef: float = 0.01
+    moe_intermediate: int | None = None
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}"
             )
+        if self.moe_experts < 0:
+            raise ValueError(f"GPTConfig: moe_experts={self.moe_experts} must be >= 0 (0: "
+                             "the dense MLP)")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"GPTConfig: moe_top_k={self.moe_top_k} must be in 1 .. "
+                             f"moe_experts={self.moe_experts}")
+        if self.moe_aux_coef < 0:
+            raise ValueError(f"GPTConfig: moe_aux_coef={self.moe_aux_coef} must be >= 0")
+        if self.moe_intermediate is not None and self.moe_intermediate < 1:
+            raise ValueError(f"GPTConfig: moe_intermediate={self.moe_intermediate} must be "
+                             ">= 1 (None: 4 * n_embd)")
+
+    @property
+    def expert_width(self) -> int:
+        """Each expert's intermediate units."""
+        return self.moe_intermediate or 4 * self.n_embd
 
 
 class CausalSelfAttention(nn.Module):
@@ -91,12 +132,12 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MLP(cfg) if not cfg.moe_experts else SparseMoE(
+            cfg.n_embd, cfg.moe_experts, cfg.moe_top_k, cfg.expert_width, cfg.dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.resid_dropout(with_mask(self.attn, self.ln_1(x), mask))
         return x + self.mlp(self.ln_2(x))
-
 
 
 class Embedding(nn.Module):
@@ -136,11 +177,16 @@ class GPT(nn.Module):
     def init_module(self, path: str, module: nn.Module) -> None:
         """Initialise one module's own parameters: normal(0, 0.02) for linears and
         embeddings (GPT-2's scaled std for the residual projections ``c_proj``, as
-        nanoGPT does), zero biases, unit norms."""
+        nanoGPT does; the experts' ``down_proj`` likewise), zero biases, unit norms."""
+        scaled_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            scaled = path.endswith("c_proj")
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if scaled else 0.02
+            std = scaled_std if path.endswith("c_proj") else 0.02
             nn.init.normal_(module.weight, mean=0.0, std=std)
+        if isinstance(module, TopKRouter):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, Experts):
+            nn.init.normal_(module.gate_up_proj, mean=0.0, std=0.02)
+            nn.init.normal_(module.down_proj, mean=0.0, std=scaled_std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
         if isinstance(module, nn.LayerNorm):
@@ -159,6 +205,18 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = with_mask(block, x, mask)
         return self.lm_head(self.ln_f(x))
+
+    def forward_with_aux(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         position_ids: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and the routers' load-balancing loss over every layer and every
+        real token (transformers' ``aux_loss``, without the coefficient; zero for the dense
+        GPT). One process's objective is ``lm_loss + cfg.moe_aux_coef * aux``."""
+        with router_logits(self) as logits:
+            out = self(tokens, attention_mask, position_ids)
+        aux = load_balancing_loss(logits, self.cfg.moe_experts, self.cfg.moe_top_k,
+                                  attention_mask)
+        return out, aux.to(out.device)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

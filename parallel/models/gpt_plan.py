@@ -7,6 +7,11 @@ output projection row-parallel, the attention's head count is then this rank's, 
 dropout draws on the rank's own stream; the MLP is a column-parallel ``c_fc`` and a
 row-parallel ``c_proj``; the token embedding and the head are split over the
 vocabulary (and stay tied when the model ties them).
+
+A GPT with experts (``GPTConfig(moe_experts=E)``) names them as a user's plan would: its
+fused experts (``experts``: what expert parallelism splits; ``moe_tp_experts`` under tp,
+the router replicated) and its routers with the load-balancing loss (``balance``: the
+engine computes it over the whole global batch), as HuggingFace's Mixtral derives them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch import nn
 from parallel.compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
 from parallel.compose.styles import Colwise, LocalSizes, PerRankRandom
 from parallel.models.masks import attention_mask_of, with_mask
+from parallel.moe.balance import RouterBalance
 
 
 def gpt_context(request: ContextRequest) -> dict[str, Any]:
@@ -41,6 +47,7 @@ def block_call(modules: Sequence[nn.Module], x: Any, context: dict[str, Any]) ->
 
 def gpt_plan(model: Any) -> Plan:
     """The plan of a :class:`parallel.models.GPT`."""
+    cfg = model.cfg
     return Plan(
         layers=[Layer(("embed",), embed_call), Layer(("blocks.*",), block_call), "ln_f",
                 "lm_head"],
@@ -52,11 +59,24 @@ def gpt_plan(model: Any) -> Plan:
             "blocks.*.attn": (LocalSizes(("n_head",)), PerRankRandom()),
             "blocks.*.attn.c_attn": Colwise(interleave=3),
             "blocks.*.attn.c_proj": "rowwise",
-            "blocks.*.mlp.c_fc": "colwise",
-            "blocks.*.mlp.c_proj": "rowwise",
+            **_mlp_tp(cfg),
             "lm_head": "vocab_head",
         },
-        divisible={"attention heads": model.cfg.n_head},
+        divisible={"attention heads": cfg.n_head},
         init=model.init_module,
+        experts=EXPERTS if cfg.moe_experts else None,
+        balance=(RouterBalance(ROUTERS, cfg.moe_experts, cfg.moe_top_k, cfg.moe_aux_coef)
+                 if cfg.moe_experts and cfg.moe_aux_coef else None),
         name="GPT",
     )
+
+
+EXPERTS, ROUTERS = "blocks.*.mlp.experts", "blocks.*.mlp.gate"
+
+
+def _mlp_tp(cfg: Any) -> dict[str, Any]:
+    """The MLP's tensor parallelism: Megatron-LM's pair, or the experts by their
+    intermediate units, the router replicated."""
+    if cfg.moe_experts:
+        return {EXPERTS: "moe_tp_experts", ROUTERS: "replicated"}
+    return {"blocks.*.mlp.c_fc": "colwise", "blocks.*.mlp.c_proj": "rowwise"}

@@ -20,6 +20,7 @@ from parallel.train.config import TrainConfig
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")  # "step_000010.partial" (an unfinished save) is not
 _MODEL_KEYS = ("model", "n_layer", "n_head", "n_embd", "block_size", "tie_embeddings")
+_EXPERT_KEYS = ("moe_experts", "moe_top_k", "moe_aux_coef")  # recorded where there are experts
 _SCHEDULE_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
 
 
@@ -37,8 +38,14 @@ def latest(ckpt_dir: str) -> Path | None:
 
 def extra_of(cfg: TrainConfig, step: int) -> dict[str, Any]:
     return {"step": step, "seed": cfg.seed, "layout": [cfg.dp, cfg.tp, cfg.pp],
-            "model": {k: getattr(cfg, k) for k in _MODEL_KEYS},
+            "model": _model_of(cfg),
             "schedule": {k: getattr(cfg, k) for k in _SCHEDULE_KEYS}}
+
+
+def _model_of(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings a resumed run's model must share (a dense model's as they always were)."""
+    keys = _MODEL_KEYS + (_EXPERT_KEYS if cfg.moe_experts else ())
+    return {k: getattr(cfg, k) for k in keys}
 
 
 def schedule_changes(saved: dict[str, Any], cfg: TrainConfig, step: int) -> str:
@@ -68,7 +75,7 @@ def resume(engine: Any, cfg: TrainConfig) -> tuple[int, Path, str]:
         raise ValueError(f"train: --resume, but {cfg.ckpt_dir} holds no complete "
                          "checkpoint (step_<N> folder)")
     extra = engine.load(path)
-    model = {k: getattr(cfg, k) for k in _MODEL_KEYS}
+    model = _model_of(cfg)
     if extra.get("model") != model or extra.get("seed") != cfg.seed:
         raise ValueError(f"train: {path} was trained with model {extra.get('model')} and "
                          f"seed {extra.get('seed')}; this run has {model} and seed "

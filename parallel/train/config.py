@@ -50,6 +50,11 @@ class TrainConfig:
     init: str = _opt("model", "full", "full: every rank builds the whole model; meta: on "
                      "the meta device, each rank materializes only what it holds",
                      ("full", "meta"))
+    moe_experts: int = _opt("model", 0, "--model gpt: every block's MLP a mixture of this "
+                            "many experts (Mixtral's sparse block; 0: dense)")
+    moe_top_k: int = _opt("model", 2, "with --moe-experts: the experts each token is routed to")
+    moe_aux_coef: float = _opt("model", 0.01, "with --moe-experts: the load-balancing loss's "
+                               "weight (0: none)")
     # [data]
     data: str = _opt("data", "", "a text file or a folder of them (default: the Python "
                      "standard library's .py sources)")
@@ -175,6 +180,7 @@ class TrainConfig:
         if self.bucket_mb <= 0:
             raise ValueError(f"train: bucket_mb must be > 0, got {self.bucket_mb}")
         _check_data(self)
+        _check_experts(self)
         for name in ("memory_gb", "plan_other_load", "log_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train: {name} must be >= 0, got {getattr(self, name)}")
@@ -198,6 +204,41 @@ def _check_data(cfg: TrainConfig) -> None:
     if cfg.tokenizer and cfg.plan == "auto":
         raise ValueError("train: --plan auto sizes byte-level models (vocabulary 256); with "
                          "--tokenizer give the layout (--dp, --tp, --pp) yourself")
+
+
+def _check_experts(cfg: TrainConfig) -> None:
+    """--moe-experts gives the project's GPT its experts; the other flags are its."""
+    if not cfg.moe_experts:
+        changed = [f"--{name.replace('_', '-')}" for name in ("moe_top_k", "moe_aux_coef")
+                   if getattr(cfg, name) != _fields()[name].default]
+        if changed:
+            raise ValueError(f"train: {', '.join(changed)} given without --moe-experts (the "
+                             "experts' settings)")
+        if cfg.ep > 1 and cfg.model == "gpt" and not cfg.from_pretrained:
+            raise ValueError(f"train: --ep {cfg.ep} splits a mixture of experts, and the GPT "
+                             "has none without --moe-experts E")
+        return
+    if cfg.model != "gpt" or cfg.from_pretrained:
+        raise ValueError(f"train: --moe-experts gives the project's GPT (--model gpt) its "
+                         f"experts, not --model {cfg.model}"
+                         f"{' --from-pretrained' if cfg.from_pretrained else ''}; a "
+                         "HuggingFace mixture of experts comes from its config: --model "
+                         "hf:CONFIG.json (e.g. examples/mixtral-tiny.json)")
+    if cfg.moe_aux_coef and cfg.effective_microbatches() > 1 and cfg.schedule != "gpipe":
+        raise ValueError(f"train: the experts' load-balancing loss counts the routing of the "
+                         f"whole batch, and with {cfg.effective_microbatches()} micro-batches "
+                         f"the {cfg.schedule} schedule starts a backward before the last "
+                         "forward; give --schedule gpipe (or --moe-aux-coef 0)")
+    if cfg.plan == "auto":
+        raise ValueError("train: --plan auto models a dense GPT's memory and time; with "
+                         "--moe-experts give the layout (--dp, --ep, --tp, --pp) yourself")
+    from parallel.models.gpt import GPTConfig
+
+    try:
+        GPTConfig(n_head=cfg.n_head, n_embd=cfg.n_embd, moe_experts=cfg.moe_experts,
+                  moe_top_k=cfg.moe_top_k, moe_aux_coef=cfg.moe_aux_coef)
+    except ValueError as err:
+        raise ValueError(f"train: {err}") from None
 
 
 def _check_choices(cfg: TrainConfig) -> None:

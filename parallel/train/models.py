@@ -53,6 +53,16 @@ def hf_config(cfg: Any, vocab: int = VOCAB) -> Any:
         attention_dropout=cfg.dropout, tie_word_embeddings=cfg.tie_embeddings)
 
 
+def gpt_config(cfg: Any, vocab: int = VOCAB) -> GPTConfig:
+    """The project GPT's config for ``cfg``, with its experts where ``--moe-experts``."""
+    return GPTConfig(vocab_size=vocab, block_size=cfg.block_size, n_layer=cfg.n_layer,
+                     n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout,
+                     tie_embeddings=cfg.tie_embeddings,
+                     moe_experts=getattr(cfg, "moe_experts", 0),
+                     moe_top_k=getattr(cfg, "moe_top_k", 2),
+                     moe_aux_coef=getattr(cfg, "moe_aux_coef", 0.01))
+
+
 def build_model(cfg: Any, vocab: int = VOCAB) -> nn.Module:
     """The model of ``cfg`` for ``vocab`` token ids (built from ``cfg.seed``; on the meta
     device with ``--init meta``: each rank then materializes only what it holds)."""
@@ -62,9 +72,7 @@ def build_model(cfg: Any, vocab: int = VOCAB) -> nn.Module:
     device = torch.device("meta") if meta else torch.device("cpu")
     with device:
         if cfg.model == "gpt" and not pretrained:
-            return GPT(GPTConfig(vocab_size=vocab, block_size=cfg.block_size,
-                                 n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                                 dropout=cfg.dropout, tie_embeddings=cfg.tie_embeddings))
+            return GPT(gpt_config(cfg, vocab))
         config = hf_config(cfg, vocab)
         config._attn_implementation = "sdpa"
         return _transformers().AutoModelForCausalLM.from_config(config)
@@ -77,4 +85,7 @@ def describe_model(cfg: Any, model: nn.Module, vocab: int = VOCAB) -> str:
     shape = (f"pretrained {pretrained}" if pretrained else cfg.model if
              cfg.model.startswith("hf:") else
              f"n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd}")
+    experts = getattr(cfg, "moe_experts", 0) if name == "GPT" else 0
+    if experts:
+        shape += f", {experts} experts top-{cfg.moe_top_k} (aux coef {cfg.moe_aux_coef})"
     return f"{name} ({shape}, block_size={cfg.block_size}, {_data(cfg, vocab)})"
