@@ -21,8 +21,10 @@ def wants_mpi(backends: list[str]) -> bool:
     return any(b.split("#")[0] == "mpi" for b in backends)
 
 
-def launch(argv: list[str], args: argparse.Namespace, worker: Worker) -> None:
-    """Run ``worker(rank, world, args)`` on every rank, starting the ranks if need be."""
+def launch(argv: list[str], args: argparse.Namespace, worker: Worker,
+           module: str = "bench.collectives") -> None:
+    """Run ``worker(rank, world, args)`` on every rank, starting the ranks if need be
+    (under mpirun: ``python -m module argv``)."""
     if (mpi_world := _mpi.world_from_env()) is not None:
         _mpi.ensure_rendezvous()
         worker(*mpi_world, args)
@@ -30,7 +32,7 @@ def launch(argv: list[str], args: argparse.Namespace, worker: Worker) -> None:
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     elif wants_mpi(args.backends) and not _mpi.missing():
         # The children parse the same argv, so they resolve the same backends.
-        rc = _mpi.reexec(argv, args.nproc, args.mpirun_args)
+        rc = _mpi.reexec(argv, args.nproc, args.mpirun_args, module)
         if rc:
             raise SystemExit(rc)
     else:

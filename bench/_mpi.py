@@ -67,7 +67,7 @@ def ensure_rendezvous() -> None:
                        "MASTER_PORT": str(port)})
 
 
-def reexec(argv: list[str], nproc: int, extra: str) -> int:
+def reexec(argv: list[str], nproc: int, extra: str, module: str = "bench.collectives") -> int:
     """Run this benchmark again under mpirun with ``nproc`` ranks; its exit status.
 
     ``--oversubscribe`` lets more ranks than cores start (Open MPI then makes idle
@@ -81,7 +81,7 @@ def reexec(argv: list[str], nproc: int, extra: str) -> int:
         for name in sorted(env):
             if name in FORWARD or name.startswith("PYCOMM_"):
                 cmd += ["-x", name]
-        cmd += [sys.executable, "-m", "bench.collectives", *argv]
+        cmd += [sys.executable, "-m", module, *argv]
         print("# re-executing under mpirun: " + shlex.join(cmd), file=sys.stderr, flush=True)
         return subprocess.run(cmd, env=env, check=False).returncode
 
