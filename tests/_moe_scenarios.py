@@ -74,18 +74,22 @@ def _forward(model: nn.Module, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 def layouts() -> dict[str, tuple[int, int, int, int, dict[str, Any]]]:
     """name -> (dp, tp, pp, ep, config): the composition matrix, under GPipe's schedule
-    where there are micro-batches (ZeRO left out where the experts are split by ep), and
-    expert parallelism over the data-parallel ranks."""
+    where there are micro-batches, and expert parallelism over the data-parallel ranks
+    (with ZeRO 1-2 beside it; stage 3 is left out where the experts are split by ep)."""
     out = {}
     for name, (dp, tp, pp, config) in rb.LAYOUTS.items():
         config = {k: v for k, v in config.items() if k != "sequence_parallel"}
         if config.get("microbatches", 1) > 1:
             config["schedule"] = "gpipe"
         out[name.replace("+SP", "")] = (dp, tp, pp, 1, config)
-        ep_layout = (dp, tp, pp, 2, {k: v for k, v in config.items() if k != "zero"})
+        ep_layout = (dp, tp, pp, 2, {k: v for k, v in config.items()
+                                     if k != "zero" or v != 3})
         if dp > 1 and ep_layout not in out.values():
             out[f"{name.replace('+SP', '')} ep2"] = ep_layout
+    out["dp2 ep2 zero1"] = (2, 1, 1, 2, {"zero": 1})
     out["ep4"] = (4, 1, 1, 4, {})
+    out["ep4 zero2"] = (4, 1, 1, 4, {"zero": 2})
+    out["dp4 ep2 zero1"] = (4, 1, 1, 2, {"zero": 1})  # experts replicated over edp = 2
     return out
 
 
@@ -136,3 +140,33 @@ def refusal(shape: dict[str, int], config: dict[str, Any]) -> str:
     finally:
         mesh.destroy()
     return ""
+
+
+def save_and_resume(saver: str, loader: str, path: str, name: str, steps: int = 3,
+                    saved_at: int = 1) -> tuple[list[float], list[float]]:
+    """``name`` trained ``steps`` steps in layout ``saver`` (saving after ``saved_at``),
+    and the steps after it resumed in ``loader`` (another ep, ZeRO stage or tp)."""
+    from parallel.compose.mesh import ParallelMesh
+    from parallel.compose.parallelize import ParallelConfig, parallelize
+
+    def engine_in(layout: str) -> tuple[Any, Any]:
+        dp, tp, pp, ep, config = layouts()[layout]
+        mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
+        return parallelize(build(name), mesh, ParallelConfig(
+            max_grad_norm=rb.CLIP, weight_decay=rb.DECAY, optimizer_kwargs={"lr": rb.LR},
+            **config)), mesh
+
+    def run(engine: Any, first: int, end: int) -> list[float]:
+        return [engine.train_step((b := rb.batch("ignored", s)).tokens, b.targets,
+                                  **b.inputs()).loss for s in range(first, end)]
+
+    engine, mesh = engine_in(saver)
+    whole = run(engine, 0, saved_at)
+    engine.save(path, {"step": saved_at})
+    whole += run(engine, saved_at, steps)
+    mesh.destroy()
+    engine, mesh = engine_in(loader)
+    start = engine.load(path)["step"]
+    resumed = run(engine, start, steps)
+    mesh.destroy()
+    return whole[start:], resumed

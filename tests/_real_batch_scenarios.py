@@ -177,3 +177,28 @@ def worst_relative(got: list[tuple[float, float]], want: list[tuple[float, float
     loss = max(abs(g[0] / w[0] - 1) for g, w in zip(got, want, strict=True))
     norm = max(abs(g[1] / w[1] - 1) for g, w in zip(got, want, strict=True))
     return loss, norm
+
+
+def bad_targets_refused(layout: str) -> list[str]:
+    """The messages of steps whose targets the loss cannot take (a class past the
+    vocabulary, a negative one that is not ignore_index, float targets), then the loss
+    of a good step in the same engine (the refusals leave it usable)."""
+    from parallel.compose.mesh import ParallelMesh
+    from parallel.compose.parallelize import ParallelConfig, parallelize
+
+    dp, tp, pp, config = LAYOUTS[layout]
+    mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)
+    engine = parallelize(build("gpt"), mesh, ParallelConfig(**config))
+    b = batch("ignored", 0)
+    past, negative = b.targets.clone(), b.targets.clone()
+    past[1, 3], negative[2, 5] = VOCAB, -5
+    out = []
+    for targets in (past, negative, b.targets.float()):
+        try:
+            engine.train_step(b.tokens, targets)
+            out.append("no error")
+        except ValueError as err:
+            out.append(str(err))
+    out.append(f"{engine.train_step(b.tokens, b.targets).loss:.3f}")
+    mesh.destroy()
+    return out

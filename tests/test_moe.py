@@ -43,6 +43,31 @@ def test_micro_batches_under_1f1b_are_refused_with_a_load_balancing_loss():
             assert "load-balancing loss" in message and "gpipe" in message, message
 
 
+def test_zero3_with_expert_parallelism_is_refused_by_name():
+    with RankPool(2, backend="pycomm", pg_timeout_s=60) as pool:
+        for message in pool.run(sc.refusal, {"dp": 2, "ep": 2}, {"zero": 3}):
+            assert "ZeRO-3 with expert parallelism" in message and "zero=1 or 2" in message
+
+
+# (saver, loader): experts split by ep saved, read whole or by another ep, ZeRO or tp
+RESHARDS = [("dp2 ep2 zero1", "dp2"), ("dp2", "dp2 ep2"), ("dp2 ep2", "tp2"),
+            ("ep4", "dp4 ep2 zero1"), ("dp4 ep2 zero1", "ep4 zero2")]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_checkpoints_reshard_experts_across_ep_zero_and_tp(tmp_path, world):
+    """Saved with the experts split one way, resumed split another: the resumed steps'
+    losses equal the uninterrupted run's."""
+    pairs = [(a, b) for a, b in RESHARDS if sc.world_of(a) == world]
+    with RankPool(world, backend="pycomm", pg_timeout_s=120) as pool:
+        for i, (saver, loader) in enumerate(pairs):
+            model = sc.MODELS[i % len(sc.MODELS)]
+            whole, resumed = pool.run(sc.save_and_resume, saver, loader,
+                                      str(tmp_path / f"pair{i}"), model)[0]
+            for got, want in zip(resumed, whole, strict=True):
+                assert abs(got / want - 1) < REL, (saver, loader, model, got, want)
+
+
 def test_the_trainer_trains_a_mixtral_with_expert_parallelism(tmp_path):
     """The README's command, shortened: a Mixtral-shaped model from a config file, dp2 with
     ep2, its load-balancing loss in every step's record."""

@@ -54,3 +54,9 @@ def test_every_layout_trains_real_batches_as_one_process(references, world):
         want = {(model, case): sc.one_process(model, case, STEPS, dtype="float64")}
         for rank_result in pool.run(sc.layout_pairs, layout, [(model, case)], STEPS, "float64"):
             _check(rank_result, want, f"{layout} float64", REL_FP64)
+        if world == 2:  # the vocab-parallel loss: a bad target refused on every rank
+            for msgs in pool.run(sc.bad_targets_refused, "tp2"):
+                assert f"target {sc.VOCAB} at (1, 3) is outside [0, {sc.VOCAB})" in msgs[0]
+                assert "target -5 at (2, 5)" in msgs[1] and "ignore_index -100" in msgs[1]
+                assert "targets of dtype torch.float32" in msgs[2], msgs
+                assert 3.0 < float(msgs[3]) < 6.0, msgs

@@ -113,10 +113,11 @@ class ParallelConfig:
         if not self.reduce_dtype.is_floating_point:
             raise ValueError(f"parallelize: reduce_dtype must be a floating dtype, got "
                              f"{self.reduce_dtype}")
-        if mesh.size("ep") > 1 and self.zero:
-            raise ValueError(f"parallelize: ZeRO (zero={self.zero}) with expert parallelism "
-                             f"(ep={mesh.size('ep')}) is not supported yet: the experts' "
-                             "state would have to be sharded over their own group; use zero=0")
+        if mesh.size("ep") > 1 and self.zero == 3:
+            raise ValueError(f"parallelize: ZeRO-3 with expert parallelism (ep={mesh.size('ep')})"
+                             " is not supported yet: stage 3 would gather the experts over dp, "
+                             "which holds different experts per ep rank; use zero=1 or 2 (the "
+                             "experts beside ZeRO, stepped over their own group) or zero=0")
         self._check_offload(mesh)
 
     def _check_offload(self, mesh: ParallelMesh) -> None:

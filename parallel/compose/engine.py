@@ -11,12 +11,13 @@ from torch import nn
 
 from parallel.compose import checkpoint
 from parallel.compose import stage as build
-from parallel.compose.apply_ep import expert_parallel
+from parallel.compose.apply_ep import expert_parallel, is_expert
 from parallel.compose.apply_tp import partial_grad_params
 from parallel.compose.batch import check_targets, model_inputs, vocab_of
 from parallel.compose.batch_layers import batchnorm_over_batch, routing_stats
 from parallel.compose.compiled import compile_blocks
 from parallel.compose.config import ParallelConfig, StepResult
+from parallel.compose.expert_side import ExpertsBeside
 from parallel.compose.finalize import GradPhases, clip_grad_norm_, finalize_grads
 from parallel.compose.generate import Sampling, generate
 from parallel.compose.loss import StepLoss, not_ignored
@@ -127,8 +128,13 @@ class ParallelModel:
             self.dp: Any = PlainDataParallel(params, self.mesh, config, self.compute, self._copies)
         else:
             units, keep = zero3_units(self.plan, stage, self.ties, self.names)
+            experts = {n for n, p in self.stage.named_parameters() if is_expert(p)}
             self.dp = ZeroPlan(self.stage, self.mesh, config, self.compute, self._copies,
-                               units, keep, self.names.materialize_by_stage_name)
+                               units, keep, self.names.materialize_by_stage_name, experts)
+            if experts:
+                beside = [p for p in self.stage.parameters() if is_expert(p)]
+                self.dp = ExpertsBeside(self.dp, PlainDataParallel(
+                    beside, self.mesh, config, self.compute, self._copies))
         self.names.refresh(self.stage)
         self.params: list[nn.Parameter] = list(self.dp.params)
         tied = self.ties.mine(self.names.by_id(), self.params)

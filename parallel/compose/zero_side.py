@@ -35,9 +35,11 @@ from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD
 Piece = tuple[nn.Parameter, torch.Size, int, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]
 
 
-def _groups_by_name(stage: nn.Module, weight_decay: float) -> list[tuple[list[str], float]]:
-    """Matrices decay, vectors do not (by name: stage 3 empties the parameters)."""
-    named = list(stage.named_parameters())
+def _groups_by_name(stage: nn.Module, weight_decay: float, exclude: set[str]
+                    ) -> list[tuple[list[str], float]]:
+    """Matrices decay, vectors do not (by name: stage 3 empties the parameters);
+    ``exclude`` (names) are left to another optimizer."""
+    named = [(n, p) for n, p in stage.named_parameters() if n not in exclude]
     decay = [n for n, p in named if p.dim() >= 2 and p.requires_grad]
     rest = [n for n, p in named if p.dim() < 2 and p.requires_grad]
     return [(decay, weight_decay), (rest, 0.0)]
@@ -53,16 +55,19 @@ class ZeroPlan:
         copies: ``copies(p)``: ranks of one replica holding the same gradient.
         unit_modules: stage 3's gather units; ``never_persistent`` names kept in them.
         materialize: for a meta-device model, gives named parameters their weights.
+        exclude: names of parameters ZeRO leaves alone (stages 1-2: the experts beside
+            it, :mod:`parallel.compose.expert_side`).
     """
 
     def __init__(self, stage_module: nn.Module, mesh: ParallelMesh, config: Any,
                  compute: torch.dtype, copies: Callable[[nn.Parameter], int],
                  unit_modules: list[nn.Module] | None = None,
                  never_persistent: tuple[str, ...] = (),
-                 materialize: Callable[[list[str]], None] | None = None):
+                 materialize: Callable[[list[str]], None] | None = None,
+                 exclude: set[str] | None = None):
         self.mesh, self.zero, self.copies = mesh, config.zero, copies
         group = mesh.group("dp")
-        by_name = _groups_by_name(stage_module, config.weight_decay)
+        by_name = _groups_by_name(stage_module, config.weight_decay, exclude or set())
         self.offload = None
         if config.zero == 3:
             offload = None if config.offload == "none" else OffloadConfig(

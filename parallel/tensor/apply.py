@@ -40,6 +40,12 @@ def _check_gpt_like(model: nn.Module) -> None:
         raise TypeError(f"apply_tensor_parallel: expected the reference GPT (embed.wte, "
                         f"blocks[i].attn / .mlp, lm_head); {type(model).__name__} lacks "
                         f"{missing or ['embed.wte']}")
+    experts = [i for i, b in enumerate(getattr(model, "blocks"))  # noqa: B009
+               if not hasattr(getattr(b, "mlp", None), "c_fc")]
+    if experts:
+        raise TypeError(f"apply_tensor_parallel: the MLP of block {experts[0]} has no c_fc/"
+                        "c_proj (a mixture of experts?); this path splits the dense GPT only. "
+                        "parallelize() splits experts (moe_tp_experts, or ParallelMesh(ep=))")
 
 
 def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: bool = False,
