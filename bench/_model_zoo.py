@@ -26,6 +26,13 @@ ROWS = 8
 HF = ("llama", "qwen2", "mistral", "gpt2")
 LM = ("gpt", *HF, "myblock")
 ALL = (*LM, "mlp")
+# Not in ALL (the tests' zoo), for ``--models phi3,olmo2,cohere,granite``: families whose
+# fused projections the model slices itself (rowwise_split_input; OLMo-2's norms over the
+# gathered Q and K), or that scale embeddings or logits outside their modules (hf_scales).
+EXTRA_HF: dict[str, dict[str, Any]] = {
+    "phi3": {"pad_token_id": 0}, "olmo2": {"pad_token_id": 0},
+    "cohere": {"pad_token_id": 0, "logit_scale": 0.25},
+    "granite": {"pad_token_id": 0, "embedding_multiplier": 4.0, "logits_scaling": 2.0}}
 
 
 @dataclass(frozen=True)
@@ -57,8 +64,12 @@ def _hf(name: str, size: Size) -> nn.Module:
         return tf.GPT2LMHeadModel(config)
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-           "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[name]
-    config = cls[0](**common)
+           "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+           "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+           "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
+           "cohere": (tf.CohereConfig, tf.CohereForCausalLM),
+           "granite": (tf.GraniteConfig, tf.GraniteForCausalLM)}[name]
+    config = cls[0](**common, **EXTRA_HF.get(name, {}))
     config._attn_implementation = "sdpa"
     return cls[1](config)
 
@@ -126,7 +137,7 @@ def _mlp() -> nn.Module:
 def build(name: str, seed: int = 0, size: Size = TINY) -> nn.Module:
     """Model ``name`` with the weights of ``seed``."""
     torch.manual_seed(seed)
-    if name in HF:
+    if name in HF or name in EXTRA_HF:
         return _hf(name, size)
     if name == "mlp":
         return _mlp()

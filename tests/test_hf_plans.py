@@ -36,26 +36,25 @@ REPRODUCED = [
     "afmoe", "axk1", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flint",
     "glm4_moe", "hy_v3", "kolibri1", "laguna", "mellum", "mixtral", "qwen2_moe", "qwen3_moe",
     "sarvam_mla", "sarvam_moe", "solar_open",
+    # a gathered fused projection the model slices itself, then rowwise_split_input
+    "flex_olmo", "glm", "glm4", "minimax_m2", "minimax_m3_vl_text", "olmo2", "olmo3", "phi3",
+    # logits or embeddings scaled outside the modules the pp plan names (hf_scales)
+    "cohere", "cohere2", "cohere2_moe",
 ]
 FUSED_PARAM = "names a parameter of a fused module"  # a tp style on a tensor, not a module
 REFUSED = {
     "beam": FUSED_PARAM, "mimo_v2_flash": FUSED_PARAM,
     "doge": "'embedding_rowwise' is not one this project implements",
     "aria_text": "'packed_rowwise' is not one this project implements",
-    "flex_olmo": "'rowwise_split_input'", "glm": "'rowwise_split_input'",
-    "glm4": "'rowwise_split_input'", "minimax_m2": "'rowwise_split_input'",
-    "minimax_m3_vl_text": "'rowwise_split_input'", "olmo2": "'rowwise_split_input'",
-    "olmo3": "'rowwise_split_input'", "phi3": "'rowwise_split_input'",
     "deepseek_v2": "'mla_kv_a_proj'", "glm4_moe_lite": "'mla_kv_a_proj'",
     "longcat_flash": "'mla_kv_a_proj'",
+    "minicpm3": "'mla_kv_a_proj'",  # (its scaled head input is applied: hf_scales)
     "axk2": "indexed_attention", "deepseek_v32": "indexed_attention",
     "glm_moe_dsa": "indexed_attention",
     "bailing_hybrid": "linear_attention", "kimi_linear": "linear_attention",
     "lara_mini": "linear_attention", "minimax": "linear_attention",
     "olmo_hybrid": "linear_attention", "qwen3_5_moe_text": "linear_attention",
     "qwen3_5_text": "linear_attention", "qwen3_next": "linear_attention",
-    "cohere": "logit_scale", "cohere2": "logit_scale", "cohere2_moe": "logit_scale",
-    "minicpm3": "logits_scaling",
     "deepseek_v4": "'hc_head'", "hy_v4": "'hc_head'", "granite_swa": "'rotary_embs'",
     # (phi4_multimodal, refused for 'embed_tokens_extend', takes 19 s to build)
     "hrm_text": "does not name modules", "inkling_text": "_tp_plan",
@@ -92,6 +91,18 @@ def test_a_family_the_derivation_cannot_handle_is_refused(model_type, why):
     pattern = rf"{type(model).__name__} cannot be derived: .*{re.escape(why)}.*plan="
     with pytest.raises(ValueError, match=pattern):
         hf_causal_lm_plan(model)
+
+
+@pytest.mark.parametrize(("model_type", "overrides"), [
+    ("granite", {"embedding_multiplier": 12.0, "logits_scaling": 8.0}),
+    ("cohere", {"logit_scale": 0.25}), ("cohere2", {"logit_scale": 2.0}),
+])
+def test_families_scaling_outside_their_modules_are_reproduced(model_type, overrides):
+    """Granite's embedding and logit multipliers and Cohere's logit scale, at values
+    other than the tiny config's."""
+    model = _build(model_type, **overrides)
+    assert all(getattr(model.config, k) == v for k, v in overrides.items())
+    _assert_reproduces(model, hf_causal_lm_plan(model))
 
 
 def test_llama_with_eager_attention():
@@ -149,7 +160,7 @@ def test_no_per_rank_random_where_attention_draws_on_whole_activations(model_typ
 
 
 @pytest.mark.parametrize(("model_type", "overrides", "why"), [
-    ("granite", {"embedding_multiplier": 2.0}, "embedding_multiplier = 2.0"),
+    ("hyperclovax", {"embedding_multiplier": 2.0}, "embedding_multiplier = 2.0"),
     ("starcoder2", {"embedding_dropout": 0.1}, "embedding_dropout = 0.1"),
 ])
 def test_a_forward_step_outside_the_layers_is_refused(model_type, overrides, why):
@@ -213,7 +224,7 @@ def pool2():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen3", "gpt_neox", "mistral", "gemma",
-                                        "mixtral", "qwen3_moe", "qwen2_moe"])
+                                        "mixtral", "qwen3_moe", "qwen2_moe", "phi3", "olmo2"])
 def test_tp_styles_of_the_plan_give_the_one_process_logits(pool2, model_type):
     """tp = 2 over the world group, styles applied by hand, logits gathered by the head."""
     if model_type != "gpt2":

@@ -87,14 +87,19 @@ class Colwise(Style):
 @dataclass(frozen=True)
 class Rowwise(Style):
     """Row parallel: this rank's input features; the partial outputs are summed
-    (reduce-scattered along the sequence inside a sequence-parallel region)."""
+    (reduce-scattered along the sequence inside a sequence-parallel region).
+    ``split_input``: the input arrives whole on every rank (after a gathered column-
+    parallel layer whose output the model slices itself, as Phi-3's fused QKV and
+    gate-up are) and each rank takes its features of it; backward gathers them."""
 
     transposed: bool = False
+    split_input: bool = False
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         _linear_like(module, ctx, self.transposed, "rowwise")
         return RowParallelLinear.from_dense(module, ctx.group, transposed=self.transposed,
-                                            sequence_parallel=ctx.sequence_parallel)
+                                            sequence_parallel=ctx.sequence_parallel,
+                                            input_is_parallel=not self.split_input)
 
 
 def _embed_scale(module: nn.Module) -> torch.Tensor | None:
@@ -291,6 +296,7 @@ _NAMED: dict[str, Style] = {
     "colwise_rep": Colwise(gather_output=True),
     "colwise_gather_output": Colwise(gather_output=True),
     "rowwise_rep": Rowwise(),
+    "rowwise_split_input": Rowwise(split_input=True),
     "packed_colwise": Colwise(interleave=2),
     "vocab_embedding": VocabEmbedding(),
     "embedding": VocabEmbedding(),

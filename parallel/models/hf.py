@@ -51,6 +51,7 @@ from torch import nn
 from parallel._optional import require
 from parallel.compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan, matching
 from parallel.compose.styles import style_of
+from parallel.models.hf_scales import ScaledSequence, applied_here, factor, scaled
 from parallel.moe.balance import RouterBalance
 
 # transformers' mask builders by layer type (``config.layer_types``).
@@ -145,6 +146,8 @@ def _check_head(model: nn.Module, prefix: str) -> None:
 def _check_outside_steps(model: nn.Module, base: nn.Module) -> None:
     """Refuses a family whose forward scales or drops out what the plan passes along."""
     for name, neutral in _OUTSIDE_STEPS.items():
+        if name in applied_here(model):
+            continue  # the plan applies it (hf_scales)
         for owner in (model.config, base):
             value = getattr(owner, name, None)
             if value not in neutral:
@@ -354,7 +357,34 @@ def _tp(model: nn.Module, prefix: str, layout: _Layout) -> dict[str, Any]:
             tp[path] = checked
     tp[embed] = "vocab_embedding"
     tp["lm_head"] = "vocab_head"
-    return {**tp, **_per_rank_random(model, tp, layout.blocks)}
+    return {**tp, **_beside_whole(model, tp), **_per_rank_random(model, tp, layout.blocks)}
+
+
+# Styles after which a module's activations are whole on every rank: a gathered column
+# split, and a row split that takes its part of a whole input itself.
+_WHOLE = ("colwise_gather_output", "colwise_rep", "rowwise_split_input")
+
+
+def _beside_whole(model: nn.Module, tp: dict[str, Any]) -> dict[str, Any]:
+    """``replicated`` for the unstyled modules with weights beside split projections
+    whose activations are all whole (OLMo-2's q_norm and k_norm, over the gathered
+    Q and K): each rank computes them on the same values, as one process does."""
+    parents: dict[str, set[Any]] = {}
+    for pattern, style in tp.items():
+        parents.setdefault(pattern.rpartition(".")[0], set()).add(style)
+    out: dict[str, Any] = {}
+    for parent, styles in parents.items():
+        if not parent or not styles <= set(_WHOLE):
+            continue
+        try:
+            module = model.get_submodule(parent.replace("*", "0"))
+        except AttributeError:
+            continue
+        for name, child in module.named_children():
+            pattern = f"{parent}.{name}"
+            if pattern not in tp and any(True for _ in child.parameters(recurse=False)):
+                out[pattern] = "replicated"
+    return out
 
 
 def _experts(model: nn.Module, prefix: str) -> str | None:
@@ -416,8 +446,11 @@ def hf_causal_lm_plan(model: nn.Module) -> Plan:
     per_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
     decoders = [Layer((f"{layout.blocks}.{i}",), DecoderCall(t, per_type))
                 for i, t in enumerate(types)]
-    head = Layer(("lm_head",), HeadCall(getattr(config, "final_logit_softcapping", None)))
-    return Plan(layers=[Layer(layout.before), *decoders, Layer(layout.after), head],
+    head = Layer(("lm_head",), scaled(
+        HeadCall(getattr(config, "final_logit_softcapping", None)), factor(model, "logits")))
+    embed_by = factor(model, "embed")
+    before = Layer(layout.before, ScaledSequence(embed_by) if embed_by is not None else None)
+    return Plan(layers=[before, *decoders, Layer(layout.after), head],
                 blocks=f"{layout.blocks}.*", tp=_tp(model, prefix, layout),
                 context=_Context(config, rotary, tuple(types)), output=logits_of,
                 divisible=_divisible(config), init=hf_init(model), inputs=MODEL_INPUTS,
