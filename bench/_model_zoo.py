@@ -26,13 +26,17 @@ ROWS = 8
 HF = ("llama", "qwen2", "mistral", "gpt2")
 LM = ("gpt", *HF, "myblock")
 ALL = (*LM, "mlp")
-# Not in ALL (the tests' zoo), for ``--models phi3,olmo2,cohere,granite``: families whose
+# Not in ALL (the tests' zoo), for ``--models phi3,olmo2,cohere,granite,minicpm3``: families whose
 # fused projections the model slices itself (rowwise_split_input; OLMo-2's norms over the
 # gathered Q and K), or that scale embeddings or logits outside their modules (hf_scales).
 EXTRA_HF: dict[str, dict[str, Any]] = {
     "phi3": {"pad_token_id": 0}, "olmo2": {"pad_token_id": 0},
     "cohere": {"pad_token_id": 0, "logit_scale": 0.25},
-    "granite": {"pad_token_id": 0, "embedding_multiplier": 4.0, "logits_scaling": 2.0}}
+    "granite": {"pad_token_id": 0, "embedding_multiplier": 4.0, "logits_scaling": 2.0},
+    # multi-head latent attention (mla_kv_a_proj): the rotary key's gradient summed over tp
+    "minicpm3": {"pad_token_id": 0, "qk_rope_head_dim": 4,
+                 "qk_nope_head_dim": 4, "v_head_dim": 8, "q_lora_rank": 16, "kv_lora_rank": 8,
+                 "num_key_value_heads": 4}}
 
 
 @dataclass(frozen=True)
@@ -68,8 +72,9 @@ def _hf(name: str, size: Size) -> nn.Module:
            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
            "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
            "cohere": (tf.CohereConfig, tf.CohereForCausalLM),
-           "granite": (tf.GraniteConfig, tf.GraniteForCausalLM)}[name]
-    config = cls[0](**common, **EXTRA_HF.get(name, {}))
+           "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
+           "minicpm3": (tf.MiniCPM3Config, tf.MiniCPM3ForCausalLM)}[name]
+    config = cls[0](**{**common, **EXTRA_HF.get(name, {})})
     config._attn_implementation = "sdpa"
     return cls[1](config)
 

@@ -28,6 +28,7 @@ EXTRA: dict[str, dict[str, Any]] = {
     "youtu": {"head_dim": None},  # MLA: the head size comes from the rope/nope dims
     "deepseek_v3": {"head_dim": None},
     "axk1": {"head_dim": None},
+    "glm4_moe_lite": {"head_dim": None, "num_key_value_heads": 4},  # MLA: kv heads = heads
     # the families below have no sdpa path
     "gemma2": {"attn_implementation": "eager"},
     "vaultgemma": {"attn_implementation": "eager"},

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallel.tensor import comms
 from parallel.tensor.parallel_linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -163,6 +164,34 @@ class PartialGrad(Style):
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
         for p in module.parameters():
             p.tp_partial_grad = True  # type: ignore[attr-defined]
+        return module
+
+
+@dataclass(frozen=True)
+class MlaKvAProj(Style):
+    """Multi-head latent attention's joint KV down-projection (DeepSeek-V2's
+    ``kv_a_proj_with_mqa``), whole on every rank. Its output is the compressed KV, which
+    goes through a norm to the column-split ``kv_b_proj`` (whose backward sums the
+    input's gradient over the ranks), and the last ``rope_dim`` features, one rotary key
+    shared by every head, which go straight to attention: each rank's heads give only
+    their part of that gradient, so it is summed over ``tp`` in backward (HF's
+    ``mla_kv_a_proj``). The weight's gradient is then whole on every rank."""
+
+    rope_dim: int
+    changes_module = False
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        if ctx.sequence_parallel:
+            raise ValueError(f"tensor parallel: {ctx.path} (mla_kv_a_proj) runs whole on "
+                             "whole activations; sequence parallelism would give it this "
+                             "rank's part of the sequence: use sequence_parallel=False")
+        rope, group = self.rope_dim, ctx.group
+
+        def sum_rope_grad(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+            compressed, shared_key = out.split([out.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([compressed, comms.copy_to_tp_region(shared_key, group)], dim=-1)
+
+        module.register_forward_hook(sum_rope_grad)
         return module
 
 

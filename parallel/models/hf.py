@@ -50,7 +50,7 @@ from torch import nn
 
 from parallel._optional import require
 from parallel.compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan, matching
-from parallel.compose.styles import style_of
+from parallel.compose.styles import MlaKvAProj, style_of
 from parallel.models.hf_scales import ScaledSequence, applied_here, factor, scaled
 from parallel.moe.balance import RouterBalance
 
@@ -352,12 +352,28 @@ def _tp(model: nn.Module, prefix: str, layout: _Layout) -> dict[str, Any]:
     entries = {**experts, **{p: s for p, s in declared.items() if p not in taken}}
     for pattern, style in entries.items():
         path = f"{prefix}.{pattern}"
+        if style == "mla_kv_a_proj":
+            style = MlaKvAProj(int(model.config.qk_rope_head_dim))
+            tp.update(_mla_down_projections(model, path))
         # HF's embedding split (rowwise) gives way to the vocab split
         if path != embed and (checked := _checked_style(model, path, style)) is not None:
             tp[path] = checked
     tp[embed] = "vocab_embedding"
     tp["lm_head"] = "vocab_head"
     return {**tp, **_beside_whole(model, tp), **_per_rank_random(model, tp, layout.blocks)}
+
+
+# Multi-head latent attention's down-projections and their norms: whole, on whole
+# activations, each feeding a column-split projection (whose backward sums their
+# gradient over the ranks).
+_MLA_DOWN = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
+
+
+def _mla_down_projections(model: nn.Module, kv_a_path: str) -> dict[str, Any]:
+    attention = kv_a_path.rpartition(".")[0]
+    module = model.get_submodule(attention.replace("*", "0"))
+    return {f"{attention}.{name}": "replicated" for name in _MLA_DOWN
+            if isinstance(getattr(module, name, None), nn.Module)}
 
 
 # Styles after which a module's activations are whole on every rank: a gathered column
