@@ -170,3 +170,34 @@ def save_and_resume(saver: str, loader: str, path: str, name: str, steps: int = 
     resumed = run(engine, start, steps)
     mesh.destroy()
     return whole[start:], resumed
+
+
+def export_reloads(layout: str, root: str) -> float:
+    """Mixtral trained a step in ``layout`` (experts split by ep), saved, exported as a
+    HuggingFace folder (rank 0) and reloaded by ``from_pretrained``: the largest
+    difference of its logits from the engine's."""
+    import torch.distributed as dist
+    import transformers
+
+    from parallel.compose.export import save_pretrained
+    from parallel.compose.mesh import ParallelMesh
+    from parallel.compose.parallelize import ParallelConfig, parallelize
+
+    dp, tp, pp, ep, config = layouts()[layout]
+    mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
+    model = build("mixtral")
+    engine = parallelize(model, mesh, ParallelConfig(optimizer_kwargs={"lr": rb.LR}, **config))
+    b = rb.batch("ignored", 0)
+    engine.train_step(b.tokens, b.targets)
+    engine.save(f"{root}/ckpt", {"step": 1})
+    want = engine.logits(b.tokens)
+    mesh.destroy()
+    diff = torch.zeros(1)
+    if dist.get_rank() == 0:
+        save_pretrained(f"{root}/ckpt", model.config, f"{root}/hf")
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(f"{root}/hf").eval()
+        with torch.no_grad():
+            got = reloaded(b.tokens, use_cache=False).logits
+        diff[0] = (got - want).abs().max()
+    dist.broadcast(diff, 0)
+    return float(diff)
