@@ -51,7 +51,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="skip cases whose rows per rank exceed this (MiB)")
     # Open MPI pins each rank to a core by default: the c2c reading needs two
     p.add_argument("--mpirun-args", default="--bind-to none")
-    p.add_argument("--out", type=Path, default=Path("bench/results/moe/dispatch.json"))
+    p.add_argument("--out", type=Path, default=Path("bench/results/dispatch.json"))
     args = p.parse_args(argv)
     args.backends = args.backends.split(",")
     return args
@@ -215,9 +215,16 @@ def main(argv: list[str] | None = None) -> None:
         cmd = [sys.executable, "-m", "bench.dispatch", *rest, "--jobs", "1", "--out", str(path)]
         subprocess.run(cmd, check=True)
         paths.append(path)
+    print(write_summary(paths, args.out))
+
+
+def write_summary(paths: list[Path], out: Path) -> str:
+    """The table of the jobs ``paths`` into ``out`` (.md) and, with the jobs' names,
+    ``out`` itself (JSON); returns the table."""
     table = summarize(paths)
-    args.out.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    out.with_suffix(".md").write_text(table + "\n")
+    out.write_text(json.dumps({"jobs": [p.name for p in paths], "table": table}, indent=1))
+    return table
 
 
 if __name__ == "__main__":

@@ -353,7 +353,8 @@ def _tp(model: nn.Module, prefix: str, layout: _Layout) -> dict[str, Any]:
     for pattern, style in entries.items():
         path = f"{prefix}.{pattern}"
         if style == "mla_kv_a_proj":
-            style = MlaKvAProj(int(model.config.qk_rope_head_dim))
+            config: Any = model.config
+            style = MlaKvAProj(int(config.qk_rope_head_dim))
             tp.update(_mla_down_projections(model, path))
         # HF's embedding split (rowwise) gives way to the vocab split
         if path != embed and (checked := _checked_style(model, path, style)) is not None:

@@ -33,14 +33,15 @@ FAMILY_SCALES: dict[str, dict[str, tuple[str, str]]] = {
 
 def applied_here(model: nn.Module) -> set[str]:
     """The config attributes whose scaling the plan applies for ``model``'s family."""
-    return set(FAMILY_SCALES.get(getattr(model.config, "model_type", ""), {}))
+    config: Any = model.config
+    return set(FAMILY_SCALES.get(getattr(config, "model_type", ""), {}))
 
 
 def factor(model: nn.Module, where: str) -> float | None:
     """The factor on the embeddings (``where="embed"``) or the logits, or None."""
-    out = 1.0
-    for name, (at, how) in FAMILY_SCALES.get(model.config.model_type, {}).items():
-        value = getattr(model.config, name, None)
+    out, config = 1.0, model.config
+    for name, (at, how) in FAMILY_SCALES.get(getattr(config, "model_type", ""), {}).items():
+        value = getattr(config, name, None)
         if at == where and value is not None:
             out = out * value if how == "mul" else out / value
     return None if out == 1.0 else out
