@@ -105,18 +105,23 @@ def rotation(layout: str) -> list[tuple[str, str]]:
     return [(MODELS[(i + j) % len(MODELS)], case) for j, case in enumerate(CASES)]
 
 
-def curves(layout: str, steps: int, pairs: list[tuple[str, str]] | None = None
-           ) -> dict[tuple[str, str], list[tuple[float, float]]]:
+def engine_in(layout: str, model: nn.Module) -> tuple[Any, Any]:
+    """``model`` parallelized in ``layout`` with the tests' AdamW recipe; (engine, mesh)."""
     from parallel.compose.mesh import ParallelMesh
     from parallel.compose.parallelize import ParallelConfig, parallelize
 
     dp, tp, pp, ep, config = layouts()[layout]
+    mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
+    return parallelize(model, mesh, ParallelConfig(
+        max_grad_norm=rb.CLIP, weight_decay=rb.DECAY, optimizer_kwargs={"lr": rb.LR},
+        **config)), mesh
+
+
+def curves(layout: str, steps: int, pairs: list[tuple[str, str]] | None = None
+           ) -> dict[tuple[str, str], list[tuple[float, float]]]:
     out = {}
     for name, case in pairs or [(m, c) for m in MODELS for c in CASES]:
-        mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
-        engine = parallelize(build(name), mesh, ParallelConfig(
-            max_grad_norm=rb.CLIP, weight_decay=rb.DECAY, optimizer_kwargs={"lr": rb.LR},
-            **config))
+        engine, mesh = engine_in(layout, build(name))
         curve = []
         for step in range(steps):
             b = rb.batch(case, step)
@@ -146,26 +151,16 @@ def save_and_resume(saver: str, loader: str, path: str, name: str, steps: int = 
                     saved_at: int = 1) -> tuple[list[float], list[float]]:
     """``name`` trained ``steps`` steps in layout ``saver`` (saving after ``saved_at``),
     and the steps after it resumed in ``loader`` (another ep, ZeRO stage or tp)."""
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
-
-    def engine_in(layout: str) -> tuple[Any, Any]:
-        dp, tp, pp, ep, config = layouts()[layout]
-        mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
-        return parallelize(build(name), mesh, ParallelConfig(
-            max_grad_norm=rb.CLIP, weight_decay=rb.DECAY, optimizer_kwargs={"lr": rb.LR},
-            **config)), mesh
-
     def run(engine: Any, first: int, end: int) -> list[float]:
         return [engine.train_step((b := rb.batch("ignored", s)).tokens, b.targets,
                                   **b.inputs()).loss for s in range(first, end)]
 
-    engine, mesh = engine_in(saver)
+    engine, mesh = engine_in(saver, build(name))
     whole = run(engine, 0, saved_at)
     engine.save(path, {"step": saved_at})
     whole += run(engine, saved_at, steps)
     mesh.destroy()
-    engine, mesh = engine_in(loader)
+    engine, mesh = engine_in(loader, build(name))
     start = engine.load(path)["step"]
     resumed = run(engine, start, steps)
     mesh.destroy()
@@ -180,13 +175,9 @@ def export_reloads(layout: str, root: str) -> float:
     import transformers
 
     from parallel.compose.export import save_pretrained
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
 
-    dp, tp, pp, ep, config = layouts()[layout]
-    mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
     model = build("mixtral")
-    engine = parallelize(model, mesh, ParallelConfig(optimizer_kwargs={"lr": rb.LR}, **config))
+    engine, mesh = engine_in(layout, model)
     b = rb.batch("ignored", 0)
     engine.train_step(b.tokens, b.targets)
     engine.save(f"{root}/ckpt", {"step": 1})
