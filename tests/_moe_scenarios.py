@@ -75,26 +75,33 @@ def _forward(model: nn.Module, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def layouts() -> dict[str, tuple[int, int, int, int, dict[str, Any]]]:
     """name -> (dp, tp, pp, ep, config): the composition matrix, under GPipe's schedule
     where there are micro-batches, and expert parallelism over the data-parallel ranks
-    (with ZeRO 1-2 beside it; stage 3 is left out where the experts are split by ep)."""
+    (the experts beside ZeRO 1-3, whole on their ranks, reduced over edp)."""
     out = {}
     for name, (dp, tp, pp, config) in rb.LAYOUTS.items():
         config = {k: v for k, v in config.items() if k != "sequence_parallel"}
         if config.get("microbatches", 1) > 1:
             config["schedule"] = "gpipe"
         out[name.replace("+SP", "")] = (dp, tp, pp, 1, config)
-        ep_layout = (dp, tp, pp, 2, {k: v for k, v in config.items()
-                                     if k != "zero" or v != 3})
+        ep_layout = (dp, tp, pp, 2, config)
         if dp > 1 and ep_layout not in out.values():
             out[f"{name.replace('+SP', '')} ep2"] = ep_layout
     out["dp2 ep2 zero1"] = (2, 1, 1, 2, {"zero": 1})
     out["ep4"] = (4, 1, 1, 4, {})
     out["ep4 zero2"] = (4, 1, 1, 4, {"zero": 2})
     out["dp4 ep2 zero1"] = (4, 1, 1, 2, {"zero": 1})  # experts replicated over edp = 2
+    out["dp4 ep2 zero3"] = (4, 1, 1, 2, {"zero": 3})
     return out
 
 
+ONE = "1 process"  # the engine on one rank: the reference of a mixed-precision recipe
+
+
+def layout_of(name: str) -> tuple[int, int, int, int, dict[str, Any]]:
+    return (1, 1, 1, 1, {}) if name == ONE else layouts()[name]
+
+
 def world_of(layout: str) -> int:
-    dp, tp, pp, _, _ = layouts()[layout]
+    dp, tp, pp, _, _ = layout_of(layout)
     return dp * tp * pp
 
 
@@ -105,23 +112,25 @@ def rotation(layout: str) -> list[tuple[str, str]]:
     return [(MODELS[(i + j) % len(MODELS)], case) for j, case in enumerate(CASES)]
 
 
-def engine_in(layout: str, model: nn.Module) -> tuple[Any, Any]:
-    """``model`` parallelized in ``layout`` with the tests' AdamW recipe; (engine, mesh)."""
+def engine_in(layout: str, model: nn.Module, precision: str | None = None
+              ) -> tuple[Any, Any]:
+    """``model`` parallelized in ``layout`` with the tests' AdamW recipe (computing in
+    ``precision``, fp32 masters); (engine, mesh)."""
     from parallel.compose.mesh import ParallelMesh
     from parallel.compose.parallelize import ParallelConfig, parallelize
 
-    dp, tp, pp, ep, config = layouts()[layout]
+    dp, tp, pp, ep, config = layout_of(layout)
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
     return parallelize(model, mesh, ParallelConfig(
         max_grad_norm=rb.CLIP, weight_decay=rb.DECAY, optimizer_kwargs={"lr": rb.LR},
-        **config)), mesh
+        precision=precision, **config)), mesh
 
 
-def curves(layout: str, steps: int, pairs: list[tuple[str, str]] | None = None
-           ) -> dict[tuple[str, str], list[tuple[float, float]]]:
+def curves(layout: str, steps: int, pairs: list[tuple[str, str]] | None = None,
+           precision: str | None = None) -> dict[tuple[str, str], list[tuple[float, float]]]:
     out = {}
     for name, case in pairs or [(m, c) for m in MODELS for c in CASES]:
-        engine, mesh = engine_in(layout, build(name))
+        engine, mesh = engine_in(layout, build(name), precision)
         curve = []
         for step in range(steps):
             b = rb.batch(case, step)

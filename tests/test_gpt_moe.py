@@ -129,7 +129,7 @@ def test_a_model_built_on_meta_is_initialised_by_its_plan():
     (["--moe-aux-coef", "0.1"], "--moe-aux-coef given without --moe-experts"),
     (["--dp", "2", "--ep", "2"], "--ep 2 splits a mixture of experts"),
     (["--moe-experts", "2", "--moe-top-k", "3"], "moe_top_k=3 must be in 1 .. moe_experts=2"),
-    (["--moe-experts", "4", "--plan", "auto"], "--plan auto models a dense GPT"),
+    (["--moe-experts", "4", "--plan", "auto"], "--plan auto times a dense GPT"),
     (["--moe-experts", "4", "--pp", "2"], "1f1b schedule .* give --schedule gpipe"),
 ])
 def test_the_trainers_expert_flags_are_checked_before_any_rank_starts(flags, message):

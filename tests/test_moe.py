@@ -43,15 +43,18 @@ def test_micro_batches_under_1f1b_are_refused_with_a_load_balancing_loss():
             assert "load-balancing loss" in message and "gpipe" in message, message
 
 
-def test_zero3_with_expert_parallelism_is_refused_by_name():
+def test_offload_with_expert_parallelism_is_refused_by_name():
+    config = {"zero": 3, "offload": "cpu", "max_grad_norm": None}
     with RankPool(2, backend="pycomm", pg_timeout_s=60) as pool:
-        for message in pool.run(sc.refusal, {"dp": 2, "ep": 2}, {"zero": 3}):
-            assert "ZeRO-3 with expert parallelism" in message and "zero=1 or 2" in message
+        for message in pool.run(sc.refusal, {"dp": 2, "ep": 2}, config):
+            assert "offload='cpu' cannot run with ep=2" in message, message
 
 
 # (saver, loader): experts split by ep saved, read whole or by another ep, ZeRO or tp
 RESHARDS = [("dp2 ep2 zero1", "dp2"), ("dp2", "dp2 ep2"), ("dp2 ep2", "tp2"),
-            ("ep4", "dp4 ep2 zero1"), ("dp4 ep2 zero1", "ep4 zero2")]
+            ("dp2 zero3 ep2", "dp2 ep2 zero1"), ("dp2 zero3", "dp2 zero3 ep2"),
+            ("ep4", "dp4 ep2 zero1"), ("dp4 ep2 zero1", "ep4 zero2"),
+            ("dp4 ep2 zero3", "ep4")]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -67,8 +70,9 @@ def test_checkpoints_reshard_experts_across_ep_zero_and_tp(tmp_path, world):
             for got, want in zip(resumed, whole, strict=True):
                 assert abs(got / want - 1) < REL, (saver, loader, model, got, want)
         if world == 2:  # the HF export of experts split by ep, reloaded by from_pretrained
-            diffs = pool.run(sc.export_reloads, "dp2 ep2 zero1", str(tmp_path / "export"))
-            assert max(diffs) < 1e-5, diffs
+            for layout in ("dp2 ep2 zero1", "dp2 zero3 ep2"):
+                diffs = pool.run(sc.export_reloads, layout, str(tmp_path / layout))
+                assert max(diffs) < 1e-5, (layout, diffs)
 
 
 def test_the_trainer_trains_a_mixtral_with_expert_parallelism(tmp_path):
@@ -103,3 +107,18 @@ def test_the_trainer_trains_the_gpt_with_experts_and_expert_parallelism(tmp_path
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"]
     # 0.01 x aux; aux is k = 2 when the routing is balanced, at most E = 4
     assert len(steps) == 2 and all(0.015 < r["aux_loss"] <= 0.04 for r in steps), steps
+
+
+def test_the_planner_predicts_the_experts_memory_as_measured():
+    """bench.moe_memory's check in small: each rank's expert parameters, gradients and
+    optimizer state after a step equal the formula and the planner's prediction, the
+    experts split by ep and, where edp > 1, sharded over edp by their own ZeRO."""
+    from bench import moe_memory as mm
+
+    layouts = [(2, 0), (2, 1), (2, 3), (4, 2)]
+    with RankPool(4, backend="pycomm", pg_timeout_s=120) as pool:
+        for ep, zero in layouts:
+            want = mm.formula(ep, zero)
+            assert mm.planned(ep, zero) == want, (ep, zero)
+            for got in pool.run(mm.measure, ep, zero):
+                assert got == want, (ep, zero, got, want)

@@ -113,11 +113,6 @@ class ParallelConfig:
         if not self.reduce_dtype.is_floating_point:
             raise ValueError(f"parallelize: reduce_dtype must be a floating dtype, got "
                              f"{self.reduce_dtype}")
-        if mesh.size("ep") > 1 and self.zero == 3:
-            raise ValueError(f"parallelize: ZeRO-3 with expert parallelism (ep={mesh.size('ep')})"
-                             " is not supported yet: stage 3 would gather the experts over dp, "
-                             "which holds different experts per ep rank; use zero=1 or 2 (the "
-                             "experts beside ZeRO, stepped over their own group) or zero=0")
         self._check_offload(mesh)
 
     def _check_offload(self, mesh: ParallelMesh) -> None:
@@ -132,6 +127,8 @@ class ParallelConfig:
             (self.zero != 3, f"zero={self.zero} (offload moves ZeRO-3's units: zero=3)"),
             (mesh.size("tp") > 1, f"tp={mesh.size('tp')} (offload shards over dp only)"),
             (mesh.size("pp") > 1, f"pp={mesh.size('pp')} (offload shards over dp only)"),
+            (mesh.size("ep") > 1, f"ep={mesh.size('ep')} (the experts beside ZeRO-3 stay "
+             "whole in memory, stepped after backward; offload steps units in backward)"),
             (self.microbatches != 1, f"microbatches={self.microbatches} (each backward "
              "steps the units: gradients cannot accumulate)"),
             (self.max_grad_norm is not None, f"max_grad_norm={self.max_grad_norm} (the "

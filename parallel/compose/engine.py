@@ -132,9 +132,7 @@ class ParallelModel:
             self.dp = ZeroPlan(self.stage, self.mesh, config, self.compute, self._copies,
                                units, keep, self.names.materialize_by_stage_name, experts)
             if experts:
-                beside = [p for p in self.stage.parameters() if is_expert(p)]
-                self.dp = ExpertsBeside(self.dp, PlainDataParallel(
-                    beside, self.mesh, config, self.compute, self._copies))
+                self.dp = ExpertsBeside(self.dp, self._experts_side(experts))
         self.names.refresh(self.stage)
         self.params: list[nn.Parameter] = list(self.dp.params)
         tied = self.ties.mine(self.names.by_id(), self.params)
@@ -143,6 +141,19 @@ class ParallelModel:
             grad_parts=self.dp.grad_parts,
             pipeline_before=(lambda: self._sum_ties(tied, before=True)),
             pipeline_after=(lambda: self._sum_ties(tied, before=False)))
+
+    def _experts_side(self, experts: set[str]) -> Any:
+        """The experts beside ZeRO: their own ZeRO over the ranks holding the same experts
+        (``edp``; stage 3 as stage 2: they are gathered by dispatch, not by ZeRO), whole
+        where no other rank holds them."""
+        config, mesh = self.config, self.mesh
+        if mesh.size("edp") == 1:
+            beside = [p for p in self.stage.parameters() if is_expert(p)]
+            return PlainDataParallel(beside, mesh, config, self.compute, self._copies)
+        dense = {n for n, _ in self.stage.named_parameters()} - experts
+        return ZeroPlan(self.stage, mesh, config, self.compute, self._copies, exclude=dense,
+                        axis="edp", stage=min(config.zero, 2),
+                        grad_scale=mesh.size("edp") / mesh.size("dp"))
 
     def _sum_ties(self, tied: list[tuple[nn.Parameter, Any]], before: bool) -> None:
         """Phase 3 (see :mod:`parallel.compose.finalize`): before the data-parallel

@@ -1,13 +1,13 @@
-"""ZeRO 1-2 beside expert parallelism: the dense parameters' optimizer state (and under
-stage 2 their gradients) sharded over ``dp`` by ZeRO, the experts - each rank's
-``E / ep`` of them, already split by ``ep`` - stepped whole by plain data parallelism,
-their gradients summed over the expert-data-parallel group ``edp`` (``dp / ep`` ranks)
-and divided by ``dp``. One optimizer for the scheduler and the step, whose parameter
-groups are both sides' groups (an LR schedule reaches all of them).
-
-The experts' state is not sharded over ``edp``: with ``ep = dp`` (the common layout)
-each rank holds its experts alone and there is nothing to shard; with ``edp > 1`` their
-state is ``edp`` times what a sharded one would be.
+"""ZeRO beside expert parallelism: the dense parameters under ZeRO 1-3 over ``dp``; the
+experts - each rank's ``E / ep`` of them, already split by ``ep`` and never gathered by
+ZeRO (stage 3 leaves them whole) - their gradients summed over the expert-data-parallel
+group ``edp`` (the ``dp / ep`` ranks holding the same experts) and divided by ``dp``.
+With ``edp > 1`` the experts have their own ZeRO over ``edp`` (stage 2 under stage 3:
+dispatch, not ZeRO, brings tokens to them, so their parameters stay whole), which shards
+their gradients and optimizer state as Megatron's expert-data-parallel distributed
+optimizer does; with ``ep = dp`` each rank holds its experts alone and steps them whole.
+One optimizer for the scheduler and the step, whose parameter groups are both sides'
+groups (an LR schedule reaches all of them).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ class JointOptimizer(torch.optim.Optimizer):
 
 
 class ExpertsBeside:
-    """The data side of ZeRO 1-2 with ``ep > 1`` (see the module docstring): ``dense``
-    (a ZeroPlan without the experts) and ``experts`` (a PlainDataParallel of them)."""
+    """The data side of ZeRO with ``ep > 1`` (see the module docstring): ``dense`` (a
+    ZeroPlan without the experts) and ``experts`` (their ZeroPlan over edp, or a
+    PlainDataParallel of them where edp = 1)."""
 
     def __init__(self, dense: Any, experts: Any):
         self.dense, self.experts = dense, experts

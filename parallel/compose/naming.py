@@ -47,10 +47,13 @@ class ParamNames:
 
     def refresh(self, stage_module: nn.Module) -> None:
         """Names of the stage's parameters now (after ZeRO-3 replaced them: its own
-        record of them)."""
+        record of them, beside the parameters it left whole - the experts)."""
+        pairs = list(stage_module.named_parameters())
         zero3 = stage_module.__dict__.get("zero3")
-        pairs = (zip(zero3.names, zero3.params, strict=True) if zero3 is not None
-                 else stage_module.named_parameters())
+        if zero3 is not None:
+            shards = {id(p) for p in stage_module.parameters() if hasattr(p, "zero3")}
+            pairs = [(n, p) for n, p in pairs if id(p) not in shards]
+            pairs += list(zip(zero3.names, zero3.params, strict=True))
         self._by_id = {id(p): self.model_name(path) for path, p in pairs}
 
     def of(self, p: nn.Parameter) -> str:

@@ -55,8 +55,12 @@ class ZeroPlan:
         copies: ``copies(p)``: ranks of one replica holding the same gradient.
         unit_modules: stage 3's gather units; ``never_persistent`` names kept in them.
         materialize: for a meta-device model, gives named parameters their weights.
-        exclude: names of parameters ZeRO leaves alone (stages 1-2: the experts beside
-            it, :mod:`parallel.compose.expert_side`).
+        exclude: names of parameters ZeRO leaves alone (the experts beside it, whole,
+            :mod:`parallel.compose.expert_side`; stage 3 neither shards nor gathers them).
+        axis: the mesh dimension sharded over (``"edp"``: the experts' own ZeRO).
+        stage: the ZeRO stage, if not ``config.zero``.
+        grad_scale: multiplies the gradients before they are averaged over ``axis`` (the
+            experts: summed over edp, divided by dp).
     """
 
     def __init__(self, stage_module: nn.Module, mesh: ParallelMesh, config: Any,
@@ -64,19 +68,21 @@ class ZeroPlan:
                  unit_modules: list[nn.Module] | None = None,
                  never_persistent: tuple[str, ...] = (),
                  materialize: Callable[[list[str]], None] | None = None,
-                 exclude: set[str] | None = None):
-        self.mesh, self.zero, self.copies = mesh, config.zero, copies
-        group = mesh.group("dp")
+                 exclude: set[str] | None = None, axis: str = "dp", stage: int | None = None,
+                 grad_scale: float = 1.0):
+        self.zero = config.zero if stage is None else stage
+        self.mesh, self.copies, self.grad_scale = mesh, copies, grad_scale
+        group = mesh.group(axis)
         by_name = _groups_by_name(stage_module, config.weight_decay, exclude or set())
         self.offload = None
-        if config.zero == 3:
+        if self.zero == 3:
             offload = None if config.offload == "none" else OffloadConfig(
                 config.offload, config.offload_dir, config.offload_prefetch)
             # offloaded, no unit stays gathered: a persistent one grows with the depth
             threshold = DEFAULT_PERSISTENCE_THRESHOLD if offload is None else 0
             shard_model(stage_module, group, unit_modules=unit_modules,
                         persistence_threshold=threshold, never_persistent=never_persistent,
-                        materialize=materialize, offload=offload)
+                        materialize=materialize, offload=offload, exclude=exclude or ())
             self.offload = stage_module.__dict__["zero3"].offload
         named = dict(stage_module.named_parameters())
         zero3: Any = stage_module.__dict__.get("zero3")
@@ -87,12 +93,16 @@ class ZeroPlan:
         master = next(p.dtype for names, _ in by_name for p in (named[n] for n in names))
         mixed = compute if compute != master else None
         self.optimizer = ZeroOptimizer(
-            groups, config.optimizer, stage=config.zero, process_group=group,
+            groups, config.optimizer, stage=self.zero, process_group=group,
             bucket_cap_mb=config.bucket_mb, reduce_in_backward=False, mixed_precision=mixed,
             reduce_dtype=config.reduce_dtype if mixed else None, **config.optimizer_kwargs)
         self.params: list[nn.Parameter] = self.optimizer.params  # layout order
 
     def reduce(self) -> None:
+        if self.grad_scale != 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(self.grad_scale)
         self.optimizer.reduce_gradients()
 
     def after_step(self) -> None:

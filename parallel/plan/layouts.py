@@ -6,6 +6,7 @@ the pipeline's balance), so the planner never lists what ``parallel.train`` refu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +28,16 @@ class Layout:
     partition_activations: bool
     offload: str = "none"
     microbatches: int = 1  # the pipeline's M (the trainer's default: pp)
+    ep: int = 1  # experts split over ep ranks drawn from dp (the mesh's "ep")
+
+    @property
+    def edp(self) -> int:
+        """Data-parallel ranks holding the same experts (the mesh's ``"edp"``)."""
+        return self.dp // self.ep
 
     def __str__(self) -> str:
         parts = [f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero}"]
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += ["recompute"] if self.recompute else []
         parts += ["P_a"] if self.partition_activations else []
         parts += [f"offload={self.offload}"] if self.offload != "none" else []
@@ -41,6 +49,7 @@ class Layout:
                "--recompute" if self.recompute else "--no-recompute",
                "--partition-activations" if self.partition_activations
                else "--no-partition-activations"]
+        out += [f"--ep={self.ep}"] if self.ep > 1 else []
         return out + ([f"--offload={self.offload}"] if self.offload != "none" else [])
 
 
@@ -72,7 +81,7 @@ def with_layout(cfg: Any, layout: Layout) -> Any:
     changes: dict[str, Any] = {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
                                "zero": layout.zero, "recompute": layout.recompute,
                                "partition_activations": layout.partition_activations,
-                               "nproc": 0, "plan": ""}
+                               "nproc": 0, "plan": "", "ep": layout.ep}
     if layout.offload != "none" or offload_supported():
         changes["offload"] = layout.offload
     return dataclasses.replace(cfg, **changes)
@@ -97,14 +106,17 @@ def refusal(cfg: Any, layout: Layout, shape: ModelShape) -> str | None:
     return None
 
 
-def candidates(world: int, offloads: tuple[str, ...] = OFFLOADS) -> list[Layout]:
-    """Every combination of the dimensions, valid or not."""
+def candidates(world: int, offloads: tuple[str, ...] = OFFLOADS,
+               experts: bool = False) -> list[Layout]:
+    """Every combination of the dimensions, valid or not (with ``experts``, every ep
+    dividing dp too)."""
     out = []
     for dp, tp, pp in meshes(world):
-        for zero in (0, 1, 2, 3):
+        eps = [e for e in range(1, dp + 1) if dp % e == 0] if experts else [1]
+        for zero, ep in itertools.product((0, 1, 2, 3), eps):
             for recompute, pa in ((False, False), (True, False), (True, True), (False, True)):
                 for offload in offloads:
-                    out.append(Layout(dp, tp, pp, zero, recompute, pa, offload))
+                    out.append(Layout(dp, tp, pp, zero, recompute, pa, offload, ep=ep))
     return out
 
 
@@ -114,7 +126,7 @@ def enumerate_layouts(cfg: Any, world: int, shape: ModelShape,
     """The layouts the trainer accepts for ``world`` ranks, and those it refuses with
     why. Micro-batches follow ``cfg.microbatches`` (0: the trainer's default, pp)."""
     accepted, refused = [], []
-    for layout in candidates(world, offloads):
+    for layout in candidates(world, offloads, shape.has_experts):
         layout = dataclasses.replace(layout, microbatches=cfg.microbatches or layout.pp)
         why = refusal(cfg, layout, shape)
         if why is None:

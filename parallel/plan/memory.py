@@ -23,7 +23,13 @@ buffers the project holds beside them:
   (:class:`parallel.zero.slot_pool.SlotPool`, one size per unit) that keeps the most
   it ever handed out at once (``zero3 pool``);
 - recompute: the checkpointed inputs live in one arena that keeps its largest size;
-- a pipeline's sends hold their tensors until the step ends (``pipeline messages``).
+- a pipeline's sends hold their tensors until the step ends (``pipeline messages``);
+- a mixture of experts' fused experts tensors at ep > 1 (``Memory.experts``; at ep = 1
+  they are dense parameters, split over tp), ``E / ep`` of the experts per rank, beside
+  ZeRO, never gathered by it. Where ``edp = dp / ep`` ranks hold the same experts,
+  their own ZeRO over ``edp`` (stage 2 under stage 3) shards their gradients and state
+  as the dense ones' are sharded over ``dp``; with ``edp = 1`` (or ZeRO 0) they are
+  stage 0's whole states.
 
 Activations (:mod:`parallel.plan.activations`) peak either while the head's backward
 runs or while a block's does (the largest of those phases).
@@ -75,10 +81,12 @@ class Memory:
     activations: int = 0  # at the peak, beside the states and buffers
     end_of_backward: int = 0  # stage 2's bucket buffers (their peak, activations gone)
     units: list[int] = field(default_factory=list)  # stage 3: each unit's whole bytes
+    experts: dict[str, int] = field(default_factory=dict)  # their params, grads, optimizer
 
     @property
     def states(self) -> int:
-        return self.params + self.grads + self.optimizer + sum(self.buffers.values())
+        return (self.params + self.grads + self.optimizer + sum(self.buffers.values())
+                + sum(self.experts.values()))
 
     @property
     def peak(self) -> int:
@@ -113,7 +121,7 @@ def _zero3_units(m: ModelShape, layout: Layout, stage: int) -> dict[str, list[li
     for lay in m.stage_layers(layout.pp, stage):
         block: list[int] = []
         for p in lay.params:
-            if p.key in seen:
+            if p.key in seen or (p.expert and layout.ep > 1):  # beside ZeRO: expert_states
                 continue
             seen.add(p.key)
             n = p.numel // layout.tp if p.tp_split else p.numel
@@ -170,26 +178,46 @@ def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, prefetch: int
 def states(m: ModelShape, layout: Layout, job: Job, stage: int) -> Memory:
     """Parameters, gradients, optimizer state and their buffers on one rank of ``stage``."""
     mem = Memory()
-    numels = m.stage_params(layout.pp, stage, layout.tp)
+    numels = m.stage_params(layout.pp, stage, layout.tp, layout.ep)
+    experts = m.stage_experts(layout.pp, stage, layout.ep)
+    if experts:
+        mem.experts = expert_states(experts, layout, job)
     if layout.zero == 3:
         _zero3(mem, m, layout, stage, job.prefetch)
         return mem
-    if layout.zero == 0:
+    dense = flat_states(numels, layout.dp, job.bucket_mb, layout.zero)
+    mem.params, mem.grads, mem.optimizer = dense["params"], dense["grads"], dense["optimizer"]
+    mem.end_of_backward = dense["end_of_backward"]
+    return mem
+
+
+def expert_states(numels: list[int], layout: Layout, job: Job) -> dict[str, int]:
+    """The experts' parameters, gradients and optimizer state on one rank (see the
+    module docstring): their own ZeRO over ``edp`` (at most stage 2), whole at edp 1."""
+    stage = min(layout.zero, 2) if layout.edp > 1 else 0
+    out = flat_states(numels, layout.edp, job.bucket_mb, stage)
+    out.pop("end_of_backward")
+    return out
+
+
+def flat_states(numels: list[int], world: int, bucket_mb: float, zero: int
+                ) -> dict[str, int]:
+    """Bytes of ``numels``' parameters, gradients and optimizer state under ZeRO stage
+    ``zero`` (0-2) over ``world`` ranks, and what reducing after backward adds at its end."""
+    if zero == 0:
         aligned = sum(-(-n // 16) * 16 for n in numels)  # the averaging arena's views
-        mem.params, mem.grads, mem.optimizer = F32 * sum(numels), F32 * aligned, \
-            ADAM_STATE * sum(numels)
-        return mem
-    flat = _flat(numels, layout.dp, job.bucket_mb, layout.zero)
-    mem.params = F32 * flat.numel
-    mem.optimizer = ADAM_STATE * flat.shard_numel
-    streams = layout.zero == 2 and layout.dp > 1
-    mem.grads = F32 * (flat.shard_numel if streams else flat.numel)
+        return {"params": F32 * sum(numels), "grads": F32 * aligned,
+                "optimizer": ADAM_STATE * sum(numels), "end_of_backward": 0}
+    flat = _flat(numels, world, bucket_mb, zero)
+    streams = zero == 2 and world > 1
     # Reducing after backward, the gradients arrive beside the states: stage 2 streams
     # them into every bucket's buffer; stage 1 (and 2 on one rank) leaves them in the
     # .grad tensors autograd allocates (zero_grad set them to None) until
     # reduce_gradients copies them into the arena.
-    mem.end_of_backward = F32 * (flat.numel if streams else sum(numels))
-    return mem
+    return {"params": F32 * flat.numel,
+            "grads": F32 * (flat.shard_numel if streams else flat.numel),
+            "optimizer": ADAM_STATE * flat.shard_numel,
+            "end_of_backward": F32 * (flat.numel if streams else sum(numels))}
 
 
 def _backward_grads(m: ModelShape, layout: Layout, stage: int, total: int) -> list[int]:

@@ -20,7 +20,7 @@ def row_dict(row: Row) -> dict[str, Any]:
     w = row.worst
     return {"layout": str(row.layout), "flags": row.layout.flags(), "fits": row.fits,
             "peak_bytes": row.peak, "params": w.params, "grads": w.grads,
-            "optimizer": w.optimizer, "buffers": dict(w.buffers),
+            "optimizer": w.optimizer, "buffers": dict(w.buffers), "experts": dict(w.experts),
             "activations": w.activations, "end_of_backward": w.end_of_backward,
             "per_stage_peak_bytes": [m.peak for m in row.memory],
             "step_s": row.time.total, "time": vars(row.time)}
@@ -28,7 +28,7 @@ def row_dict(row: Row) -> dict[str, Any]:
 
 HEADER = ("| # | layout | params MiB | grads MiB | optimizer MiB | buffers MiB | "
           "activations (+ gradients in flight) MiB | peak MiB | fits | step ms | "
-          "compute / bubble / TP / PP / DP / "
+          "compute / bubble / TP / PP / DP / EP / "
           "optimizer / I/O / waiting for peers ms |")
 
 
@@ -38,9 +38,10 @@ def table(rows: list[Row], top: int = 0) -> list[str]:
     out = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
     for i, r in enumerate(shown, 1):
         w, t = r.worst, r.time
-        buffers = ", ".join(f"{k} {_mib(v)}" for k, v in w.buffers.items() if v)
+        held = {**w.buffers, "experts": sum(w.experts.values())}  # their params, grads, state
+        buffers = ", ".join(f"{k} {_mib(v)}" for k, v in held.items() if v)
         parts = (t.compute, t.bubble, t.tensor_comm, t.pipeline_comm, t.data_comm,
-                 t.optimizer, t.offload_io, t.sync_wait)
+                 t.expert_comm, t.optimizer, t.offload_io, t.sync_wait)
         cells = [str(i) if r.fits else "-", str(r.layout), _mib(w.params), _mib(w.grads),
                  _mib(w.optimizer), buffers or "0",
                  _mib(max(w.activations, w.end_of_backward)), _mib(r.peak),

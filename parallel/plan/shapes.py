@@ -8,7 +8,7 @@ from typing import Any
 
 from parallel.compose.apply_tp import check_divisible
 from parallel.compose.layers import stage_balance
-from parallel.compose.plan import Plan, ResolvedLayer, under_any
+from parallel.compose.plan import Plan, ResolvedLayer, matching, under_any
 from parallel.compose.styles import Colwise, Rowwise, VocabEmbedding, VocabHead
 
 VOCAB = 256  # the trainer's models are byte-level
@@ -21,6 +21,7 @@ class Param:
     key: str
     numel: int
     tp_split: bool  # divided over the tensor-parallel ranks
+    expert: bool = False  # a fused experts tensor: split over ep (over tp where ep = 1)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class ModelShape:
     seq: int
     vocab: int
     divisible: tuple[tuple[str, int], ...]
+    top_k: int = 0  # experts per token (a mixture of experts)
 
     @property
     def n_layer(self) -> int:
@@ -73,10 +75,22 @@ class ModelShape:
         first = sum(balance[:stage])
         return list(self.layers[first : first + balance[stage]])
 
-    def stage_params(self, pp: int, stage: int, tp: int) -> list[int]:
-        """Elements of each parameter one rank of ``stage`` holds (its TP part)."""
+    @property
+    def has_experts(self) -> bool:
+        return any(p.expert for layer in self.layers for p in layer.params)
+
+    def stage_params(self, pp: int, stage: int, tp: int, ep: int = 1) -> list[int]:
+        """Elements of each parameter one rank of ``stage`` holds (its TP part) that the
+        data side treats as dense: all of them at ep = 1, the experts tensors apart at
+        ep > 1 (:meth:`stage_experts`)."""
         return [p.numel // tp if p.tp_split else p.numel
-                for p in _unique(self.stage_layers(pp, stage))]
+                for p in _unique(self.stage_layers(pp, stage)) if not (p.expert and ep > 1)]
+
+    def stage_experts(self, pp: int, stage: int, ep: int) -> list[int]:
+        """Elements of each experts tensor one rank of ``stage`` holds at ep > 1: ``E /
+        ep`` of the experts, whole on every tensor-parallel rank (none at ep = 1)."""
+        return [p.numel // ep for p in _unique(self.stage_layers(pp, stage))
+                if p.expert and ep > 1]
 
 
 def _unique(layers: list[LayerShape]) -> list[Param]:
@@ -106,6 +120,7 @@ def from_model(model: Any, plan: Plan, kind: str, cfg: Any) -> ModelShape:
 
     canonical = canonical_names(tie_groups(model))
     resolved = resolve_layers(plan, model)
+    experts = matching(plan.experts, model) if plan.experts is not None else []
     styles = styles_by_path(plan, model, [p for x in resolved for p in x.paths])
     named = list(model.named_parameters(remove_duplicate=False))
     layers = []
@@ -115,10 +130,12 @@ def from_model(model: Any, plan: Plan, kind: str, cfg: Any) -> ModelShape:
             owner, _, leaf = name.rpartition(".")
             if under_any(owner, list(layer.paths)):
                 params.append(Param(canonical.get(name, name), p.numel(),
-                                    _split(styles.get(owner, []), leaf)))
+                                    _split(styles.get(owner, []), leaf),
+                                    expert=under_any(owner, experts)))
         layers.append(LayerShape(layer.name, tuple(params), layer.is_block))
     return ModelShape(kind, tuple(layers), cfg.n_head, cfg.n_embd, 4 * cfg.n_embd,
-                      cfg.block_size, VOCAB, tuple(plan.divisible.items()))
+                      cfg.block_size, VOCAB, tuple(plan.divisible.items()),
+                      getattr(cfg, "moe_top_k", 0) if getattr(cfg, "moe_experts", 0) else 0)
 
 
 def llama_shape(cfg: Any) -> ModelShape:

@@ -19,6 +19,11 @@ pipeline's bubble, and for offload the disk's measured bandwidth.
   stage 2 a reduce-scatter per bucket; stage 3 per micro-batch an all-gather of every
   unit in forward and again in backward and a reduce-scatter of its gradient;
 - the optimizer: AdamW's measured time per element over the elements this rank steps;
+- expert parallelism: per block and micro-batch, the dispatch and the combine in forward
+  and their gradients in backward, four all-to-alls of the ``b s k h`` routed rows over
+  ``ep`` (timed as an all-gather of the same bytes: both move ``(N-1)/N`` of them per
+  rank); once a step the experts' gradients reduced over ``edp`` (as the dense ones over
+  ``dp``);
 - offload=disk: each unit's shard, master and state read and written once a step at
   the measured bandwidth, hidden behind compute with a prefetch depth k >= 1;
 - waiting for peers: each blocking collective between stretches of compute costs what
@@ -63,6 +68,7 @@ class StepTime:
     tensor_comm: float = 0.0
     pipeline_comm: float = 0.0
     data_comm: float = 0.0
+    expert_comm: float = 0.0
     optimizer: float = 0.0
     offload_io: float = 0.0
     sync_wait: float = 0.0
@@ -70,7 +76,8 @@ class StepTime:
     @property
     def total(self) -> float:
         return (self.compute + self.bubble + self.tensor_comm + self.pipeline_comm
-                + self.data_comm + self.optimizer + self.offload_io + self.sync_wait)
+                + self.data_comm + self.expert_comm + self.optimizer + self.offload_io
+                + self.sync_wait)
 
 
 def _cpus() -> int:
@@ -128,6 +135,27 @@ def _data_comm(layout: Layout, mem: Memory, unit_bytes: list[int], comm: CommMod
         return buckets * comm.reduce_scatter(per, n) + comm.all_gather(whole, n)
     per_mb = sum(2 * comm.all_gather(u, n) + comm.reduce_scatter(u, n) for u in unit_bytes)
     return layout.microbatches * per_mb
+
+
+def _expert_comm(m: ModelShape, layout: Layout, mem: Memory, rows: int, comm: CommModel,
+                 bucket_bytes: float) -> float:
+    """Seconds of expert parallelism's collectives in one step (one rank)."""
+    if layout.ep == 1 or not mem.experts:
+        return 0.0
+    routed = F32 * rows * m.seq * m.top_k * m.hidden
+    blocks = m.n_layer / layout.pp
+    seconds = layout.microbatches * blocks * 4 * comm.all_gather(routed, layout.ep)
+    n, whole = layout.edp, mem.experts["params"]
+    if n > 1:
+        buckets = max(1, int(-(-whole // bucket_bytes)))
+        zero = min(layout.zero, 2)
+        per = whole / buckets
+        if zero == 0:
+            seconds += buckets * comm.all_reduce(per, n)
+        else:
+            reduce = comm.all_reduce if zero == 1 else comm.reduce_scatter
+            seconds += buckets * reduce(per, n) + comm.all_gather(whole, n)
+    return seconds
 
 
 def _waits(m: ModelShape, layout: Layout, rows: int, stage_s: float,
@@ -190,7 +218,9 @@ def predict_time(m: ModelShape, layout: Layout, job: Job, mems: list[Memory],
     worst = max(range(layout.pp), key=lambda s: mems[s].params + mems[s].grads)
     t.data_comm = _data_comm(layout, mems[worst], mems[worst].units, comm,
                              job.bucket_mb * (1 << 20))
-    stepped = mems[worst].optimizer / 8
+    t.expert_comm = _expert_comm(m, layout, mems[worst], rows, comm,
+                                 job.bucket_mb * (1 << 20))
+    stepped = (mems[worst].optimizer + mems[worst].experts.get("optimizer", 0)) / 8
     adam = cal.get("adamw", lambda: (adam_seconds_per_element(),))[0]
     t.optimizer = stepped * adam * share
     world = layout.dp * layout.tp * layout.pp

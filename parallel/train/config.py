@@ -230,8 +230,10 @@ def _check_experts(cfg: TrainConfig) -> None:
                          f"the {cfg.schedule} schedule starts a backward before the last "
                          "forward; give --schedule gpipe (or --moe-aux-coef 0)")
     if cfg.plan == "auto":
-        raise ValueError("train: --plan auto models a dense GPT's memory and time; with "
-                         "--moe-experts give the layout (--dp, --ep, --tp, --pp) yourself")
+        raise ValueError("train: --plan auto times a dense GPT's blocks (the experts' "
+                         "compute and activations are not calibrated); with --moe-experts "
+                         "give the layout (--dp, --ep, --tp, --pp) yourself (python -m "
+                         "parallel.plan lists them with the experts' memory)")
     from parallel.models.gpt import GPTConfig
 
     try:

@@ -56,11 +56,12 @@ class ShardedModel:
                  unit_modules: Iterable[nn.Module] | None, persistence_threshold: int,
                  never_persistent: Iterable[str] = (),
                  materialize: Callable[[list[str]], None] | None = None,
-                 offload: OffloadConfig | None = None):
+                 offload: OffloadConfig | None = None, exclude: Iterable[str] = ()):
         self.model, self.group = model, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._materialize = materialize
-        plans = plan_units(model, unit_modules, persistence_threshold, never_persistent)
+        plans = plan_units(model, unit_modules, persistence_threshold, never_persistent,
+                           exclude)
         self.aliases = {n: a for plan in plans for n, a in plan.aliases.items()}
         named = dict(model.named_parameters())
         self.names = [n for plan in plans for n in plan.names]
@@ -376,7 +377,8 @@ def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None
                 persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
                 never_persistent: Iterable[str] = (),
                 materialize: Callable[[list[str]], None] | None = None,
-                offload: OffloadConfig | None = None) -> nn.Module:
+                offload: OffloadConfig | None = None,
+                exclude: Iterable[str] = ()) -> nn.Module:
     """Shard ``model``'s parameters for ZeRO stage 3 (in place; collective).
 
     Args:
@@ -390,6 +392,8 @@ def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None
             parameters their weights; called unit by unit just before each is sharded.
         offload: keep each unit's shard, fp32 master and optimizer state in a unit store
             (:mod:`parallel.zero.offload`), stepped unit by unit in backward.
+        exclude: parameter names left whole and untouched (another optimizer's: the
+            experts beside ZeRO, :mod:`parallel.compose.expert_side`).
 
     Returns:
         ``model``, whose ``parameters()`` are now the shards; its machinery is
@@ -403,5 +407,5 @@ def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None
         raise ValueError("shard_model: this model is already sharded")
     model.__dict__["zero3"] = ShardedModel(model, process_group, unit_modules,
                                            persistence_threshold, never_persistent, materialize,
-                                           offload)
+                                           offload, exclude)
     return model

@@ -60,10 +60,11 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
 
 
 def plan_units(model: nn.Module, unit_modules: Iterable[nn.Module] | None,
-               persistence_threshold: int, never_persistent: Iterable[str] = ()
-               ) -> list[UnitPlan]:
+               persistence_threshold: int, never_persistent: Iterable[str] = (),
+               exclude: Iterable[str] = ()) -> list[UnitPlan]:
     """The units in module order: the model's own unit first, the persistent unit last.
-    ``never_persistent``: names that stay in their module's unit whatever their size.
+    ``never_persistent``: names that stay in their module's unit whatever their size;
+    ``exclude``: names left out of every unit (whole, another optimizer's).
 
     Raises:
         ValueError: if a parameter is shared between modules of different units, or a
@@ -77,6 +78,7 @@ def plan_units(model: nn.Module, unit_modules: Iterable[nn.Module] | None,
     plans.update({id(m): UnitPlan(m) for m in modules if m is not model})
     persistent = UnitPlan(model, persistent=True)
     aliases, keep, seen = _aliases(model), set(never_persistent), set()
+    left_out = set(exclude)
     for module_name, module in model.named_modules():
         owner = _innermost_unit(model, module_name, plans, prefix_of)
         for param_name, p in module.named_parameters(recurse=False):
@@ -84,6 +86,8 @@ def plan_units(model: nn.Module, unit_modules: Iterable[nn.Module] | None,
                 continue
             seen.add(id(p))
             name = f"{module_name}.{param_name}" if module_name else param_name
+            if name in left_out:
+                continue
             small = p.numel() < persistence_threshold and name not in keep
             unit = persistent if small else _shared_owner(model, name, aliases, owner, plans,
                                                           prefix_of)
