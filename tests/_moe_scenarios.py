@@ -141,14 +141,16 @@ def curves(layout: str, steps: int, pairs: list[tuple[str, str]] | None = None,
     return out
 
 
-def refusal(shape: dict[str, int], config: dict[str, Any]) -> str:
-    """The error ``parallelize`` raises for Mixtral in this layout, or ""."""
+def refusal(shape: dict[str, int], config: dict[str, Any], name: str = "mixtral") -> str:
+    """The error ``parallelize`` raises for ``name`` (one of ours, or of the real-batch
+    models: no experts) in this layout, or ""."""
     from parallel.compose.mesh import ParallelMesh
     from parallel.compose.parallelize import ParallelConfig, parallelize
 
     mesh = ParallelMesh(**shape)
     try:
-        parallelize(build("mixtral"), mesh, ParallelConfig(**config))
+        model = build(name) if name in MODELS else rb.build(name)
+        parallelize(model, mesh, ParallelConfig(**config))
     except ValueError as err:
         return str(err)
     finally:
@@ -201,3 +203,106 @@ def export_reloads(layout: str, root: str) -> float:
         diff[0] = (got - want).abs().max()
     dist.broadcast(diff, 0)
     return float(diff)
+
+
+# -- expert capacity (token dropping) -------------------------------------------------------
+
+CAPACITY = {"capacity_factor": 1.0}  # 4 experts top-2: room for half a call's tokens each
+
+
+def chunks_of(layout: str) -> int:
+    """The experts calls one step's rows are cut into: one per replica and micro-batch
+    (each call's capacity is its own, as Megatron's is per rank)."""
+    dp, _, _, _, config = layout_of(layout)
+    return dp * config.get("microbatches", 1)
+
+
+def _router_logits(model: nn.Module, tokens: torch.Tensor, inputs: dict[str, Any]
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The logits and every layer's router logits ``(rows * seq, E)``."""
+    if hasattr(model, "forward_with_aux"):  # the project's GPT
+        from parallel.models.gpt_moe import router_logits
+
+        with router_logits(model) as found:
+            out = model(tokens, inputs.get("attention_mask"), inputs.get("position_ids"))
+        return out, list(found)
+    result = model(tokens, **inputs, use_cache=False, output_router_logits=True)
+    return result.logits, list(result.router_logits)
+
+
+def _aux(model: nn.Module, layers: list[torch.Tensor], mask: torch.Tensor | None
+         ) -> torch.Tensor:
+    if hasattr(model, "forward_with_aux"):
+        from parallel.models.gpt_moe import load_balancing_loss
+
+        return load_balancing_loss(layers, 4, 2, mask)
+    import importlib
+
+    family = importlib.import_module(type(model).__module__)
+    return family.load_balancing_loss_func(tuple(layers), 4, 2, mask)
+
+
+def one_process_capacity(name: str, case: str, steps: int, chunks: int,
+                         policy: str = "probs") -> list[tuple[float, float, int]]:
+    """One process with the capacity (``parallel.moe.capacity``'s drop on each experts
+    module): the global batch's rows in ``chunks`` forwards, each its own capacity, one
+    objective over all of them (the cross-entropy over the global count, the aux loss over
+    every chunk's routing); per step (loss, gradient norm, dropped assignments)."""
+    from parallel.compose.optim_groups import param_groups
+    from parallel.compose.parallelize import plan_for
+    from parallel.compose.plan import matching
+    from parallel.moe.capacity import DropCounter, limit_capacity
+
+    model = build(name)
+    counter = DropCounter(counts=True)
+    for path in matching(plan_for(model).experts, model):
+        limit_capacity(model.get_submodule(path), 4, CAPACITY["capacity_factor"], policy,
+                       counter)
+    opt = torch.optim.AdamW(param_groups(list(model.parameters()), rb.DECAY), lr=rb.LR)
+    out = []
+    for step in range(steps):
+        b = rb.batch(case, step)
+        opt.zero_grad()
+        counter.reset()
+        rows, inputs = b.tokens.shape[0] // chunks, b.inputs()
+        ce, routed = torch.zeros(()), []
+        for c in range(chunks):
+            part = slice(c * rows, (c + 1) * rows)
+            logits, layers = _router_logits(model, b.tokens[part],
+                                            {k: v[part] for k, v in inputs.items()})
+            ce = ce + F.cross_entropy(logits.reshape(-1, rb.VOCAB),
+                                      b.targets[part].reshape(-1), ignore_index=rb.IGNORE,
+                                      reduction="sum")
+            routed.append(layers)
+        per_layer = [torch.cat([chunk[i] for chunk in routed]) for i in range(len(routed[0]))]
+        aux = _aux(model, per_layer, inputs.get("attention_mask"))
+        loss = ce / (b.targets != rb.IGNORE).sum() + COEF * aux
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), rb.CLIP)
+        opt.step()
+        out.append((loss.item(), norm.item(), int(counter.local[0])))
+    return out
+
+
+def capacity_curves(layout: str, steps: int, pairs: list[tuple[str, str]],
+                    policy: str = "probs"
+                    ) -> dict[tuple[str, str], list[tuple[float, float, int]]]:
+    """``curves`` with the capacity: (loss, gradient norm, dropped) per step."""
+    from parallel.compose.mesh import ParallelMesh
+    from parallel.compose.parallelize import ParallelConfig, parallelize
+
+    dp, tp, pp, ep, config = layout_of(layout)
+    out = {}
+    for name, case in pairs:
+        mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
+        engine = parallelize(build(name), mesh, ParallelConfig(
+            max_grad_norm=rb.CLIP, weight_decay=rb.DECAY, optimizer_kwargs={"lr": rb.LR},
+            drop_policy=policy, **CAPACITY, **config))
+        curve = []
+        for step in range(steps):
+            b = rb.batch(case, step)
+            r = engine.train_step(b.tokens, b.targets, **b.inputs())
+            curve.append((r.loss, r.grad_norm, r.dropped))
+        out[(name, case)] = curve
+        mesh.destroy()
+    return out

@@ -10,6 +10,7 @@ and the GPT with ``--moe-experts``."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pycomm.testing import RankPool
 from tests import _moe_scenarios as sc
@@ -77,7 +78,8 @@ def test_checkpoints_reshard_experts_across_ep_zero_and_tp(tmp_path, world):
 
 def test_the_trainer_trains_a_mixtral_with_expert_parallelism(tmp_path):
     """The README's command, shortened: a Mixtral-shaped model from a config file, dp2 with
-    ep2, its load-balancing loss in every step's record."""
+    ep2, its load-balancing loss in every step's record; with a capacity, the dropped
+    assignments counted there too."""
     import json
 
     from tests.test_train import train
@@ -85,10 +87,12 @@ def test_the_trainer_trains_a_mixtral_with_expert_parallelism(tmp_path):
     metrics = tmp_path / "m.jsonl"
     done = train("--model", "hf:examples/mixtral-tiny.json", "--dp", 2, "--ep", 2,
                  "--steps", 2, "--eval-every", 0, "--block-size", 32, "--batch-size", 4,
-                 "--no-progress", "--metrics", metrics)
+                 "--moe-capacity-factor", 1.0, "--no-progress", "--metrics", metrics)
     assert "dp2 (ep2)" in done.stdout + done.stderr
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"]
     assert len(steps) == 2 and all(0 < r["aux_loss"] < r["loss"] for r in steps), steps
+    # 4 experts top-2 over 2 x 64 tokens: a capacity of 1.0 leaves no room for imbalance
+    assert any(r["dropped"] > 0 for r in steps), steps
 
 
 def test_the_trainer_trains_the_gpt_with_experts_and_expert_parallelism(tmp_path):
@@ -122,3 +126,61 @@ def test_the_planner_predicts_the_experts_memory_as_measured():
             assert mm.planned(ep, zero) == want, (ep, zero)
             for got in pool.run(mm.measure, ep, zero):
                 assert got == want, (ep, zero, got, want)
+
+
+# (layout, drop policy): experts capped at capacity factor 1.0, each call its own capacity
+CAPPED = [("dp2", "probs"), ("dp2 ep2", "probs"), ("dp2 zero3 ep2", "position"),
+          ("dp2 M=2 ep2", "probs"), ("tp2", "position"), ("ep4", "probs"),
+          ("dp2 x tp2 ep2", "position"), ("pp2 x dp2 ep2", "probs")]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_capacity_drops_the_same_assignments_as_one_process(world):
+    """capacity_factor: every layout drops what one process drops when it computes each
+    replica's micro-batch as its own call (Megatron's per-rank capacity) - the same count
+    of dropped assignments in every step, the loss and gradient norm within 1e-5."""
+    layouts = [(name, policy) for name, policy in CAPPED if sc.world_of(name) == world]
+    with RankPool(world, backend="pycomm", pg_timeout_s=120) as pool:
+        for i, (layout, policy) in enumerate(layouts):
+            pairs = [(sc.MODELS[(i + j) % len(sc.MODELS)], case)
+                     for j, case in enumerate(sc.CASES)]
+            for got in pool.run(sc.capacity_curves, layout, STEPS, pairs, policy):
+                for key, curve in got.items():
+                    want = sc.one_process_capacity(*key, STEPS, sc.chunks_of(layout), policy)
+                    assert [c[2] for c in curve] == [w[2] for w in want], (layout, key)
+                    assert all(w[2] > 0 for w in want), "the capacity dropped nothing"
+                    loss, norm = rb.worst_relative([c[:2] for c in curve],
+                                                   [w[:2] for w in want])
+                    assert loss < REL and norm < REL, (layout, key, loss, norm)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_kept_assignments_are_each_experts_first_by_the_policy(policy):
+    """parallel.moe.capacity.kept against a loop over the experts."""
+    from parallel.moe.capacity import capacity_of, kept
+
+    gen = torch.Generator().manual_seed(3)
+    for tokens, k, experts, factor in [(16, 2, 4, 1.0), (33, 1, 8, 0.5), (20, 3, 5, 1.3)]:
+        index = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+        weights = torch.rand(tokens, k, generator=gen)
+        got = kept(index, weights, experts, factor, policy)
+        room = capacity_of(tokens, k, experts, factor)
+        want = torch.zeros(tokens, k, dtype=torch.bool)
+        for e in range(experts):
+            places = [(t, j) for t in range(tokens) for j in range(k) if index[t, j] == e]
+            if policy == "probs":
+                places.sort(key=lambda tj: -float(weights[tj]))
+            for t, j in places[:room]:
+                want[t, j] = True
+        assert torch.equal(got, want), (tokens, k, experts, factor)
+
+
+def test_a_capacity_is_refused_without_experts_or_with_a_bad_value():
+    cases = [("llama", {"capacity_factor": 1.0}, "the plan for LlamaForCausalLM names none"),
+             ("mixtral", {"capacity_factor": 0.0}, "capacity_factor must be > 0"),
+             ("mixtral", {"capacity_factor": 1.0, "drop_policy": "random"},
+              "drop_policy must be one of")]
+    with RankPool(2, backend="pycomm", pg_timeout_s=60) as pool:
+        for name, config, wanted in cases:
+            for message in pool.run(sc.refusal, {"dp": 2}, config, name):
+                assert wanted in message, (name, config, message)

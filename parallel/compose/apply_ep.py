@@ -57,10 +57,14 @@ def split_experts(module: nn.Module, path: str, group: Any) -> None:
         return forward(rows, ids.unsqueeze(-1), ones)
 
     def dispatched(hidden: torch.Tensor, top_k_index: torch.Tensor,
-                   top_k_weights: torch.Tensor) -> torch.Tensor:
-        return dispatch_combine(hidden, top_k_index, top_k_weights, local, group, per_rank)
+                   top_k_weights: torch.Tensor, keep: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        return dispatch_combine(hidden, top_k_index, top_k_weights, local, group, per_rank,
+                                keep)
 
     module.forward = dispatched
+    module.dispatches = True  # type: ignore[assignment]
+    module.experts_total = ep * per_rank  # type: ignore[assignment]
 
 
 def expert_parallel(model: nn.Module, plan: Plan, held: list[str], group: Any,

@@ -1,16 +1,19 @@
 """Layers that see the whole batch, in every layout: BatchNorm over the whole
-data-parallel batch (or refused where no layer sees it), and the routers'
-load-balancing statistics over the global batch (:mod:`parallel.moe.balance`)."""
+data-parallel batch (or refused where no layer sees it), the routers' load-balancing
+statistics over the global batch (:mod:`parallel.moe.balance`), and the experts'
+capacity with the count of what it dropped (:mod:`parallel.moe.capacity`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import nn
 
 from parallel.compose.plan import matching, under_any
 from parallel.data.sync_batchnorm import batchnorm_paths, sync_batchnorm
 from parallel.moe.balance import RoutingStats, track_router
+from parallel.moe.capacity import DropCounter, limit_capacity
 
 
 def batchnorm_over_batch(engine: Any) -> None:
@@ -69,3 +72,27 @@ def routing_stats(engine: Any) -> RoutingStats | None:
             track_router(engine.stage_plan.materializer.root.get_submodule(path), stats)
     engine.pipeline.before_backward = stats.finish
     return stats
+
+
+def expert_capacity(engine: Any, model: nn.Module) -> DropCounter | None:
+    """The configured capacity on every experts module of the stage (after expert or
+    tensor parallelism split them; :mod:`parallel.moe.capacity`), and its counter.
+
+    Raises:
+        ValueError: a capacity for a model whose plan names no experts.
+    """
+    config, plan = engine.config, engine.plan
+    if config.capacity_factor is None:
+        return None
+    if plan.experts is None:
+        raise ValueError(f"parallelize: capacity_factor={config.capacity_factor} limits a "
+                         f"mixture of experts' experts, and the plan for {plan.name} names "
+                         "none (Plan.experts)")
+    counter = DropCounter(counts=engine.mesh.rank("tp") == 0 or config.sequence_parallel)
+    for path in matching(plan.experts, model):
+        if under_any(path, engine.stage_plan.held):
+            module = model.get_submodule(path)
+            experts: Any = getattr(module, "experts_total", None) or module.num_experts
+            limit_capacity(module, experts, config.capacity_factor, config.drop_policy,
+                           counter)
+    return counter

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from parallel.compose.mesh import ParallelMesh
+from parallel.moe.capacity import POLICIES
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOADS = ("none", "cpu", "disk")
@@ -64,6 +65,13 @@ class ParallelConfig:
             ``offload_prefetch`` units ahead and stepped unit by unit in backward
             (:mod:`parallel.zero.offload`). Needs zero=3, dp only, one micro-batch,
             fp32, Adam(W) and no clipping (``max_grad_norm=None``).
+        capacity_factor: a mixture of experts' expert capacity (Megatron-LM's
+            ``moe_expert_capacity_factor``): each experts call gives every expert room
+            for ``ceil(tokens * k / E * factor)`` assignments and drops the rest
+            (:mod:`parallel.moe.capacity`; ``StepResult.dropped`` counts them). None:
+            dropless.
+        drop_policy: which assignments a full expert keeps: ``"probs"`` (the highest
+            routing weights) or ``"position"`` (the first tokens).
     """
 
     sequence_parallel: bool = False
@@ -90,6 +98,8 @@ class ParallelConfig:
     offload: str = "none"
     offload_dir: str = ""
     offload_prefetch: int = 2
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
 
     def check(self, mesh: ParallelMesh) -> None:
         """Raises ValueError for combinations that cannot work, naming them."""
@@ -113,6 +123,12 @@ class ParallelConfig:
         if not self.reduce_dtype.is_floating_point:
             raise ValueError(f"parallelize: reduce_dtype must be a floating dtype, got "
                              f"{self.reduce_dtype}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"parallelize: capacity_factor must be > 0 (or None: dropless), "
+                             f"got {self.capacity_factor!r}")
+        if self.drop_policy not in POLICIES:
+            raise ValueError(f"parallelize: drop_policy must be one of {POLICIES}, got "
+                             f"{self.drop_policy!r}")
         self._check_offload(mesh)
 
     def _check_offload(self, mesh: ParallelMesh) -> None:
@@ -168,3 +184,4 @@ class StepResult:
     loss_scale: float = 1.0
     tokens: int = 0  # the targets the loss counted (not ignored) in the global batch
     aux_loss: float = 0.0  # the routers' load-balancing loss (times its coefficient) in loss
+    dropped: int = 0  # (token, expert) assignments over capacity, dropped (capacity_factor)

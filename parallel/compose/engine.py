@@ -14,7 +14,7 @@ from parallel.compose import stage as build
 from parallel.compose.apply_ep import expert_parallel, is_expert
 from parallel.compose.apply_tp import partial_grad_params
 from parallel.compose.batch import check_targets, model_inputs, vocab_of
-from parallel.compose.batch_layers import batchnorm_over_batch, routing_stats
+from parallel.compose.batch_layers import batchnorm_over_batch, expert_capacity, routing_stats
 from parallel.compose.compiled import compile_blocks
 from parallel.compose.config import ParallelConfig, StepResult
 from parallel.compose.expert_side import ExpertsBeside
@@ -65,6 +65,7 @@ class ParallelModel:
         self._build_pipeline(model)
         batchnorm_over_batch(self)
         self.routing = routing_stats(self)
+        self.drops = expert_capacity(self, model)
         # After the weights exist: torch's generator then differs per pipeline stage.
         seed_streams(config.seed, mesh.rank("tp"), mesh.rank("pp"))
         self.ties = CrossStageTies(self.stage_plan.ties, self.stage_plan.stage_of, mesh)
@@ -233,6 +234,7 @@ class ParallelModel:
         skipped (``skipped``), on every rank."""
         scale = self.scaler.scale if self.scaler else 1.0
         loss = self.compute_gradients(tokens, targets, scale, attention_mask, position_ids)
+        dropped = self.drops.total() if self.drops is not None else 0
         parts = self.phases.grad_parts()
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.scaler is not None:
@@ -240,7 +242,7 @@ class ParallelModel:
                 self.scaler.update(True)
                 self.dp.zero_grad()
                 return StepResult(loss, float("inf"), lr, True, scale, self.last_tokens,
-                                  self.last_aux)
+                                  self.last_aux, dropped)
             self.scaler.unscale(parts)
         norm = clip_grad_norm_(parts, self.config.max_grad_norm)
         self.optimizer.step()
@@ -248,7 +250,8 @@ class ParallelModel:
         self.scheduler.step()
         if self.scaler is not None:
             self.scaler.update(False)
-        return StepResult(loss, norm, lr, False, scale, self.last_tokens, self.last_aux)
+        return StepResult(loss, norm, lr, False, scale, self.last_tokens, self.last_aux,
+                          dropped)
 
     def compute_gradients(self, tokens: torch.Tensor, targets: torch.Tensor,
                           loss_scale: float = 1.0, attention_mask: torch.Tensor | None = None,
@@ -262,6 +265,8 @@ class ParallelModel:
         self._use_inputs(tokens, attention_mask, position_ids)
         if self.routing is not None:
             self.routing.reset()
+        if self.drops is not None:
+            self.drops.reset()
         shares = self.pipeline.step(self._rows(tokens), self._rows(targets), self.loss_fn,
                                     loss_is_mean=False)
         finalize_grads(self.phases)
@@ -287,6 +292,8 @@ class ParallelModel:
         self._use_inputs(tokens, attention_mask, position_ids)
         if self.routing is not None:
             self.routing.reset()
+        if self.drops is not None:
+            self.drops.reset()
         shares = forward_loss(self.pipeline, self._rows(tokens), self._rows(targets),
                               self.loss_fn, loss_is_mean=False)
         factor, _ = self._loss.finish(self._counts_loss())

@@ -31,7 +31,8 @@ from pycomm.dispatch_ops import combine, dispatch
 def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor,
                      local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                     group: Any, experts_per_rank: int) -> torch.Tensor:
+                     group: Any, experts_per_rank: int,
+                     keep: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_k weight[t, k] * expert[index[t, k]](hidden[t])`` for every token ``t``, the
     experts split over ``group`` (rank ``r`` holds experts ``r * experts_per_rank`` on).
 
@@ -42,6 +43,8 @@ def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor,
             it received (``local_ids``: each row's expert among this rank's).
         group: the ``ep`` group.
         experts_per_rank: E / ep.
+        keep: ``(tokens, k)`` booleans: only these assignments are sent (the others,
+            dropped by a capacity, contribute nothing); None: all.
 
     Raises:
         ValueError: an expert index outside ``[0, E)``.
@@ -53,14 +56,21 @@ def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor,
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= experts):
         raise ValueError(f"expert parallel: expert index out of [0, {experts})"
                          f": {int(flat.min())}..{int(flat.max())}")
-    order = torch.argsort(flat, stable=True)  # by expert: by rank, then its local expert
-    send = torch.bincount(flat, minlength=experts).view(world, experts_per_rank)
-    rows = hidden[order // k]  # the assignment's token (assignment a = token * k + choice)
+    # the assignments sent (assignment a = token * k + choice), by expert: by rank, then
+    # its local expert
+    sent = (torch.arange(flat.numel(), device=flat.device) if keep is None
+            else keep.reshape(-1).nonzero().squeeze(1))
+    experts_of = flat[sent]
+    order = sent[torch.argsort(experts_of, stable=True)]
+    send = torch.bincount(experts_of, minlength=experts).view(world, experts_per_rank)
+    rows = hidden[order // k]
     arrived, received = dispatch(rows, send, group)
     local_ids = torch.arange(experts_per_rank).repeat(world).repeat_interleave(
         received.reshape(-1))
     done = local_experts(arrived, local_ids)
     back = combine(done, send, received, group)
-    by_assignment = torch.empty_like(back).index_copy(0, order, back)
+    shape = (flat.numel(), back.shape[1])  # dropped assignments: nothing comes back
+    whole = back.new_empty(shape) if keep is None else back.new_zeros(shape)
+    by_assignment = whole.index_copy(0, order, back)
     weights = top_k_weights.reshape(tokens, k, 1).to(by_assignment.dtype)
     return (by_assignment.view(tokens, k, -1) * weights).sum(dim=1)

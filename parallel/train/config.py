@@ -55,6 +55,13 @@ class TrainConfig:
     moe_top_k: int = _opt("model", 2, "with --moe-experts: the experts each token is routed to")
     moe_aux_coef: float = _opt("model", 0.01, "with --moe-experts: the load-balancing loss's "
                                "weight (0: none)")
+    moe_capacity_factor: float = _opt("model", 0.0, "a mixture of experts' expert capacity "
+                                      "(Megatron's): each expert takes ceil(tokens x k / E x "
+                                      "factor) of a call's assignments, the rest dropped and "
+                                      "counted (0: dropless)")
+    moe_drop_policy: str = _opt("model", "probs", "over capacity, keep the highest routing "
+                                "weights (probs) or the first tokens (position)",
+                                ("probs", "position"))
     # [data]
     data: str = _opt("data", "", "a text file or a folder of them (default: the Python "
                      "standard library's .py sources)")

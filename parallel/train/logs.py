@@ -50,6 +50,8 @@ def step_line(rec: dict[str, Any], steps: int) -> str:
     """``step 10/200 | loss 3.2145 | grad norm 0.8120 | lr 1.000e-03 | 5,120 tok/s |
     1,873 trained tokens`` from a step's metrics record."""
     aux = f" (aux {rec['aux_loss']:.4f})" if rec.get("aux_loss") else ""
+    if rec.get("dropped"):
+        aux += f" ({rec['dropped']:,} assignments over capacity dropped)"
     return (f"step {rec['step']}/{steps} | loss {rec['loss']:.4f}{aux} | grad norm "
             f"{rec['grad_norm']:.4f} | lr {rec['lr']:.3e} | {rec['tokens_per_s']:,.0f} tok/s | "
             f"{rec['trained_tokens']:,} trained tokens")

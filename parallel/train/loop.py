@@ -34,6 +34,7 @@ def parallel_config(cfg: TrainConfig) -> ParallelConfig:
         bucket_mb=cfg.bucket_mb,
         offload=cfg.offload, offload_dir=cfg.offload_dir,
         offload_prefetch=cfg.offload_prefetch,
+        capacity_factor=cfg.moe_capacity_factor or None, drop_policy=cfg.moe_drop_policy,
         lr_lambda=WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
 
 
@@ -111,7 +112,7 @@ def _train_step(engine: ParallelModel, cfg: TrainConfig, data: DataSource, step:
     log.train({"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": r.lr,
                "step_s": seconds, "tokens_per_s": batch.tokens.numel() / seconds,
                "trained_tokens": batch.trained_tokens(), "aux_loss": r.aux_loss,
-               "skipped": r.skipped,
+               "dropped": r.dropped, "skipped": r.skipped,
                "loss_scale": r.loss_scale, "peak_rss_mb": peak_rss_mb()})
 
 

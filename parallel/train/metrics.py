@@ -7,13 +7,15 @@ The lines (``--metrics FILE.jsonl``) are::
     {"kind": "config", ...every setting..., "world": 4, "params": 832768}
     {"kind": "train", "step": 1, "loss": 5.54, "grad_norm": 1.03, "lr": 0.0001,
      "step_s": 0.12, "tokens_per_s": 17066.7, "trained_tokens": 2048, "aux_loss": 0.0,
-     "skipped": false, "loss_scale": 1.0, "peak_rss_mb": 612.3}
+     "dropped": 0, "skipped": false, "loss_scale": 1.0, "peak_rss_mb": 612.3}
     {"kind": "eval", "step": 50, "val_loss": 3.21, "eval_s": 0.4}
 
 ``aux_loss`` is a mixture of experts' load-balancing loss (times its coefficient), part
-of ``loss``; ``lr`` is the rate the step used; ``tokens_per_s`` is the global batch's
-tokens over the step's wall time on rank 0 (the step ends in a world-wide collective, so that is the
-job's step time; padding included); ``trained_tokens`` the targets the loss counts (not
+of ``loss``; ``dropped`` the (token, expert) assignments its experts' capacity dropped in
+the global batch (``--moe-capacity-factor``; 0 when dropless); ``lr`` is the rate the
+step used; ``tokens_per_s`` is the global batch's tokens over the step's wall time on
+rank 0 (the step ends in a world-wide collective, so that is the job's step time;
+padding included); ``trained_tokens`` the targets the loss counts (not
 -100: padding, SFT prompts and documents' last tokens are not); ``peak_rss_mb`` is the
 largest peak resident set over all ranks (``getrusage``'s ``ru_maxrss``, gathered with a
 MAX all-reduce); ``skipped`` and ``loss_scale`` are fp16's (an overflowed step is skipped
