@@ -37,7 +37,7 @@ def one_process(name: str, recipe: zoo.Recipe, precision: str = "fp32",
     model = _built(name, meta)
     plan = zoo.plan_of(name, model) or plan_for(model)
     if meta:
-        materialize(model, seed=0, init=plan.init)
+        materialize(model, seed=0, init=plan.init, experts=plan.experts)
     params = list(dict.fromkeys(model.parameters()))
     masters = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
     if precision in _LOW:

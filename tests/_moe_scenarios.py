@@ -45,10 +45,11 @@ def build(name: str) -> nn.Module:
         num_experts=4, moe_intermediate_size=32, head_dim=8, norm_topk_prob=True, **common))
 
 
-def one_process(name: str, case: str, steps: int) -> list[tuple[float, float]]:
+def one_process(name: str, case: str, steps: int, model: nn.Module | None = None
+                ) -> list[tuple[float, float]]:
     from parallel.compose.optim_groups import param_groups
 
-    model = build(name)
+    model = model if model is not None else build(name)
     opt = torch.optim.AdamW(param_groups(list(model.parameters()), rb.DECAY), lr=rb.LR)
     out = []
     for step in range(steps):
@@ -306,3 +307,45 @@ def capacity_curves(layout: str, steps: int, pairs: list[tuple[str, str]],
         out[(name, case)] = curve
         mesh.destroy()
     return out
+
+
+def meta_curves(layout: str, steps: int, name: str
+                ) -> tuple[list[tuple[float, float]], int]:
+    """``name`` built on the meta device and parallelized in ``layout`` (each rank
+    materializing what it holds; under ep only its experts): (loss, grad norm) per step,
+    and the most experts this rank ever initialised in one experts module."""
+    from parallel.compose.materialize import Materializer
+
+    made: list[int] = []
+    init_experts = Materializer._init_experts
+
+    def counted(self: Any, path: str, module: nn.Module, first: int) -> None:
+        made.append(next(iter(module._parameters.values())).shape[0])
+        init_experts(self, path, module, first)
+
+    Materializer._init_experts = counted  # type: ignore[method-assign]
+    try:
+        with torch.device("meta"):
+            model = build(name)
+        engine, mesh = engine_in(layout, model)
+    finally:
+        Materializer._init_experts = init_experts  # type: ignore[method-assign]
+    curve = []
+    for step in range(steps):
+        b = rb.batch("right_pad", step)
+        r = engine.train_step(b.tokens, b.targets, **b.inputs())
+        curve.append((r.loss, r.grad_norm))
+    mesh.destroy()
+    return curve, max(made, default=0)
+
+
+def one_process_meta(name: str, steps: int) -> list[tuple[float, float]]:
+    """``one_process`` from the weights a meta-device build gets in one process."""
+    from parallel.compose.materialize import materialize
+    from parallel.compose.parallelize import plan_for
+
+    with torch.device("meta"):
+        model = build(name)
+    plan = plan_for(model)
+    materialize(model, seed=0, init=plan.init, experts=plan.experts)
+    return one_process(name, "right_pad", steps, model=model)

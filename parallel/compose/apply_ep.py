@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.compose.materialize import is_meta
 from parallel.compose.plan import Plan, matching, under_any
 from parallel.moe.dispatch import dispatch_combine
 
@@ -28,7 +29,8 @@ def _checked(module: nn.Module, path: str, ep: int) -> int:
     experts = getattr(module, "num_experts", None)
     tensors = [getattr(module, n, None) for n in EXPERT_TENSORS]
     if not isinstance(experts, int) or not all(isinstance(t, nn.Parameter) and t.dim() == 3
-                                                 and t.shape[0] == experts for t in tensors):
+                                                 and t.shape[0] in (experts, experts // ep)
+                                                 for t in tensors):
         raise TypeError(f"expert parallel: {path} is a {type(module).__name__}, not fused "
                         f"experts ({EXPERT_TENSORS} of shape (num_experts, ...))")
     if experts % ep:
@@ -39,13 +41,15 @@ def _checked(module: nn.Module, path: str, ep: int) -> int:
 
 def split_experts(module: nn.Module, path: str, group: Any) -> None:
     """This rank's experts of ``module`` and the dispatching forward (see the module
-    docstring)."""
+    docstring). Tensors of ``E / ep`` experts are already this rank's (a model built on
+    the meta device materializes only them)."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     per_rank = _checked(module, path, ep) // ep
     for name in EXPERT_TENSORS:
         whole: Any = getattr(module, name)
-        part = nn.Parameter(whole.detach()[rank * per_rank:(rank + 1) * per_rank].clone(),
-                            requires_grad=whole.requires_grad)
+        mine = (whole.detach() if whole.shape[0] == per_rank  # made for this rank alone
+                else whole.detach()[rank * per_rank:(rank + 1) * per_rank].clone())
+        part = nn.Parameter(mine, requires_grad=whole.requires_grad)
         part.expert_parallel = True  # type: ignore[attr-defined]
         part.ep_slice = (rank * per_rank, ep * per_rank)  # type: ignore[attr-defined]
         setattr(module, name, part)
@@ -68,8 +72,9 @@ def split_experts(module: nn.Module, path: str, group: Any) -> None:
 
 
 def expert_parallel(model: nn.Module, plan: Plan, held: list[str], group: Any,
-                    materialize: Any) -> list[str]:
-    """Split every fused experts module of the stage over ``group``; returns their paths.
+                    materializer: Any) -> list[str]:
+    """Split every fused experts module of the stage over ``group`` (one on the meta
+    device: only this rank's experts materialized); returns their paths.
 
     Raises:
         ValueError: the plan names no experts, or E is not divisible by ep.
@@ -81,7 +86,10 @@ def expert_parallel(model: nn.Module, plan: Plan, held: list[str], group: Any,
     for path in matching(plan.experts, model):
         if under_any(path, held):
             module = model.get_submodule(path)
-            materialize(path, module)
+            if is_meta(module):
+                per_rank = _checked(module, path, dist.get_world_size(group)) // \
+                    dist.get_world_size(group)
+                materializer.experts(path, module, dist.get_rank(group) * per_rank, per_rank)
             split_experts(module, path, group)
             done.append(path)
     return done

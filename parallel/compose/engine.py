@@ -88,7 +88,7 @@ class ParallelModel:
                                   self.config.sequence_parallel, self.config.loss_fn is None)
         if self.mesh.size("ep") > 1:
             expert_parallel(model, self.plan, stage.held, self.mesh.group("ep"),
-                            stage.materializer.module)
+                            stage.materializer)
         build.materialize_rest(model, stage, but_zero3=self.config.zero == 3)
         build.tie_here(model, stage)
         build.drop_other_stages(model, stage)  # a tie's owner materialized for this stage

@@ -10,6 +10,11 @@ them. :func:`materialize` gives the whole model the same weights in one process.
 
 A tied parameter takes the weights of its canonical owner (the first module that names
 it), wherever the stage holding the other end is.
+
+A mixture of experts' fused experts module (``(E, ...)`` tensors) is initialised expert
+by expert, each from ``(seed, path, its index)``: so under expert parallelism a rank
+makes only its ``E / ep`` experts (:meth:`Materializer.experts`), never the whole
+module, and they equal those of the whole module made in one process.
 """
 
 from __future__ import annotations
@@ -58,12 +63,15 @@ class Materializer:
         seed: the run's seed.
         canonical: alias -> canonical name of every tied parameter.
         device: where the weights go.
+        experts: paths of the fused experts modules (initialised expert by expert).
     """
 
     def __init__(self, root: nn.Module, init: InitFn | None, seed: int,
-                 canonical: dict[str, str], device: torch.device | str = "cpu"):
+                 canonical: dict[str, str], device: torch.device | str = "cpu",
+                 experts: list[str] | None = None):
         self.root, self.init, self.seed = root, init or default_init, seed
         self.canonical, self.device = canonical, torch.device(device)
+        self.expert_paths = set(experts or [])
 
     def __call__(self, path: str, module: nn.Module) -> None:
         """Materialize ``module`` (at ``path``) and everything inside it."""
@@ -81,11 +89,48 @@ class Materializer:
         for name in own:
             p = module._parameters[name]
             assert p is not None
-            module._parameters[name] = nn.Parameter(torch.empty_like(p, device=self.device),
-                                                    requires_grad=p.requires_grad)
+            made = nn.Parameter(torch.empty_like(p, device=self.device),
+                                requires_grad=p.requires_grad)
+            made.__dict__.update(p.__dict__)  # the marks strategies put on it while meta
+            module._parameters[name] = made
         for name in buffers:
             module._buffers[name] = torch.empty_like(module._buffers[name], device=self.device)  # type: ignore[arg-type]
-        self._run_init(path, module, tied)
+        if path in self.expert_paths:
+            self._init_experts(path, module, 0)
+        else:
+            self._run_init(path, module, tied)
+
+    def experts(self, path: str, module: nn.Module, first: int, count: int) -> None:
+        """Materialize experts ``first .. first + count - 1`` of the fused experts
+        ``module`` alone: its ``(E, ...)`` meta tensors become ``(count, ...)`` tensors
+        holding those experts' weights (expert parallelism's slice)."""
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                made = nn.Parameter(
+                    torch.empty((count, *p.shape[1:]), dtype=p.dtype, device=self.device),
+                    requires_grad=p.requires_grad)
+                made.__dict__.update(p.__dict__)
+                module._parameters[name] = made
+        self._init_experts(path, module, first)
+
+    @torch.no_grad()
+    def _init_experts(self, path: str, module: nn.Module, first: int) -> None:
+        """Each expert of ``module``'s tensors (their first dimension) initialised alone,
+        from ``(seed, path, first + i)``: the init runs on one-expert stand-ins."""
+        whole = {n: p for n, p in module._parameters.items() if p is not None}
+        count = next(iter(whole.values())).shape[0] if whole else 0
+        for i in range(count):
+            one = {n: nn.Parameter(torch.empty((1, *p.shape[1:]), dtype=p.dtype,
+                                               device=p.device)) for n, p in whole.items()}
+            module._parameters.update(one)
+            if hasattr(module, "_is_hf_initialized"):
+                module.__dict__["_is_hf_initialized"] = False
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed_of(self.seed, f"{path}[{first + i}]"))
+                self.init(path, module)
+            for n, p in whole.items():
+                p[i].copy_(one[n][0])
+        module._parameters.update(whole)
 
     def _take_tied(self, path: str, module: nn.Module, names: list[str]) -> dict[str, nn.Parameter]:
         """This module's tied parameters whose canonical owner is elsewhere: that owner is
@@ -116,11 +161,16 @@ class Materializer:
             keep[name].copy_(value)
 
 
-def materialize(model: nn.Module, seed: int, init: InitFn | None = None) -> nn.Module:
+def materialize(model: nn.Module, seed: int, init: InitFn | None = None,
+                experts: str | None = None) -> nn.Module:
     """The whole of a meta-device ``model`` with the weights every layout of
     ``parallelize(model, ..., ParallelConfig(seed=seed))`` starts from (one process: the
-    reference the layouts are compared with). Returns ``model``."""
+    reference the layouts are compared with); ``init`` and ``experts`` are the plan's
+    (``Plan.init``, ``Plan.experts``). Returns ``model``."""
+    from parallel.compose.plan import matching
     from parallel.compose.tied import canonical_names, tie_groups
 
-    Materializer(model, init, seed, canonical_names(tie_groups(model)))("", model)
+    paths = matching(experts, model) if experts is not None else []
+    Materializer(model, init, seed, canonical_names(tie_groups(model)),
+                 experts=paths)("", model)
     return model

@@ -29,7 +29,7 @@ from parallel.compose.layers import (
 )
 from parallel.compose.materialize import Materializer
 from parallel.compose.mesh import ParallelMesh
-from parallel.compose.plan import Plan, ResolvedLayer, resolve_layers, under_any
+from parallel.compose.plan import Plan, ResolvedLayer, matching, resolve_layers, under_any
 from parallel.compose.tied import canonical_names, retie, tie_groups
 
 
@@ -76,7 +76,9 @@ def plan_stage(model: nn.Module, plan: Plan, mesh: ParallelMesh, seed: int) -> S
                 stage_of[name] = s
     return Stage(layers, balance, mine, [p for x in mine for p in x.paths],
                  [p for x in layers if x.is_block for p in x.paths], groups, canonical,
-                 stage_of, Materializer(model, plan.init, seed, canonical))
+                 stage_of, Materializer(model, plan.init, seed, canonical,
+                                        experts=matching(plan.experts, model)
+                                        if plan.experts is not None else []))
 
 
 def _starts(balance: list[int]) -> list[int]:
