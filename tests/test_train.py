@@ -101,6 +101,17 @@ def test_batch_that_does_not_split_is_refused():
         parse(["--batch-size", "6", "--dp", "4"])
 
 
+@pytest.mark.parametrize("saving", [["--ckpt-every", "2", "--ckpt-dir", "c"],
+                                    ["--resume", "--ckpt-dir", "c"],
+                                    ["--model", "llama", "--export-hf", "out"]])
+def test_saving_an_offloaded_run_is_refused_before_it_starts(saving):
+    """Not at the first save, steps later: the settings are refused when parsed."""
+    flags = ["--offload", "disk", "--offload-dir", "o", "--zero", "3", "--max-grad-norm", "0"]
+    with pytest.raises(ValueError, match=r"with --offload disk: checkpoints and the "
+                                         r"HuggingFace export of an offloaded run"):
+        parse(flags + saving)
+
+
 # --- data ---------------------------------------------------------------------------------
 
 
