@@ -91,6 +91,7 @@ def layouts() -> dict[str, tuple[int, int, int, int, dict[str, Any]]]:
     out["ep4 zero2"] = (4, 1, 1, 4, {"zero": 2})
     out["dp4 ep2 zero1"] = (4, 1, 1, 2, {"zero": 1})  # experts replicated over edp = 2
     out["dp4 ep2 zero3"] = (4, 1, 1, 2, {"zero": 3})
+    out["dp2 ep2 recompute"] = (2, 1, 1, 2, {"recompute": True})  # routers rerun in backward
     return out
 
 

@@ -131,7 +131,8 @@ def test_the_planner_predicts_the_experts_memory_as_measured():
 # (layout, drop policy): experts capped at capacity factor 1.0, each call its own capacity
 CAPPED = [("dp2", "probs"), ("dp2 ep2", "probs"), ("dp2 zero3 ep2", "position"),
           ("dp2 M=2 ep2", "probs"), ("tp2", "position"), ("ep4", "probs"),
-          ("dp2 x tp2 ep2", "position"), ("pp2 x dp2 ep2", "probs")]
+          ("dp2 x tp2 ep2", "position"), ("pp2 x dp2 ep2", "probs"),
+          ("dp2 ep2 recompute", "probs")]  # a rerun forward's drops are not counted again
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.recompute.checkpoint import replaying
+
 
 @dataclass
 class RoutingStats:
@@ -61,8 +63,9 @@ class RoutingStats:
         self.total = None
 
     def add(self, logits: torch.Tensor) -> None:
-        """A router's logits ``(tokens, E)`` of the micro-batch being computed."""
-        if not self.counts:
+        """A router's logits ``(tokens, E)`` of the micro-batch being computed (not again
+        when recompute reruns it)."""
+        if not self.counts or replaying():
             return
         with torch.no_grad():
             probs = logits.float().softmax(dim=-1)

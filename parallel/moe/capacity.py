@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.recompute.checkpoint import replaying
+
 POLICIES = ("probs", "position")
 
 
@@ -66,7 +68,7 @@ class DropCounter:
         self.local.zero_()
 
     def add(self, keep: torch.Tensor) -> None:
-        if self.counts:
+        if self.counts and not replaying():  # a recomputed forward's drops are counted
             self.local += torch.tensor([float((~keep).sum()), float(keep.numel())],
                                        dtype=torch.float64)
 

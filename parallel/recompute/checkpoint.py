@@ -23,6 +23,13 @@ from parallel.recompute.partition import Stored, check_identical_inputs
 from parallel.rng import TRACKER
 
 _DEFAULT_ARENA = CheckpointArena()
+_REPLAYS = [0]  # reruns in progress (a rerun may hold another checkpoint's)
+
+
+def replaying() -> bool:
+    """Whether a checkpointed forward is being rerun for its backward (what a forward
+    counts, it counted the first time)."""
+    return _REPLAYS[0] > 0
 
 
 def default_arena() -> CheckpointArena:
@@ -43,8 +50,12 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         inputs = [a.load() if isinstance(a, Stored) else a for a in ctx.args]
         # the forward's random draws again (dropout masks, on every stream)
-        with TRACKER.replay(ctx.rng), torch.enable_grad():
-            out = ctx.fn(*inputs)
+        _REPLAYS[0] += 1
+        try:
+            with TRACKER.replay(ctx.rng), torch.enable_grad():
+                out = ctx.fn(*inputs)
+        finally:
+            _REPLAYS[0] -= 1
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
                  if torch.is_tensor(o) and o.requires_grad and g is not None]
