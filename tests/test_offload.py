@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _offload_scenarios import STEPS
+from _offload_scenarios import CLIP, STEPS
 
 MODELS = ["gpt", "llama"]
 KINDS = ["disk", "cpu"]
@@ -35,6 +35,21 @@ def test_parameters_bit_identical_to_in_memory_zero3(ranks, model, kind):
         for (_, norm), (_, ref) in zip(got["curve"], want["curve"], strict=True):
             assert norm == pytest.approx(ref, rel=1e-12)  # reported only: summed per unit
         assert len(want["params"]) > 0 and want["stats"] == {}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_clipping_with_offload_steps_after_the_norm_bit_identical(ranks, model):
+    """max_grad_norm with offload: backward keeps each unit's gradient in its record and
+    the units step once the global norm is known, scaled by the same coefficient as in
+    memory: the same parameters, every step clipped."""
+    for rank, result in enumerate(ranks):
+        want, got = result[(model, "clip none")], result[(model, "clip disk")]
+        for name, value in want["params"].items():
+            assert torch.equal(got["params"][name], value), f"rank {rank}: {name} differs"
+        assert all(norm > CLIP for _, norm in want["curve"]), want["curve"]
+        for (loss, norm), (ref_loss, ref_norm) in zip(got["curve"], want["curve"], strict=True):
+            assert loss == ref_loss and norm == pytest.approx(ref_norm, rel=1e-12)
+        assert got["stats"]["steps"] == STEPS * got["units"]
 
 
 def test_recompute_with_offload_bit_identical(ranks):
@@ -68,7 +83,7 @@ def test_refuses_what_it_cannot_run(require_pycomm, tmp_path):
     from pycomm.testing import run_ranks
 
     messages = run_ranks(refused, 2, str(tmp_path), timeout_s=300.0)[0]
-    named = ["zero=2", "max_grad_norm=1.0", "precision='bf16'", "optimizer=SGD",
+    named = ["zero=2", "precision='bf16'", "optimizer=SGD",
              "offload_dir=''", "microbatches=2", "tp=2", "pp=2"]
     for message, what in zip(messages, named, strict=True):
         assert what in message and message.startswith("parallelize: offload='disk'")

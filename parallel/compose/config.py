@@ -63,8 +63,9 @@ class ParallelConfig:
         offload: ZeRO-3's units (shards, fp32 masters, Adam state) kept in files under
             ``offload_dir`` (``"disk"``) or in host memory (``"cpu"``), read
             ``offload_prefetch`` units ahead and stepped unit by unit in backward
-            (:mod:`parallel.zero.offload`). Needs zero=3, dp only, one micro-batch,
-            fp32, Adam(W) and no clipping (``max_grad_norm=None``).
+            (:mod:`parallel.zero.offload`; with clipping, ``max_grad_norm``, stepped after
+            backward once the norm is known). Needs zero=3, dp only, one micro-batch,
+            fp32 and Adam(W).
         capacity_factor: a mixture of experts' expert capacity (Megatron-LM's
             ``moe_expert_capacity_factor``): each experts call gives every expert room
             for ``ceil(tokens * k / E * factor)`` assignments and drops the rest
@@ -147,9 +148,6 @@ class ParallelConfig:
              "whole in memory, stepped after backward; offload steps units in backward)"),
             (self.microbatches != 1, f"microbatches={self.microbatches} (each backward "
              "steps the units: gradients cannot accumulate)"),
-            (self.max_grad_norm is not None, f"max_grad_norm={self.max_grad_norm} (the "
-             "norm needs every unit's gradient before any unit steps; set None, the trainer: "
-             "--max-grad-norm 0)"),
             (self.precision not in (None, "fp32"), f"precision={self.precision!r} (records "
              "hold fp32 masters only)"),
             (self.optimizer not in (torch.optim.Adam, torch.optim.AdamW),

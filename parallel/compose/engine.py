@@ -18,7 +18,12 @@ from parallel.compose.batch_layers import batchnorm_over_batch, expert_capacity,
 from parallel.compose.compiled import compile_blocks
 from parallel.compose.config import ParallelConfig, StepResult
 from parallel.compose.expert_side import ExpertsBeside
-from parallel.compose.finalize import GradPhases, clip_grad_norm_, finalize_grads
+from parallel.compose.finalize import (
+    GradPhases,
+    clip_coefficient,
+    clip_grad_norm_,
+    finalize_grads,
+)
 from parallel.compose.generate import Sampling, generate
 from parallel.compose.loss import StepLoss, not_ignored
 from parallel.compose.loss_scale import LossScaler
@@ -245,6 +250,8 @@ class ParallelModel:
                                   self.last_aux, dropped)
             self.scaler.unscale(parts)
         norm = clip_grad_norm_(parts, self.config.max_grad_norm)
+        if self.config.offload != "none":  # clipping: the units step now, from their records
+            self.dp.step_offloaded(clip_coefficient(norm, self.config.max_grad_norm))
         self.optimizer.step()
         self.dp.after_step()
         self.scheduler.step()

@@ -100,9 +100,17 @@ def clip_grad_norm_(parts: list[tuple[torch.Tensor, float]], max_norm: float | N
     ``torch.nn.utils.clip_grad_norm_``: by ``max_norm / (norm + 1e-6)``); returns the
     norm before clipping. ``max_norm=None`` only measures it."""
     norm = global_grad_norm(parts)
-    if max_norm is not None:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for g, _ in parts:
-                g.mul_(coef)
+    coef = clip_coefficient(norm, max_norm)
+    if coef != 1.0:
+        for g, _ in parts:
+            g.mul_(coef)
     return norm
+
+
+def clip_coefficient(norm: float, max_norm: float | None) -> float:
+    """What clipping multiplies the gradients by: ``max_norm / (norm + 1e-6)`` when
+    that is below 1 (torch's rule), else 1."""
+    if max_norm is None:
+        return 1.0
+    coef = max_norm / (norm + 1e-6)
+    return coef if coef < 1.0 else 1.0

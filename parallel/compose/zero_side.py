@@ -77,7 +77,8 @@ class ZeroPlan:
         self.offload = None
         if self.zero == 3:
             offload = None if config.offload == "none" else OffloadConfig(
-                config.offload, config.offload_dir, config.offload_prefetch)
+                config.offload, config.offload_dir, config.offload_prefetch,
+                defer_step=config.max_grad_norm is not None)
             # offloaded, no unit stays gathered: a persistent one grows with the depth
             threshold = DEFAULT_PERSISTENCE_THRESHOLD if offload is None else 0
             shard_model(stage_module, group, unit_modules=unit_modules,
@@ -97,6 +98,12 @@ class ZeroPlan:
             bucket_cap_mb=config.bucket_mb, reduce_in_backward=False, mixed_precision=mixed,
             reduce_dtype=config.reduce_dtype if mixed else None, **config.optimizer_kwargs)
         self.params: list[nn.Parameter] = self.optimizer.params  # layout order
+
+    def step_offloaded(self, clip: float) -> None:
+        """Offloaded with clipping: every unit steps now, its gradient times ``clip``."""
+        if self.offload is not None and self.offload.defer:
+            self.offload.grad_scale = clip
+            self.offload.step_deferred()
 
     def reduce(self) -> None:
         if self.grad_scale != 1.0:

@@ -68,6 +68,7 @@ class Job:
     sequence_parallel: bool
     dropout: float
     prefetch: int = 2  # offload=disk: units read ahead
+    clip: bool = False  # gradient clipping (offload: records keep the gradient too)
 
 
 @dataclass
@@ -136,7 +137,7 @@ def _zero3_units(m: ModelShape, layout: Layout, stage: int) -> dict[str, list[li
     return {k: [u for u in v if u] for k, v in out.items()}
 
 
-def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, prefetch: int) -> None:
+def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, job: Job) -> None:
     """Stage 3's shards and pool (see the module docstring). The pool keeps, per unit
     size, the most buffers live at once: a unit gathered once a step (its own, a tie,
     the persistent one) holds its parameters and up to two gradient buffers being
@@ -168,8 +169,9 @@ def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, prefetch: int
         # reduction is in flight and those being written back; its gradient shard only
         # until the unit has stepped
         unit = max((b.shard for b in sl.buckets), default=0)
-        records = min(len(sl.buckets), prefetch + 1 + MAX_IN_FLIGHT + MAX_WRITES)
-        mem.buffers["offload records"] = records * unit * (F32 + ADAM_STATE)
+        records = min(len(sl.buckets), job.prefetch + 1 + MAX_IN_FLIGHT + MAX_WRITES)
+        fields = F32 * (2 if job.clip else 1) + ADAM_STATE  # clipping: the gradient too
+        mem.buffers["offload records"] = records * unit * fields
         mem.buffers["offload gradient shards"] = (min(len(sl.buckets), 1 + MAX_IN_FLIGHT)
                                                   * unit * F32)
         mem.params = mem.grads = mem.optimizer = 0
@@ -183,7 +185,7 @@ def states(m: ModelShape, layout: Layout, job: Job, stage: int) -> Memory:
     if experts:
         mem.experts = expert_states(experts, layout, job)
     if layout.zero == 3:
-        _zero3(mem, m, layout, stage, job.prefetch)
+        _zero3(mem, m, layout, stage, job)
         return mem
     dense = flat_states(numels, layout.dp, job.bucket_mb, layout.zero)
     mem.params, mem.grads, mem.optimizer = dense["params"], dense["grads"], dense["optimizer"]

@@ -24,7 +24,8 @@ pipeline's bubble, and for offload the disk's measured bandwidth.
   ``ep`` (timed as an all-gather of the same bytes: both move ``(N-1)/N`` of them per
   rank); once a step the experts' gradients reduced over ``edp`` (as the dense ones over
   ``dp``);
-- offload=disk: each unit's shard, master and state read and written once a step at
+- offload=disk: each unit's shard, master and state read and written once a step (with
+  clipping, the gradient written in backward and a step pass reading every record) at
   the measured bandwidth, hidden behind compute with a prefetch depth k >= 1;
 - waiting for peers: each blocking collective between stretches of compute costs what
   :mod:`parallel.plan.sync_probe` measured on this machine for the job's ranks at that
@@ -230,8 +231,11 @@ def predict_time(m: ModelShape, layout: Layout, job: Job, mems: list[Memory],
     if layout.offload == "disk":
         read, write = cal.get(f"disk|{job_offload_dir()}",
                               lambda: disk_bandwidth(job_offload_dir()))
-        moved = 2 * stepped * F32 + stepped * 8  # shard + master (fp32) + Adam's state
-        io = moved / read + moved / write
+        # fields of fp32 per element: forward reads the master; backward reads it again and
+        # the state, writes master and state; with clipping backward reads the master,
+        # writes master and gradient, and the step pass reads and writes all four
+        reads, writes = (6, 6) if job.clip else (4, 3)
+        io = stepped * F32 * (reads / read + writes / write)
         t.offload_io = io if job.prefetch == 0 else max(0.0, io - t.compute)
     return t
 
