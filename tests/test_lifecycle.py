@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -210,8 +209,8 @@ QUEUE = 8  # all_reduces queued back to back; the kill lands inside one of them
 
 def _killed_mid_collective(victim: int, arena: bool) -> dict:
     """Every rank queues QUEUE all_reduces of one 64 MiB tensor (async, so they run back
-    to back on pycomm's worker thread); the victim's timer thread SIGKILLs it about half
-    way through the queue, so inside one of them, not between two. Every survivor must
+    to back on pycomm's worker thread); the victim SIGKILLs itself half an all_reduce after
+    the first finished, so inside one of those still queued, not between two. Every survivor must
     raise DistBackendError naming it, within the timeout."""
     import pycomm
 
@@ -227,12 +226,15 @@ def _killed_mid_collective(victim: int, arena: bool) -> dict:
     delay = one * QUEUE / 2
     x.fill_(1.0)
     if rank == victim:
-        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL))
         works = [dist.all_reduce(x, async_op=True) for _ in range(QUEUE)]
-        timer.start()
+        # Killed by progress, not by the clock alone (one timed all_reduce misjudges a
+        # loaded machine): once the first is done, half an all_reduce later, inside the
+        # second or a later one of the QUEUE - 1 still queued.
+        works[0].wait()
+        time.sleep(one / 2)
+        os.kill(os.getpid(), signal.SIGKILL)
         for work in works:
             work.wait()
-        timer.cancel()
         raise AssertionError(f"victim rank {rank}: {QUEUE} all_reduces of {one:.3f} s each "
                              f"ended before the kill at {delay:.3f} s")
     works = [dist.all_reduce(x, async_op=True) for _ in range(QUEUE)]
