@@ -42,8 +42,20 @@ def test_clipping_with_offload_steps_after_the_norm_bit_identical(ranks, model):
     """max_grad_norm with offload: backward keeps each unit's gradient in its record and
     the units step once the global norm is known, scaled by the same coefficient as in
     memory: the same parameters, every step clipped."""
+    _assert_identical(ranks, (model, "clip none"), (model, "clip disk"))
+
+
+def test_micro_batches_accumulate_in_the_records_bit_identical(ranks):
+    """microbatches=2 with offload (and clipping): each backward sums the unit's reduced
+    gradient into its record, the units step after the last, as in memory."""
+    _assert_identical(ranks, ("gpt", "accumulate none"), ("gpt", "accumulate disk"))
+
+
+def _assert_identical(ranks: list, reference: tuple, offloaded: tuple) -> None:
+    """Every rank's parameters equal after the steps, every step clipped, the losses
+    equal, every unit stepped once a step from its record."""
     for rank, result in enumerate(ranks):
-        want, got = result[(model, "clip none")], result[(model, "clip disk")]
+        want, got = result[reference], result[offloaded]
         for name, value in want["params"].items():
             assert torch.equal(got["params"][name], value), f"rank {rank}: {name} differs"
         assert all(norm > CLIP for _, norm in want["curve"]), want["curve"]
@@ -84,6 +96,6 @@ def test_refuses_what_it_cannot_run(require_pycomm, tmp_path):
 
     messages = run_ranks(refused, 2, str(tmp_path), timeout_s=300.0)[0]
     named = ["zero=2", "precision='bf16'", "optimizer=SGD",
-             "offload_dir=''", "microbatches=2", "tp=2", "pp=2"]
+             "offload_dir=''", "tp=2", "pp=2"]
     for message, what in zip(messages, named, strict=True):
         assert what in message and message.startswith("parallelize: offload='disk'")

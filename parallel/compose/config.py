@@ -64,8 +64,8 @@ class ParallelConfig:
             ``offload_dir`` (``"disk"``) or in host memory (``"cpu"``), read
             ``offload_prefetch`` units ahead and stepped unit by unit in backward
             (:mod:`parallel.zero.offload`; with clipping, ``max_grad_norm``, stepped after
-            backward once the norm is known). Needs zero=3, dp only, one micro-batch,
-            fp32 and Adam(W).
+            backward once the norm is known; micro-batches summed in the records first).
+            Needs zero=3, dp only, fp32 and Adam(W).
         capacity_factor: a mixture of experts' expert capacity (Megatron-LM's
             ``moe_expert_capacity_factor``): each experts call gives every expert room
             for ``ceil(tokens * k / E * factor)`` assignments and drops the rest
@@ -146,8 +146,6 @@ class ParallelConfig:
             (mesh.size("pp") > 1, f"pp={mesh.size('pp')} (offload shards over dp only)"),
             (mesh.size("ep") > 1, f"ep={mesh.size('ep')} (the experts beside ZeRO-3 stay "
              "whole in memory, stepped after backward; offload steps units in backward)"),
-            (self.microbatches != 1, f"microbatches={self.microbatches} (each backward "
-             "steps the units: gradients cannot accumulate)"),
             (self.precision not in (None, "fp32"), f"precision={self.precision!r} (records "
              "hold fp32 masters only)"),
             (self.optimizer not in (torch.optim.Adam, torch.optim.AdamW),

@@ -78,7 +78,8 @@ class ZeroPlan:
         if self.zero == 3:
             offload = None if config.offload == "none" else OffloadConfig(
                 config.offload, config.offload_dir, config.offload_prefetch,
-                defer_step=config.max_grad_norm is not None)
+                defer_step=config.max_grad_norm is not None,
+                microbatches=config.microbatches)
             # offloaded, no unit stays gathered: a persistent one grows with the depth
             threshold = DEFAULT_PERSISTENCE_THRESHOLD if offload is None else 0
             shard_model(stage_module, group, unit_modules=unit_modules,

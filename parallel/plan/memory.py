@@ -170,7 +170,8 @@ def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, job: Job) -> 
         # until the unit has stepped
         unit = max((b.shard for b in sl.buckets), default=0)
         records = min(len(sl.buckets), job.prefetch + 1 + MAX_IN_FLIGHT + MAX_WRITES)
-        fields = F32 * (2 if job.clip else 1) + ADAM_STATE  # clipping: the gradient too
+        deferred = job.clip or layout.microbatches > 1  # the records hold the gradient too
+        fields = F32 * (2 if deferred else 1) + ADAM_STATE
         mem.buffers["offload records"] = records * unit * fields
         mem.buffers["offload gradient shards"] = (min(len(sl.buckets), 1 + MAX_IN_FLIGHT)
                                                   * unit * F32)

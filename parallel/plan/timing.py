@@ -232,9 +232,14 @@ def predict_time(m: ModelShape, layout: Layout, job: Job, mems: list[Memory],
         read, write = cal.get(f"disk|{job_offload_dir()}",
                               lambda: disk_bandwidth(job_offload_dir()))
         # fields of fp32 per element: forward reads the master; backward reads it again and
-        # the state, writes master and state; with clipping backward reads the master,
-        # writes master and gradient, and the step pass reads and writes all four
-        reads, writes = (6, 6) if job.clip else (4, 3)
+        # the state, writes master and state. Deferred (clipping, micro-batches): each
+        # backward reads the master (and the gradient summed so far) and writes master and
+        # gradient, then the step pass reads and writes all four
+        mb = layout.microbatches
+        if job.clip or mb > 1:
+            reads, writes = mb * (1 + (2 if mb > 1 else 1)) + 4, 2 * mb + 4
+        else:
+            reads, writes = 4, 3
         io = stepped * F32 * (reads / read + writes / write)
         t.offload_io = io if job.prefetch == 0 else max(0.0, io - t.compute)
     return t

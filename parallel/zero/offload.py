@@ -64,12 +64,16 @@ class OffloadConfig:
         prefetch: units read ahead of use (0: each is read when it is needed).
         defer_step: step the units after backward, once the gradient norm is known (for
             clipping), their reduced gradients kept in the records until then.
+        microbatches: backwards per step: each unit's reduced gradients are summed in its
+            record's ``grad`` (read with the master in backward) and the units step after
+            the last (implies ``defer_step``).
     """
 
     kind: str
     directory: str = ""
     prefetch: int = 2
     defer_step: bool = False
+    microbatches: int = 1
 
     def check(self) -> None:
         """Raises ValueError for an unknown kind, ``disk`` without a directory, or a
@@ -80,6 +84,8 @@ class OffloadConfig:
             raise ValueError("offload: 'disk' needs a directory (offload_dir)")
         if self.prefetch < 0:
             raise ValueError(f"offload: prefetch must be >= 0, got {self.prefetch}")
+        if self.microbatches < 1:
+            raise ValueError(f"offload: microbatches must be >= 1, got {self.microbatches}")
 
 
 def return_freed_memory(threshold: int = 1 << 20) -> None:
@@ -111,8 +117,9 @@ class UnitOffload:
         return_freed_memory()
         self.config, self.units, self.device = config, units, device
         self.depth = config.prefetch
-        fields = ("master", *(("grad",) if config.defer_step else ()), *STATE_FIELDS)
-        self.defer = config.defer_step
+        self.defer = config.defer_step or config.microbatches > 1
+        self.microbatches = config.microbatches
+        fields = ("master", *(("grad",) if self.defer else ()), *STATE_FIELDS)
         self.layouts = [RecordLayout(u.shard_numel, dtype, fields) for u in units]
         self.store: FileUnitStore | HostUnitStore = (
             FileUnitStore(config.directory, rank, self.layouts) if config.kind == "disk"
@@ -128,6 +135,7 @@ class UnitOffload:
         self.stepping = False  # the deferred step pass: whole records, gradient included
         self.grad_scale = 1.0  # the deferred step's clipping coefficient
         self.deferred: list[int] = []  # units whose gradient waits in their record
+        self._landed: dict[int, int] = {}  # unit -> backwards summed into its grad this step
         self.sequence: list[int] = []  # unit indices in the order of the current pass
         self.stepper: Callable[[Unit, torch.Tensor, Record], None] | None = None
         self.grad_square_sum = 0.0  # of the reduced shards this backward (the norm)
@@ -155,6 +163,8 @@ class UnitOffload:
         whole = len(self.layouts[0].fields) if self.layouts else 1
         if self.stepping or (self.backward and not self.defer):
             return whole
+        if self.backward and self.microbatches > 1:
+            return 2  # the master and the gradient summed so far
         return 1
 
     def fetch(self, k: int) -> None:
@@ -242,7 +252,7 @@ class UnitOffload:
         self._position = {k: j for j, k in enumerate(sequence)}
         for k in sequence[: self.depth]:
             self.fetch(k)
-        if backward:
+        if backward and not self.defer:  # deferred: the step pass resets it
             self.grad_square_sum = 0.0
 
     def ahead(self, u: Unit) -> None:
@@ -268,18 +278,29 @@ class UnitOffload:
                                f"{u.index}, but no ZeroOptimizer was built over this model")
         if divide_by > 1:  # no AVG on this backend: the sum, divided here
             grad.div_(divide_by)
-        self.grad_square_sum += float(grad.double().square().sum())
         record = self.acquire(u.index)
-        if self.defer:  # kept beside the master (read for the gather) until the norm is known
-            record.field("grad").copy_(grad)
-            self.write_back(u.index, fields=2)
-            self.deferred.append(u.index)
+        if self.defer:
+            self._keep_grad(u.index, grad, record)
             return
+        self.grad_square_sum += float(grad.double().square().sum())
         start = time.perf_counter()
         self.stepper(u, grad, record)
         self.stats["step_s"] += time.perf_counter() - start
         self.stats["steps"] += 1
         self.write_back(u.index)
+
+    def _keep_grad(self, k: int, grad: torch.Tensor, record: Record) -> None:
+        """Deferred: ``grad`` into (the first backward of a step) or onto (the others)
+        unit ``k``'s record beside its master; after the last, the unit waits to step."""
+        seen = self._landed.pop(k, 0) + 1
+        home = record.field("grad")
+        home.copy_(grad) if seen == 1 else home.add_(grad)
+        if seen == self.microbatches:
+            self.grad_square_sum += float(home.double().square().sum())
+            self.deferred.append(k)
+        else:
+            self._landed[k] = seen
+        self.write_back(k, fields=2)
 
     @torch.no_grad()
     def step_deferred(self) -> None:
@@ -304,7 +325,7 @@ class UnitOffload:
                 self.stats["steps"] += 1
                 self.write_back(k)
         finally:
-            self.stepping, self.grad_scale = False, 1.0
+            self.stepping, self.grad_scale, self.grad_square_sum = False, 1.0, 0.0
 
     @torch.no_grad()
     def read_master(self, u: Unit) -> torch.Tensor:
