@@ -82,13 +82,12 @@ def expert_parallel(model: nn.Module, plan: Plan, held: list[str], group: Any,
     if plan.experts is None:
         raise ValueError(f"expert parallel: the plan for {plan.name} names no experts "
                          "(Plan.experts); ep > 1 has nothing to split")
-    done = []
+    done, ep = [], dist.get_world_size(group)
     for path in matching(plan.experts, model):
         if under_any(path, held):
             module = model.get_submodule(path)
             if is_meta(module):
-                per_rank = _checked(module, path, dist.get_world_size(group)) // \
-                    dist.get_world_size(group)
+                per_rank = _checked(module, path, ep) // ep
                 materializer.experts(path, module, dist.get_rank(group) * per_rank, per_rank)
             split_experts(module, path, group)
             done.append(path)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -89,10 +90,7 @@ class Materializer:
         for name in own:
             p = module._parameters[name]
             assert p is not None
-            made = nn.Parameter(torch.empty_like(p, device=self.device),
-                                requires_grad=p.requires_grad)
-            made.__dict__.update(p.__dict__)  # the marks strategies put on it while meta
-            module._parameters[name] = made
+            module._parameters[name] = self._fresh(p, p.shape)
         for name in buffers:
             module._buffers[name] = torch.empty_like(module._buffers[name], device=self.device)  # type: ignore[arg-type]
         if path in self.expert_paths:
@@ -106,12 +104,16 @@ class Materializer:
         holding those experts' weights (expert parallelism's slice)."""
         for name, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                made = nn.Parameter(
-                    torch.empty((count, *p.shape[1:]), dtype=p.dtype, device=self.device),
-                    requires_grad=p.requires_grad)
-                made.__dict__.update(p.__dict__)
-                module._parameters[name] = made
+                module._parameters[name] = self._fresh(p, (count, *p.shape[1:]))
         self._init_experts(path, module, first)
+
+    def _fresh(self, meta: nn.Parameter, shape: Any) -> nn.Parameter:
+        """An uninitialised parameter of ``shape`` for ``meta``, keeping the marks
+        strategies put on it while it was on the meta device."""
+        made = nn.Parameter(torch.empty(shape, dtype=meta.dtype, device=self.device),
+                            requires_grad=meta.requires_grad)
+        made.__dict__.update(meta.__dict__)
+        return made
 
     @torch.no_grad()
     def _init_experts(self, path: str, module: nn.Module, first: int) -> None:

@@ -21,7 +21,6 @@ the same tokens).
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,24 +57,23 @@ def kept(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int,
 
 
 class DropCounter:
-    """A step's dropped and routed assignments on this rank, then over the world."""
+    """A step's dropped assignments on this rank (``local[0]``), then over the world."""
 
     def __init__(self, counts: bool):
         self.counts = counts
-        self.local = torch.zeros(2, dtype=torch.float64)
+        self.local = torch.zeros(1, dtype=torch.float64)
 
     def reset(self) -> None:
         self.local.zero_()
 
     def add(self, keep: torch.Tensor) -> None:
         if self.counts and not replaying():  # a recomputed forward's drops are counted
-            self.local += torch.tensor([float((~keep).sum()), float(keep.numel())],
-                                       dtype=torch.float64)
+            self.local += float((~keep).sum())
 
-    def total(self, group: Any = None) -> int:
+    def total(self) -> int:
         """Dropped assignments over the world (collective)."""
         total = self.local.clone()
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(total)
         return int(total[0])
 
 
