@@ -15,6 +15,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -50,8 +52,31 @@ def in_arena(tensor: torch.Tensor) -> bool:
 def arena_stats() -> dict[str, int]:
     """Bytes ``reserved`` (all slabs), ``live`` (allocated now), ``peak``, and counts of
     ``slabs`` and ``allocations``; ``largest_free`` is the biggest block free without a
-    new slab (a measure of fragmentation)."""
+    new slab (a measure of fragmentation); ``trimmed`` the free bytes given back to the
+    system (:func:`return_freed_memory`)."""
     return dict(_extension().arena_stats())
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_memory(threshold: int = 1 << 20) -> None:
+    """From now on, freed buffers of ``threshold`` bytes or more go back to the system:
+    this arena's blocks (their pages punched out of the shared slab, for every process
+    mapping it; reserved again when handed out) and glibc's heap.
+
+    Buffers that come and go every step (ZeRO-3's gathered units under a memory budget,
+    offload's records and Adam's temporaries) would otherwise stay with the process once
+    freed: the arena keeps a freed block for the next allocation, and glibc raises its
+    mmap threshold to the largest chunk freed so far, after which such tensors come from
+    its heap; a process would grow to a model's worth, the memory a budget or offload is
+    there to save. glibc's part is a no-op where there is no ``mallopt``.
+    """
+    _extension().arena_trim_bytes(threshold)
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(M_MMAP_THRESHOLD, threshold)
 
 
 DEFAULT_MIN_BYTES = 1 << 20  # a DDP bucket (1 MiB first, 25 MiB after), not small tensors

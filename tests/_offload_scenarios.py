@@ -18,6 +18,9 @@ BATCH, SEQ, VOCAB = 4, 16, 256
 # the trainer's default GPT (4 blocks of width 128), on shorter sequences
 GPT_CFG = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_embd=128,
                     dropout=0.0)
+FP16_OVERFLOWING_SCALE = 2.0**40  # halved per overflow: the first steps are skipped
+SPLIT_NUMEL = 10_000  # the Llama's embedding and head (256 x 64) become units
+LIVE_BUDGET_BYTES = 200_000  # a block gathered in bf16 is 2 x 49,152 bytes
 LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
              attn_implementation="sdpa")
@@ -45,9 +48,11 @@ def build(name: str, n_layer: int = 4) -> nn.Module:
 
 def train(name: str, offload: str, directory: str, steps: int = STEPS,
           n_layer: int = 4, prefetch: int = 2, recompute: bool = False,
-          clip: float | None = None, microbatches: int = 1) -> dict[str, Any]:
+          clip: float | None = None, microbatches: int = 1,
+          **config: Any) -> dict[str, Any]:
     """``steps`` steps of ``name`` at dp=2, ZeRO-3 (``offload`` none, cpu or disk),
-    clipping the gradient norm to ``clip``, over ``microbatches`` backwards a step."""
+    clipping the gradient norm to ``clip``, over ``microbatches`` backwards a step
+    (``config``: more of ``ParallelConfig``)."""
     from parallel.compose.mesh import ParallelMesh
     from parallel.compose.parallelize import ParallelConfig, parallelize
 
@@ -56,11 +61,13 @@ def train(name: str, offload: str, directory: str, steps: int = STEPS,
     engine = parallelize(model, mesh, ParallelConfig(
         zero=3, max_grad_norm=clip, weight_decay=0.1, lr_lambda=lr_lambda,
         optimizer_kwargs={"lr": 3e-3}, offload=offload, offload_dir=directory,
-        offload_prefetch=prefetch, recompute=recompute, microbatches=microbatches))
-    curve = []
+        offload_prefetch=prefetch, recompute=recompute, microbatches=microbatches,
+        **config))
+    curve, skipped = [], 0
     for step in range(steps):
         r = engine.train_step(*batch(step))
         curve.append((r.loss, r.grad_norm))
+        skipped += r.skipped
     zero3 = engine.stage.__dict__["zero3"]
     params = zero3.full_state_dict()
     offloaded = zero3.offload
@@ -68,7 +75,8 @@ def train(name: str, offload: str, directory: str, steps: int = STEPS,
     files = sorted(os.listdir(directory)) if offload == "disk" else []
     mesh.destroy()
     return {"params": params, "curve": curve, "stats": stats, "units": len(zero3.units),
-            "files": files}
+            "files": files, "skipped": skipped, "pool": zero3.pool.stats(),
+            "gathers": dict(zero3.stats)}
 
 
 def run_all(root: str) -> dict[Any, Any]:
@@ -88,9 +96,31 @@ def run_all(root: str) -> dict[Any, Any]:
     for offload in ("none", "disk"):  # 2 micro-batches summed in the records, then clipped
         out[("gpt", f"accumulate {offload}")] = train(
             "gpt", offload, os.path.join(root, f"acc-{offload}"), clip=CLIP, microbatches=2)
+    for name in ("gpt", "llama"):  # bf16 compute, fp32 masters in the records
+        for offload in ("none", "disk"):
+            out[(name, f"bf16 {offload}")] = train(name, offload, os.path.join(
+                root, f"bf16-{name}-{offload}"), precision="bf16")
+    for offload in ("none", "disk"):  # fp16: the first steps overflow and are skipped
+        out[("gpt", f"fp16 {offload}")] = train(
+            "gpt", offload, os.path.join(root, f"fp16-{offload}"), clip=CLIP, precision="fp16",
+            loss_scale=FP16_OVERFLOWING_SCALE)
+    out["budget"] = budget_run(os.path.join(root, "budget"))
     # twice the depth of ("gpt", "disk"): what is held in memory must not grow with it
     out["deep"] = train("gpt", "disk", os.path.join(root, "deep"), steps=2, n_layer=8)
     return out
+
+
+def budget_run(directory: str) -> dict[str, Any]:
+    """The Llama offloaded in bf16 under a live budget of about two of its blocks, its
+    embedding and head (over ``OWN_UNIT_NUMEL`` here) units of their own."""
+    import parallel.compose.recompute_units as units
+
+    units.OWN_UNIT_NUMEL = SPLIT_NUMEL
+    try:
+        return train("llama", "disk", directory, precision="bf16",
+                     max_live_bytes=LIVE_BUDGET_BYTES)
+    finally:
+        units.OWN_UNIT_NUMEL = 1 << 20
 
 
 def refused(root: str) -> list[str]:
@@ -98,8 +128,8 @@ def refused(root: str) -> list[str]:
     from parallel.compose.mesh import ParallelMesh
     from parallel.compose.parallelize import ParallelConfig, parallelize
 
-    cases = [dict(zero=2), dict(precision="bf16"),
-             dict(optimizer=torch.optim.SGD), dict(offload_dir=""), dict(tp=2), dict(pp=2)]
+    cases = [dict(zero=2), dict(optimizer=torch.optim.SGD), dict(offload_dir=""), dict(tp=2),
+             dict(pp=2)]
     messages = []
     for case in cases:
         sizes = {"dp": 2, "tp": case.pop("tp", 1), "pp": case.pop("pp", 1)}

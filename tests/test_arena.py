@@ -51,6 +51,45 @@ def test_freed_neighbours_coalesce_and_big_requests_get_their_own_slab():
     assert pycomm.in_arena(big)
 
 
+_TRIM_PROBE = """
+import re, torch, pycomm
+from pycomm.arena import return_freed_memory
+
+def shmem_mib():
+    return int(re.search(r"RssShmem:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) >> 10
+
+kept = pycomm.empty(SLAB, dtype=torch.uint8).fill_(1)
+del kept
+before = shmem_mib()  # without trimming a freed block keeps its pages
+return_freed_memory(1 << 20)
+big = pycomm.empty(SLAB, dtype=torch.uint8).fill_(7)
+small = pycomm.empty(1000, dtype=torch.uint8).fill_(3)
+held = shmem_mib()
+del big
+stats = pycomm.arena_stats()
+freed = shmem_mib()
+again = pycomm.empty(SLAB, dtype=torch.uint8)
+print(before, held, freed, stats["trimmed"], int(again.sum()), int(small.sum()))
+"""
+
+
+def test_freed_blocks_go_back_to_the_system_once_asked(tmp_path):
+    """return_freed_memory: a freed block's pages leave the process (its shared memory
+    falls by the block), a small live neighbour keeps its values, and the block handed
+    out again is reserved anew (it reads zeros, not a SIGBUS)."""
+    import subprocess
+    import sys
+
+    slab_mib = 64
+    code = f"SLAB = {slab_mib << 20}\n" + _TRIM_PROBE
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    before, held, freed, trimmed, again, small = map(int, out)
+    assert before >= slab_mib - 1  # untrimmed: the freed block stays resident
+    assert held - freed >= slab_mib - 1 and trimmed >= (slab_mib - 1) << 20
+    assert again == 0 and small == 3000
+
+
 @pytest.fixture(scope="module", params=[2, 3])
 def pool(request):
     with RankPool(request.param, backend="pycomm", pg_timeout_s=30) as p:

@@ -64,6 +64,48 @@ def _assert_identical(ranks: list, reference: tuple, offloaded: tuple) -> None:
         assert got["stats"]["steps"] == STEPS * got["units"]
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_bf16_offload_bit_identical_to_in_memory_bf16(ranks, model):
+    """bf16 compute: each gather casts the fp32 master read from the record, the reduced
+    (fp32) gradient steps it: the same parameters and losses as in-memory bf16 ZeRO-3."""
+    for rank, result in enumerate(ranks):
+        want, got = result[(model, "bf16 none")], result[(model, "bf16 disk")]
+        for name, value in want["params"].items():
+            assert value.dtype == torch.float32
+            assert torch.equal(got["params"][name], value), f"rank {rank}: {name} differs"
+        assert [loss for loss, _ in got["curve"]] == [loss for loss, _ in want["curve"]]
+
+
+def test_fp16_offload_skips_overflowed_steps_as_in_memory(ranks):
+    """fp16 with loss scaling: the first steps overflow (the records' gradients are
+    dropped, nothing steps), the later ones unscale and clip before stepping: the same
+    parameters as in memory."""
+    for result in ranks:
+        want, got = result[("gpt", "fp16 none")], result[("gpt", "fp16 disk")]
+        assert got["skipped"] == want["skipped"] > 0
+        assert got["stats"]["steps"] == (STEPS - got["skipped"]) * got["units"]
+        for name, value in want["params"].items():
+            assert torch.equal(got["params"][name], value), name
+
+
+def test_live_budget_holds_back_prefetch_and_frees_buffers(ranks):
+    """max_live_bytes: units are gathered ahead only within the budget, buffers beyond it
+    are freed between uses; the large layers are units of their own; the parameters equal
+    bf16 without a budget."""
+    from _offload_scenarios import LIVE_BUDGET_BYTES
+
+    for result in ranks:
+        free, held = result[("llama", "bf16 disk")], result["budget"]
+        assert held["units"] == free["units"] + 2  # embedding and head
+        assert held["gathers"]["held_back"] > 0 and free["gathers"]["held_back"] == 0
+        assert held["pool"]["reserved_bytes"] <= LIVE_BUDGET_BYTES
+        assert held["pool"]["peak_bytes"] < free["pool"]["peak_bytes"]
+        assert held["pool"]["buffers"] > free["pool"]["buffers"]  # made again after freeing
+        want = result[("llama", "bf16 none")]["params"]
+        for name, value in want.items():
+            assert torch.equal(held["params"][name], value), name
+
+
 def test_recompute_with_offload_bit_identical(ranks):
     for result in ranks:
         want, got = result[("recompute", "none")], result[("recompute", "disk")]
@@ -95,7 +137,7 @@ def test_refuses_what_it_cannot_run(require_pycomm, tmp_path):
     from pycomm.testing import run_ranks
 
     messages = run_ranks(refused, 2, str(tmp_path), timeout_s=300.0)[0]
-    named = ["zero=2", "precision='bf16'", "optimizer=SGD",
+    named = ["zero=2", "optimizer=SGD",
              "offload_dir=''", "tp=2", "pp=2"]
     for message, what in zip(messages, named, strict=True):
         assert what in message and message.startswith("parallelize: offload='disk'")

@@ -54,6 +54,7 @@ py::dict arena_stats() {
   d["slabs"] = st.slabs;
   d["allocations"] = st.allocations;
   d["largest_free"] = st.largest_free;
+  d["trimmed"] = st.trimmed;
   return d;
 }
 
@@ -174,6 +175,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("cap_s"), py::call_guard<py::gil_scoped_release>(),
       "At exit: waits (the GIL released) until no group's worker runs or holds a task.");
   m.def("arena_stats", &arena_stats, "Bytes reserved, live and peak in this process's arena.");
+  m.def(
+      "arena_trim_bytes", [](size_t bytes) { pycomm::Arena::instance().set_trim_bytes(bytes); },
+      py::arg("bytes"), "Freed arena blocks of at least `bytes` give their pages back (0: never).");
   m.def("_reduce_into", &reduce_into, py::arg("dst"), py::arg("a"), py::arg("b"),
         py::arg("op") = "sum", py::call_guard<py::gil_scoped_release>(),
         "dst = a op b with pycomm's reduction kernels (benchmarks and tests).");

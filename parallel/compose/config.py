@@ -64,8 +64,16 @@ class ParallelConfig:
             ``offload_dir`` (``"disk"``) or in host memory (``"cpu"``), read
             ``offload_prefetch`` units ahead and stepped unit by unit in backward
             (:mod:`parallel.zero.offload`; with clipping, ``max_grad_norm``, stepped after
-            backward once the norm is known; micro-batches summed in the records first).
-            Needs zero=3, dp only, fp32 and Adam(W).
+            backward once the norm is known; micro-batches summed in the records first;
+            bf16 or fp16 compute gathers casts of the fp32 masters). Needs zero=3, dp
+            only and Adam(W). Every layer outside the blocks holding
+            ``OWN_UNIT_NUMEL`` parameters or more (an embedding, an untied head) is then a
+            unit of its own, gathered only around its use.
+        max_live_units, max_live_bytes: ZeRO-3's budget (DeepSpeed's
+            ``stage3_max_live_parameters``): a unit is gathered ahead of use only while
+            the units gathered and the whole-unit buffers (gathered parameters, gradients
+            being reduced) stay within them; buffers beyond ``max_live_bytes`` are freed
+            between uses (:class:`parallel.zero.sharded_model.LiveBudget`).
         capacity_factor: a mixture of experts' expert capacity (Megatron-LM's
             ``moe_expert_capacity_factor``): each experts call gives every expert room
             for ``ceil(tokens * k / E * factor)`` assignments and drops the rest
@@ -101,6 +109,8 @@ class ParallelConfig:
     offload_prefetch: int = 2
     capacity_factor: float | None = None
     drop_policy: str = "probs"
+    max_live_units: int | None = None
+    max_live_bytes: int | None = None
 
     def check(self, mesh: ParallelMesh) -> None:
         """Raises ValueError for combinations that cannot work, naming them."""
@@ -130,7 +140,19 @@ class ParallelConfig:
         if self.drop_policy not in POLICIES:
             raise ValueError(f"parallelize: drop_policy must be one of {POLICIES}, got "
                              f"{self.drop_policy!r}")
+        self._check_live_budget()
         self._check_offload(mesh)
+
+    def _check_live_budget(self) -> None:
+        for name in ("max_live_units", "max_live_bytes"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if value < 1:
+                raise ValueError(f"parallelize: {name} must be >= 1 (or None), got {value}")
+            if self.zero != 3:
+                raise ValueError(f"parallelize: {name} bounds ZeRO-3's gathered units; it "
+                                 f"does nothing at zero={self.zero} (use zero=3)")
 
     def _check_offload(self, mesh: ParallelMesh) -> None:
         """Offload steps each unit in backward, from its record: what needs a whole
@@ -146,8 +168,6 @@ class ParallelConfig:
             (mesh.size("pp") > 1, f"pp={mesh.size('pp')} (offload shards over dp only)"),
             (mesh.size("ep") > 1, f"ep={mesh.size('ep')} (the experts beside ZeRO-3 stay "
              "whole in memory, stepped after backward; offload steps units in backward)"),
-            (self.precision not in (None, "fp32"), f"precision={self.precision!r} (records "
-             "hold fp32 masters only)"),
             (self.optimizer not in (torch.optim.Adam, torch.optim.AdamW),
              f"optimizer={self.optimizer.__name__} (records hold Adam's two moments)"),
             (self.offload == "disk" and not self.offload_dir, "offload_dir='' (disk "

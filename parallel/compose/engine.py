@@ -133,7 +133,8 @@ class ParallelModel:
             params = [p for p in self.stage.parameters() if p.requires_grad]
             self.dp: Any = PlainDataParallel(params, self.mesh, config, self.compute, self._copies)
         else:
-            units, keep = zero3_units(self.plan, stage, self.ties, self.names)
+            units, keep = zero3_units(self.plan, stage, self.ties, self.names,
+                                      own_large_layers=config.offload != "none")
             experts = {n for n, p in self.stage.named_parameters() if is_expert(p)}
             self.dp = ZeroPlan(self.stage, self.mesh, config, self.compute, self._copies,
                                units, keep, self.names.materialize_by_stage_name, experts)
@@ -250,8 +251,9 @@ class ParallelModel:
                                   self.last_aux, dropped)
             self.scaler.unscale(parts)
         norm = clip_grad_norm_(parts, self.config.max_grad_norm)
-        if self.config.offload != "none":  # clipping: the units step now, from their records
-            self.dp.step_offloaded(clip_coefficient(norm, self.config.max_grad_norm))
+        if self.config.offload != "none":  # deferred: the units step now, from their records
+            unscale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+            self.dp.step_offloaded(unscale, clip_coefficient(norm, self.config.max_grad_norm))
         self.optimizer.step()
         self.dp.after_step()
         self.scheduler.step()

@@ -44,11 +44,17 @@ def checkpoint_units(plan: Plan, stage: Any, partition_group: Any) -> None:
         checkpoint_module(module, partition_group=partition_group)
 
 
-def zero3_units(plan: Plan, stage: Any, ties: Any, names: Any
+OWN_UNIT_NUMEL = 1 << 20  # offloaded: a layer this large outside the blocks is a unit
+
+
+def zero3_units(plan: Plan, stage: Any, ties: Any, names: Any, own_large_layers: bool = False
                 ) -> tuple[list[nn.Module], tuple[str, ...]]:
     """ZeRO-3's unit modules, and the parameters kept out of the persistent unit: a tie
     across pipeline stages is a unit of its own on every stage holding it (so its shards
-    line up there).
+    line up there). ``own_large_layers``: so is every layer outside them holding
+    :data:`OWN_UNIT_NUMEL` parameters or more and no parameter of another layer (an
+    embedding, an untied head), so it is gathered only around its own use rather than
+    with the model's unit for the whole step.
 
     Raises:
         ValueError: a tie across stages whose module holds other parameters too.
@@ -63,7 +69,27 @@ def zero3_units(plan: Plan, stage: Any, ties: Any, names: Any
                              f"module holds {others} too; it must be alone in its module")
         units.append(module)
         keep.append(path)
+    if own_large_layers:
+        units += _large_layers(stage, units)
     return units, tuple(keep)
+
+
+def _large_layers(stage: Any, units: list[nn.Module]) -> list[nn.Module]:
+    """The stage's planned layers, not inside a unit already, holding
+    :data:`OWN_UNIT_NUMEL` parameters or more, none shared with another layer."""
+    owners: dict[int, int] = {}
+    for planned in stage.modules:
+        for p in planned.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    inside = {id(m) for unit in units for m in unit.modules()}
+    out = []
+    for planned in stage.modules:
+        params = list(planned.parameters())
+        big = sum(p.numel() for p in params) >= OWN_UNIT_NUMEL
+        alone = all(owners[id(p)] == 1 for p in params)
+        if big and alone and id(planned) not in inside:
+            out.append(planned)
+    return out
 
 
 def _tied_owners(stage: Any, ties: Any, names: Any) -> list[tuple[str, nn.Module, Any]]:

@@ -29,7 +29,7 @@ from parallel.compose.optim_groups import ensure_state
 from parallel.zero import ZeroOptimizer, shard_model
 from parallel.zero.checkpoint import owned_pieces, state_slices
 from parallel.zero.offload import OffloadConfig
-from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD
+from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD, LiveBudget
 
 # (parameter, its shape, flat start, master values, optimizer state tensors, scalar state)
 Piece = tuple[nn.Parameter, torch.Size, int, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]
@@ -78,13 +78,15 @@ class ZeroPlan:
         if self.zero == 3:
             offload = None if config.offload == "none" else OffloadConfig(
                 config.offload, config.offload_dir, config.offload_prefetch,
-                defer_step=config.max_grad_norm is not None,
+                # fp16: a step that overflowed is skipped, known only after backward
+                defer_step=config.max_grad_norm is not None or compute == torch.float16,
                 microbatches=config.microbatches)
             # offloaded, no unit stays gathered: a persistent one grows with the depth
             threshold = DEFAULT_PERSISTENCE_THRESHOLD if offload is None else 0
             shard_model(stage_module, group, unit_modules=unit_modules,
                         persistence_threshold=threshold, never_persistent=never_persistent,
-                        materialize=materialize, offload=offload, exclude=exclude or ())
+                        materialize=materialize, offload=offload, exclude=exclude or (),
+                        budget=LiveBudget(config.max_live_units, config.max_live_bytes))
             self.offload = stage_module.__dict__["zero3"].offload
         named = dict(stage_module.named_parameters())
         zero3: Any = stage_module.__dict__.get("zero3")
@@ -100,10 +102,11 @@ class ZeroPlan:
             reduce_dtype=config.reduce_dtype if mixed else None, **config.optimizer_kwargs)
         self.params: list[nn.Parameter] = self.optimizer.params  # layout order
 
-    def step_offloaded(self, clip: float) -> None:
-        """Offloaded with clipping: every unit steps now, its gradient times ``clip``."""
+    def step_offloaded(self, unscale: float, clip: float) -> None:
+        """Offloaded with clipping or loss scaling: every unit steps now, its gradient
+        times ``unscale`` then ``clip`` (each skipped where it is 1, as in memory)."""
         if self.offload is not None and self.offload.defer:
-            self.offload.grad_scale = clip
+            self.offload.grad_factors = [f for f in (unscale, clip) if f != 1.0]
             self.offload.step_deferred()
 
     def reduce(self) -> None:
@@ -118,6 +121,8 @@ class ZeroPlan:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.offload is not None:  # a skipped step: the records' gradients are dropped
+            self.offload.discard_deferred()
 
     def grad_parts(self) -> list[tuple[torch.Tensor, float]]:
         if self.offload is not None:  # the shards are gone: the sum of their squares

@@ -118,10 +118,15 @@ class TrainConfig:
                         "more than the free cores makes every op spin)")
     offload: str = _opt("parallel", "none", "ZeRO-3 offload of each unit's shard, fp32 "
                         "master and Adam state: disk (files in --offload-dir) or cpu (host "
-                        "memory); needs --zero 3, dp only and --max-grad-norm 0",
+                        "memory); needs --zero 3 and dp only",
                         ("none", "cpu", "disk"))
     offload_dir: str = _opt("parallel", "", "where --offload disk keeps one file per rank")
     offload_prefetch: int = _opt("parallel", 2, "units --offload reads ahead of use")
+    max_live_mb: float = _opt("parallel", 0.0, "ZeRO-3's budget for gathered units and "
+                              "gradients being reduced, MiB: prefetch held back and buffers "
+                              "freed beyond it (0: none)")
+    max_live_units: int = _opt("parallel", 0, "ZeRO-3's most units gathered at once by "
+                               "prefetch (0: no bound)")
     plan: str = _opt("parallel", "", "auto: train the layout python -m parallel.plan ranks "
                      "first for nproc ranks (0: dp * tp * pp) within --memory-gb; it sets dp, "
                      "tp, pp, zero, recompute and partition_activations", ("", "auto"))
@@ -197,7 +202,8 @@ class TrainConfig:
             raise ValueError(f"train: bucket_mb must be > 0, got {self.bucket_mb}")
         _check_data(self)
         _check_experts(self)
-        for name in ("memory_gb", "plan_other_load", "log_every"):
+        for name in ("memory_gb", "plan_other_load", "log_every", "max_live_mb",
+                     "max_live_units"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train: {name} must be >= 0, got {getattr(self, name)}")
 

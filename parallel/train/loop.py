@@ -34,6 +34,8 @@ def parallel_config(cfg: TrainConfig) -> ParallelConfig:
         bucket_mb=cfg.bucket_mb,
         offload=cfg.offload, offload_dir=cfg.offload_dir,
         offload_prefetch=cfg.offload_prefetch,
+        max_live_bytes=int(cfg.max_live_mb * 2**20) or None,
+        max_live_units=cfg.max_live_units or None,
         capacity_factor=cfg.moe_capacity_factor or None, drop_policy=cfg.moe_drop_policy,
         lr_lambda=WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
 

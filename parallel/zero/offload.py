@@ -30,8 +30,6 @@ in backward; four read and four written by the step pass).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import threading
 import time
 import weakref
@@ -45,10 +43,10 @@ import torch
 
 from parallel.zero.unit_store import FileUnitStore, HostUnitStore, Record, RecordLayout
 from parallel.zero.units import Unit
+from pycomm.arena import return_freed_memory
 
 KINDS = ("cpu", "disk")
 STATE_FIELDS = ("exp_avg", "exp_avg_sq")  # Adam's and AdamW's state, beside the master
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MAX_WRITES = 2  # write-backs in flight before the next one waits for the oldest
 IO_THREADS = 2
 
@@ -88,21 +86,6 @@ class OffloadConfig:
             raise ValueError(f"offload: microbatches must be >= 1, got {self.microbatches}")
 
 
-def return_freed_memory(threshold: int = 1 << 20) -> None:
-    """Make glibc give freed buffers of ``threshold`` bytes or more back to the system.
-
-    Unit-sized tensors come and go every step (gathers, gradients, Adam's temporaries).
-    glibc raises its mmap threshold to the largest chunk freed so far, after which such
-    tensors come from its heap, and freed heap memory stays with the process: it would
-    grow to a model's worth, the memory offload is there to save. A fixed threshold
-    keeps every large buffer an mmap of its own, unmapped when freed. No-op elsewhere.
-    """
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(M_MMAP_THRESHOLD, threshold)
-
-
 class UnitOffload:
     """Which units are in memory, their reads ahead and writes back, and their steps.
 
@@ -130,10 +113,9 @@ class UnitOffload:
         self._reads: dict[int, Future[None]] = {}
         self._writes: deque[tuple[int, Future[None], Record]] = deque()
         self._writing: dict[int, Future[None]] = {}
-        self._free: dict[int, list[Record]] = {}  # by size: buffers to reuse
         self.backward = False  # reads bring the whole record (its step follows)
         self.stepping = False  # the deferred step pass: whole records, gradient included
-        self.grad_scale = 1.0  # the deferred step's clipping coefficient
+        self.grad_factors: list[float] = []  # the deferred step's unscale and clipping
         self.deferred: list[int] = []  # units whose gradient waits in their record
         self._landed: dict[int, int] = {}  # unit -> backwards summed into its grad this step
         self.sequence: list[int] = []  # unit indices in the order of the current pass
@@ -146,16 +128,18 @@ class UnitOffload:
     # -- records -------------------------------------------------------------------------------
 
     def _take(self, k: int) -> Record:
-        free = self._free.setdefault(self.layouts[k].nbytes, [])
-        record = free.pop() if free else Record(self.layouts[k], self.device)
+        record = Record(self.layouts[k], self.device)
         self._records[k] = record
         self.stats["max_records"] = max(self.stats["max_records"],
                                         len(self._records) + len(self._writes))
         return record
 
     def _give(self, record: Record) -> None:
+        """Done with ``record``: its buffer goes back to the system now (a fresh mapping
+        per use costs page faults, but holds only the fields a pass touched, and no
+        record outlives its use)."""
         record.loaded = ()
-        self._free.setdefault(record.layout.nbytes, []).append(record)
+        record.release()
 
     def _fields(self) -> int:
         """Fields the current pass reads: the master for a gather; the whole record
@@ -282,6 +266,9 @@ class UnitOffload:
         if self.defer:
             self._keep_grad(u.index, grad, record)
             return
+        master = record.field("master")
+        if grad.dtype != master.dtype:  # reduced in bf16: stepped in the master's dtype
+            grad = grad.to(master.dtype)
         self.grad_square_sum += float(grad.double().square().sum())
         start = time.perf_counter()
         self.stepper(u, grad, record)
@@ -304,9 +291,9 @@ class UnitOffload:
 
     @torch.no_grad()
     def step_deferred(self) -> None:
-        """Step every unit from the gradient its record holds, scaled by ``grad_scale``
-        (the clipping coefficient), reading ahead as a pass does (see the module
-        docstring)."""
+        """Step every unit from the gradient its record holds, multiplied by each of
+        ``grad_factors`` (fp16's unscale, the clipping coefficient), reading ahead as a
+        pass does (see the module docstring)."""
         if self.stepper is None:
             raise RuntimeError("offload: no ZeroOptimizer was built over this model")
         order, self.deferred = self.deferred, []
@@ -317,15 +304,20 @@ class UnitOffload:
                 self.ahead(u)
                 record = self.acquire(k)
                 grad = record.field("grad")
-                if self.grad_scale != 1.0:
-                    grad.mul_(self.grad_scale)
+                for factor in self.grad_factors:  # one rounding each, as in memory
+                    grad.mul_(factor)
                 start = time.perf_counter()
                 self.stepper(u, grad, record)
                 self.stats["step_s"] += time.perf_counter() - start
                 self.stats["steps"] += 1
                 self.write_back(k)
         finally:
-            self.stepping, self.grad_scale, self.grad_square_sum = False, 1.0, 0.0
+            self.stepping, self.grad_factors, self.grad_square_sum = False, [], 0.0
+
+    def discard_deferred(self) -> None:
+        """The step is skipped (fp16 overflow): the gradients in the records are left
+        to be overwritten by the next step's first backward."""
+        self.deferred, self._landed, self.grad_square_sum = [], {}, 0.0
 
     @torch.no_grad()
     def read_master(self, u: Unit) -> torch.Tensor:

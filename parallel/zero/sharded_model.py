@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,11 +35,32 @@ from parallel.zero.slot_pool import SlotPool
 from parallel.zero.unit_grads import UnitGradReducer
 from parallel.zero.units import Unit, plan_units
 from pycomm._extension import load as _extension
+from pycomm.arena import return_freed_memory
 from pycomm.flat_arena import Arena
 
 SHARD_NAME = "zero3_shard"
 PERSISTENT_SHARD_NAME = "zero3_persistent_shard"
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # elements, as DeepSpeed's default
+
+
+@dataclass(frozen=True)
+class LiveBudget:
+    """What stage 3 may hold at once beyond the unit in use (DeepSpeed's
+    ``stage3_max_live_parameters``, in units and bytes): a unit is gathered ahead only
+    while the units gathered stay within ``max_live_units`` and the whole-unit buffers
+    (gathered parameters, gradients being reduced) within ``max_live_bytes``; the pool
+    frees what it would keep beyond ``max_live_bytes``. A unit in use is gathered whatever
+    the budget (it cannot run without), so the bytes can exceed it by what one layer
+    needs; ``max_gathered_units`` and the pool's ``peak_bytes`` say what was held."""
+
+    max_live_units: int | None = None
+    max_live_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_live_units", "max_live_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"shard_model: {name} must be >= 1 (or None), got {value}")
 
 
 def _on_first_grad(output: Any, fn: Any) -> None:
@@ -56,8 +78,10 @@ class ShardedModel:
                  unit_modules: Iterable[nn.Module] | None, persistence_threshold: int,
                  never_persistent: Iterable[str] = (),
                  materialize: Callable[[list[str]], None] | None = None,
-                 offload: OffloadConfig | None = None, exclude: Iterable[str] = ()):
+                 offload: OffloadConfig | None = None, exclude: Iterable[str] = (),
+                 budget: LiveBudget | None = None):
         self.model, self.group = model, group
+        self.budget = budget or LiveBudget()
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._materialize = materialize
         plans = plan_units(model, unit_modules, persistence_threshold, never_persistent,
@@ -77,7 +101,9 @@ class ShardedModel:
             start += len(plan.names)
         self.layout = ShardLayout.from_groups([p.numel() for p in self.params], groups,
                                               self.world, self.rank, self.dtype)
-        self.pool = SlotPool(group)
+        self.pool = SlotPool(group, self.budget.max_live_bytes)
+        if self.budget.max_live_bytes is not None:
+            return_freed_memory()  # a buffer the pool drops goes back to the system
         self.units = [Unit(k, plan, [self.params[i] for i in ids], ids, self.layout, k)
                       for k, (plan, ids) in enumerate(zip(plans, groups, strict=True))]
         # offloaded: the masters live in the unit store, not in memory
@@ -97,8 +123,9 @@ class ShardedModel:
         self._recording: list[int] = []
         self._persistent_stale = True
         self._versions = [u.shard._version for u in self.units]  # as last published
-        # gathers issued, of them started ahead by prefetch, and most units gathered at once
-        self.stats = {"gathers": 0, "prefetches": 0, "max_gathered_units": 0}
+        # gathers issued, of them started ahead by prefetch, prefetches the budget held
+        # back, and most units gathered at once
+        self.stats = {"gathers": 0, "prefetches": 0, "held_back": 0, "max_gathered_units": 0}
         self.reducer = UnitGradReducer(self)
 
     # -- construction ------------------------------------------------------------------------
@@ -167,12 +194,10 @@ class ShardedModel:
         (the shards stay the master copy, in the parameters' dtype)."""
         if any(u.bound or u.pending is not None for u in self.units):
             raise RuntimeError("set_precision: call it before the first forward")
-        if self.offload is not None:
-            raise ValueError("offload: mixed precision is not supported (the records hold "
-                             "fp32 masters only); compute in the parameters' dtype")
         self.compute_dtype = compute_dtype
         self.reducer.set_reduce_dtype(reduce_dtype)
-        if compute_dtype != self.dtype:
+        # offloaded, each gather casts the master it reads (see _gather_into_slot)
+        if compute_dtype != self.dtype and self.offload is None:
             self.comm_arena = Arena.for_group(self.layout.shard_numel, compute_dtype, self.group)
             for u, view in zip(self.units, self.shard_views(self.comm_arena), strict=True):
                 u.comm_shard = view
@@ -275,14 +300,26 @@ class ShardedModel:
             if self.offload is not None and self.offload.depth < 2:
                 return  # its read was issued just now (or never): gathering would wait on it
             if not nxt.bound and nxt.pending is None:
+                if not self._within_budget(nxt):
+                    self.stats["held_back"] += 1
+                    return
                 self._gather_into_slot(nxt)
                 self.stats["prefetches"] += 1
+
+    def _within_budget(self, u: Unit) -> bool:
+        """Whether gathering ``u`` ahead keeps the units gathered and the pool's bytes
+        within the budget (the same answer on every rank: it depends on sizes only)."""
+        limit = self.budget.max_live_units
+        gathered = sum(v.slot is not None for v in self.units if not v.persistent)
+        if limit is not None and gathered + 1 > limit:
+            return False
+        return self.pool.would_fit(u.full_numel * self.compute_dtype.itemsize)
 
     def _gather_into_slot(self, u: Unit) -> None:
         if u.slot is None:
             u.slot = self.pool.take(u.full_numel, self.compute_dtype)
-        if self.offload is not None:
-            u.comm_shard = self.offload.master(u)
+        if self.offload is not None:  # the record's fp32 master, in the compute dtype
+            u.comm_shard = self.offload.master(u).to(self.compute_dtype)
         u.pending = comms.gather_unit(u.slot, u.comm_shard, self.group)
         self.stats["gathers"] += 1
         gathered = sum(v.slot is not None for v in self.units)
@@ -306,6 +343,7 @@ class ShardedModel:
         u.pending.wait()
         u.pending = None
         if self.offload is not None:
+            u.comm_shard = self._empty  # a cast copy (or the record's): not kept
             self.offload.gathered(u)
 
     def release(self, u: Unit) -> None:
@@ -328,7 +366,7 @@ class ShardedModel:
         """After the masters changed (a step, a checkpoint load): refresh the compute-dtype
         shards, and let the next forward gather everything afresh."""
         self.release_all()
-        if self.compute_dtype != self.dtype:
+        if self.compute_dtype != self.dtype and self.offload is None:
             with torch.no_grad():
                 for u in self.units:
                     u.comm_shard.copy_(u.shard)
@@ -378,7 +416,7 @@ def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None
                 never_persistent: Iterable[str] = (),
                 materialize: Callable[[list[str]], None] | None = None,
                 offload: OffloadConfig | None = None,
-                exclude: Iterable[str] = ()) -> nn.Module:
+                exclude: Iterable[str] = (), budget: LiveBudget | None = None) -> nn.Module:
     """Shard ``model``'s parameters for ZeRO stage 3 (in place; collective).
 
     Args:
@@ -394,6 +432,8 @@ def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None
             (:mod:`parallel.zero.offload`), stepped unit by unit in backward.
         exclude: parameter names left whole and untouched (another optimizer's: the
             experts beside ZeRO, :mod:`parallel.compose.expert_side`).
+        budget: bounds on the units gathered at once and the whole-unit buffers kept
+            (:class:`LiveBudget`; default: none).
 
     Returns:
         ``model``, whose ``parameters()`` are now the shards; its machinery is
@@ -407,5 +447,5 @@ def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None
         raise ValueError("shard_model: this model is already sharded")
     model.__dict__["zero3"] = ShardedModel(model, process_group, unit_modules,
                                            persistence_threshold, never_persistent, materialize,
-                                           offload, exclude)
+                                           offload, exclude, budget)
     return model

@@ -6,6 +6,12 @@ taken back through a free list, so after the first step the same few buffers ser
 every step: nothing is allocated per step, and memory cannot fragment. On a pycomm
 group the buffers are shared memory, so the all-gather into them (and the
 reduce-scatter out of them) is zero-copy.
+
+With a budget (``keep_bytes``, the engine's ``max_live_bytes``) a returned buffer is kept
+for reuse only while the buffers handed out and kept stay within it; the others are
+freed at once (their memory goes back to the system, see
+:func:`pycomm.arena.return_freed_memory`), so the pool holds at most the budget, or what
+is in use when that is more.
 """
 
 from __future__ import annotations
@@ -23,34 +29,52 @@ class SlotPool:
 
     Args:
         group: the group the buffers are used with (pycomm: shared memory).
+        keep_bytes: the most bytes handed out and kept together (None: keep every
+            returned buffer).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, keep_bytes: int | None = None):
+        self.group, self.keep_bytes = group, keep_bytes
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-        self._arenas: list[Arena] = []
         self._live = 0
-        self._peak = 0
+        self._kept = 0  # bytes of the free lists
+        self._peak = 0  # most bytes handed out at once
+        self._peak_reserved = 0  # most bytes handed out and kept together
+        self.made = 0  # buffers made (a budget makes them again after freeing them)
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         free = self._free[(numel, dtype)]
         if free:
             buffer = free.pop()
+            self._kept -= _nbytes(buffer)
         else:
-            arena = Arena.for_group(numel, dtype, self.group)
-            self._arenas.append(arena)
-            buffer = arena.buffer
-        self._live += buffer.numel() * dtype.itemsize
+            buffer = Arena.for_group(numel, dtype, self.group).buffer
+            self.made += 1
+        self._live += _nbytes(buffer)
         self._peak = max(self._peak, self._live)
+        self._peak_reserved = max(self._peak_reserved, self._live + self._kept)
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
-        self._live -= buffer.numel() * buffer.dtype.itemsize
-        self._free[(buffer.numel(), buffer.dtype)].append(buffer)
+        size = _nbytes(buffer)
+        self._live -= size
+        if self.keep_bytes is None or self._live + self._kept + size <= self.keep_bytes:
+            self._free[(buffer.numel(), buffer.dtype)].append(buffer)
+            self._kept += size
+        # else: dropped here, the last reference: its memory is freed
+
+    def would_fit(self, nbytes: int) -> bool:
+        """Whether handing out ``nbytes`` more stays within the budget (always, without)."""
+        return self.keep_bytes is None or self._live + nbytes <= self.keep_bytes
 
     def stats(self) -> dict[str, int]:
-        """``reserved_bytes`` (every buffer made), ``live_bytes`` (handed out now),
-        ``peak_bytes`` (most handed out at once) and ``buffers``."""
-        reserved = sum(a.stats()["reserved_bytes"] for a in self._arenas)
-        return {"reserved_bytes": reserved, "live_bytes": self._live, "peak_bytes": self._peak,
-                "buffers": len(self._arenas)}
+        """``reserved_bytes`` (handed out and kept now), ``live_bytes`` (handed out now),
+        ``peak_bytes`` (most handed out at once), ``peak_reserved_bytes`` and ``buffers``
+        (made so far)."""
+        return {"reserved_bytes": self._live + self._kept, "live_bytes": self._live,
+                "peak_bytes": self._peak, "peak_reserved_bytes": self._peak_reserved,
+                "buffers": self.made}
+
+
+def _nbytes(buffer: torch.Tensor) -> int:
+    return buffer.numel() * buffer.dtype.itemsize

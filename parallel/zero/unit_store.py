@@ -81,6 +81,12 @@ class Record:
             n = fields * self.layout.field_bytes
             self.host[:n].copy_(self.data[:n])
 
+    def release(self) -> None:
+        """Let the host buffer go (the record is not used again): it is unmapped once
+        no view of a field is left (a gather or a step may still hold one briefly)."""
+        self.host = self.data = torch.empty(0, dtype=torch.uint8)
+        self._map = None  # type: ignore[assignment]
+
     def span(self, count: int) -> memoryview:
         """The first ``count`` fields of the host buffer, as bytes for the file calls."""
         return memoryview(self._map)[: count * self.layout.field_bytes]

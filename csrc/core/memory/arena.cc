@@ -125,6 +125,44 @@ void Arena::give_back(Slab& s, size_t offset, size_t bytes) {
   s.free[offset] = bytes;
 }
 
+static size_t page_size() {
+  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return page;
+}
+
+// The whole pages inside [offset, offset + bytes): their pages go back to the system for
+// every process mapping the slab (a peer's mapping reads zeros there until reused).
+size_t Arena::punch(Slab& s, size_t offset, size_t bytes) {
+  size_t lo = round_up(offset, page_size());
+  size_t hi = (offset + bytes) / page_size() * page_size();
+  if (hi <= lo || s.fd < 0) return 0;
+  if (fallocate(s.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(lo),
+                static_cast<off_t>(hi - lo)) != 0) {
+    return 0;  // the memory stays reserved: correct, only not returned
+  }
+  ever_trimmed_ = true;
+  return hi - lo;
+}
+
+// A block handed out where pages may have been punched: reserve them now, so running out
+// of memory is this error and not a SIGBUS on first touch (as for a new slab).
+void Arena::reserve_again(Slab& s, size_t offset, size_t bytes) {
+  size_t lo = offset / page_size() * page_size();
+  size_t hi = std::min(round_up(offset + bytes, page_size()), s.bytes);
+  int rc =
+      s.fd < 0 ? 0 : posix_fallocate(s.fd, static_cast<off_t>(lo), static_cast<off_t>(hi - lo));
+  if (rc != 0) {
+    give_back(s, offset, bytes);
+    throw CommError("pycomm: cannot reserve " + std::to_string(bytes >> 20) +
+                    " MiB of the shared-memory arena again: " + strerror(rc));
+  }
+}
+
+void Arena::set_trim_bytes(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  trim_bytes_ = bytes;
+}
+
 void* Arena::allocate(size_t bytes) {
   size_t need = round_up(std::max<size_t>(bytes, 1), kAlign);
   std::lock_guard<std::mutex> lock(mu_);
@@ -139,6 +177,9 @@ void* Arena::allocate(size_t bytes) {
   if (p == nullptr) {
     owner = new_slab(need);
     p = take(*owner, need);
+  } else if (ever_trimmed_) {
+    reserve_again(*owner, static_cast<char*>(p) - owner->base, need);
+    trimmed_bytes_ -= std::min(trimmed_bytes_, need);
   }
   live_[static_cast<char*>(p)] = {owner, need};
   live_bytes_ += need;
@@ -151,7 +192,9 @@ bool Arena::release(void* ptr) {
   auto it = live_.find(static_cast<char*>(ptr));
   if (it == live_.end()) return false;
   auto [slab, bytes] = it->second;
-  give_back(*slab, static_cast<char*>(ptr) - slab->base, bytes);
+  size_t offset = static_cast<char*>(ptr) - slab->base;
+  give_back(*slab, offset, bytes);
+  if (trim_bytes_ > 0 && bytes >= trim_bytes_) trimmed_bytes_ += punch(*slab, offset, bytes);
   live_bytes_ -= bytes;
   live_.erase(it);
   return true;
@@ -178,6 +221,7 @@ ArenaStats Arena::stats() const {
     for (const auto& [off, len] : s->free) st.largest_free = std::max(st.largest_free, len);
   }
   st.live = live_bytes_;
+  st.trimmed = trimmed_bytes_;
   st.peak = peak_bytes_;
   st.slabs = slabs_.size();
   st.allocations = live_.size();

@@ -34,6 +34,7 @@ struct ArenaStats {
   size_t slabs = 0;
   size_t allocations = 0;   // live allocations
   size_t largest_free = 0;  // largest block available without a new slab
+  size_t trimmed = 0;       // bytes of free blocks whose pages went back to the system
 };
 
 class Arena {
@@ -48,6 +49,10 @@ class Arena {
   // True (and *out filled) if [ptr, ptr + bytes) lies inside one slab of this arena.
   bool locate(const void* ptr, size_t bytes, ArenaLocation* out) const;
   ArenaStats stats() const;
+  // From now on a freed block of at least `bytes` gives its pages back to the system
+  // (punched out of the slab's memfd, for every process mapping it) and a block handed
+  // out again is reserved anew; 0 (the default) keeps every page, as slabs always did.
+  void set_trim_bytes(size_t bytes);
   // Called in a forked child (see fork_guard.h).
   static void after_fork_in_child();
 
@@ -63,12 +68,17 @@ class Arena {
   Slab* new_slab(size_t min_bytes);
   static void* take(Slab& s, size_t bytes);
   static void give_back(Slab& s, size_t offset, size_t bytes);
+  size_t punch(Slab& s, size_t offset, size_t bytes);
+  void reserve_again(Slab& s, size_t offset, size_t bytes);
 
   mutable std::mutex mu_;
   std::vector<std::unique_ptr<Slab>> slabs_;
   std::map<const char*, std::pair<Slab*, size_t>> live_;  // ptr -> (slab, bytes)
   size_t live_bytes_ = 0;
   size_t peak_bytes_ = 0;
+  size_t trim_bytes_ = 0;
+  size_t trimmed_bytes_ = 0;  // punched and not handed out since (an upper bound)
+  bool ever_trimmed_ = false;
   uint64_t next_id_ = 1;
 };
 
