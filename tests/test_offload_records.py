@@ -37,13 +37,13 @@ def test_record_round_trip(kind, device, tmp_path):
     values = {f: torch.randn(NUMEL, device=device) for f in FIELDS}
     for f in FIELDS:
         wrote.field(f).copy_(values[f])
-    wrote.to_host(3)
-    store.write(0, wrote, 3)
-    for fields in (1, 3):  # a forward reads the master alone
+    wrote.to_host(0, 3)
+    store.write(0, wrote, 0, 3)
+    for first, count in ((0, 1), (0, 3), (2, 1)):  # a forward reads the master alone
         read = Record(layouts[0], torch.device(device))
-        store.read(0, read, fields)
-        read.to_device(fields)
-        for f in FIELDS[:fields]:
+        store.read(0, read, first, count)
+        read.to_device(first, count)
+        for f in FIELDS[first : first + count]:
             assert torch.equal(read.field(f), values[f])
     assert store.bytes_written == 3 * layouts[0].field_bytes
     assert not list(tmp_path.iterdir())  # unlinked once open
@@ -111,3 +111,13 @@ def test_the_ram_case_is_the_shallowest_over_3x_the_ram(tmp_path, monkeypatch):
     monkeypatch.setattr("shutil.disk_usage", lambda _: shutil._ntuple_diskusage(free, 0, free))
     with pytest.raises(SystemExit, match="unit files need"):
         _check_disk(str(tmp_path), small)
+
+
+def test_fields_are_read_and_written_in_runs_of_neighbours():
+    from parallel.zero.offload import field_spans
+
+    layout = RecordLayout(NUMEL, torch.float32, (*FIELDS, "grad"))
+    assert field_spans(layout, ("master",)) == [(0, 1)]
+    assert field_spans(layout, ("grad", "master")) == [(0, 1), (3, 1)]
+    assert field_spans(layout, ("master", "exp_avg", "exp_avg_sq")) == [(0, 3)]
+    assert field_spans(layout, layout.fields) == [(0, 4)]

@@ -104,12 +104,14 @@ def test_batch_that_does_not_split_is_refused():
 @pytest.mark.parametrize("saving", [["--ckpt-every", "2", "--ckpt-dir", "c"],
                                     ["--resume", "--ckpt-dir", "c"],
                                     ["--model", "llama", "--export-hf", "out"]])
-def test_saving_an_offloaded_run_is_refused_before_it_starts(saving):
-    """Not at the first save, steps later: the settings are refused when parsed."""
-    flags = ["--offload", "disk", "--offload-dir", "o", "--zero", "3", "--max-grad-norm", "0"]
-    with pytest.raises(ValueError, match=r"with --offload disk: checkpoints and the "
-                                         r"HuggingFace export of an offloaded run"):
-        parse(flags + saving)
+def test_an_offloaded_run_saves_with_clipping_and_bf16(saving):
+    """Checkpoints and the HuggingFace export of an offloaded run stream through its
+    unit store: accepted with the ordinary recipe (tests/test_offload_checkpoint.py
+    checks what they hold)."""
+    flags = ["--offload", "disk", "--offload-dir", "o", "--zero", "3", "--precision", "bf16",
+             "--max-grad-norm", "1.0", "--microbatches", "2", "--batch-size", "4", "--dp", "2"]
+    cfg = parse(flags + saving)
+    assert cfg.offload == "disk" and cfg.precision == "bf16"
 
 
 # --- data ---------------------------------------------------------------------------------

@@ -95,7 +95,11 @@ def save(engine: Any, directory: str | os.PathLike, extra: dict[str, Any]) -> No
     state, _ = tensor_state(engine, owned_only=True)
     state = {k: v if isinstance(v, ChunkedTensor) else _scalar_value(v) for k, v in state.items()}
     state.update(_objects(engine, extra))
-    dcp_chunks.save(state, directory)
+    try:
+        dcp_chunks.save(state, directory, stream=engine.config.offload != "none")
+    finally:
+        del state
+        engine.dp.saved()
 
 
 def load(engine: Any, directory: str | os.PathLike) -> dict[str, Any]:
@@ -109,7 +113,13 @@ def load(engine: Any, directory: str | os.PathLike) -> dict[str, Any]:
     state, scalars = tensor_state(engine)
     wanted = {k: v if isinstance(v, ChunkedTensor) else None for k, v in state.items()}
     wanted.update(dict.fromkeys(_objects(engine, {})))
-    got = dcp_chunks.load(wanted, directory)
+    try:
+        got = dcp_chunks.load(wanted, directory)
+    except BaseException:
+        del state, wanted
+        engine.dp.saved()  # offloaded: nothing was written, the store's views are let go
+        raise
+    del state, wanted  # offloaded: views of the store, released before it is flushed
     if got["meta/format"] != FORMAT:
         raise ValueError(f"checkpoint {directory}: format {got['meta/format']!r}, "
                          f"expected {FORMAT!r}")

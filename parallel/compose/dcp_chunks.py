@@ -167,7 +167,8 @@ def _check_tiling(kinds: dict[str, Any], metadata: Metadata) -> None:
                              f"{md.size.numel()} (a part is missing or held twice)")
 
 
-def save(state: dict[str, Any], path: str | os.PathLike, group: Any = None) -> None:
+def save(state: dict[str, Any], path: str | os.PathLike, group: Any = None,
+         stream: bool = False) -> None:
     """Write ``state`` to the directory ``path``, each rank only its chunks. Collective
     over ``group`` (default: the world; a single process without a process group).
 
@@ -178,6 +179,9 @@ def save(state: dict[str, Any], path: str | os.PathLike, group: Any = None) -> N
             once every rank has written, replacing an older ``path``: a directory named
             ``path`` is always complete.
         group: the process group of the ranks that save.
+        stream: one file per chunk, so at most one chunk is in memory at a time (DCP
+            keeps every tensor of a file until the file is written; chunks that are
+            views of files, an offloaded job's, would otherwise all come in at once).
 
     Raises:
         ValueError: a chunk does not fit its tensor, ranks disagree on a key's shape or
@@ -193,7 +197,8 @@ def save(state: dict[str, Any], path: str | os.PathLike, group: Any = None) -> N
     try:
         with warnings.catch_warnings():  # DCP warns that one process is one process
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(dict.fromkeys(state), storage_writer=FileSystemWriter(partial),
+            writer = FileSystemWriter(partial, single_file_per_rank=not stream)
+            dcp.save(dict.fromkeys(state), storage_writer=writer,
                      planner=_SavePlanner(state), process_group=group,
                      no_dist=not _distributed())
     except CheckpointException as exc:

@@ -367,6 +367,21 @@ class ParallelModel:
         dist.all_reduce(value, group=self.mesh.group("dp"))
         return float(value) / self.mesh.size("dp")
 
+    def stage3_stats(self) -> dict[str, Any]:
+        """This rank's ZeRO-3 counters ({} below stage 3): the gathered-unit pool's bytes
+        (``pool_peak_bytes``), gathers and prefetches held back by the live budget, and
+        offloaded, the unit store's I/O (bytes read and written, waits, the records held
+        at most)."""
+        zero3 = self.stage.__dict__.get("zero3")
+        if zero3 is None:
+            return {}
+        pool = zero3.pool.stats()
+        out = {**zero3.stats, "pool_peak_bytes": pool["peak_bytes"],
+               "pool_peak_reserved_bytes": pool["peak_reserved_bytes"]}
+        if zero3.offload is not None:
+            out.update(zero3.offload.io_stats())
+        return out
+
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (tensor-parallel parts; under ZeRO-3 the originals,
         empty between uses)."""

@@ -73,6 +73,10 @@ class ExpertsBeside:
     def set_scalars(self, p: nn.Parameter, scalars: dict[str, Any]) -> None:
         (self.experts if is_expert(p) else self.dense).set_scalars(p, scalars)
 
+    def saved(self) -> None:
+        self.dense.saved()
+        self.experts.saved()
+
     def loaded(self) -> None:
         self.dense.loaded()
         self.experts.loaded()

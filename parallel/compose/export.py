@@ -1,14 +1,15 @@
 """A checkpoint of any layout as a HuggingFace model folder: ``from_pretrained`` loads it.
 
 The checkpoint keeps the model's own parameter names (the plan names modules by their
-paths), so the consolidated state dict is the HuggingFace model's ``state_dict``; the
-model is built on the meta device from the config, given those tensors, and written
-with ``save_pretrained`` (config and safetensors; a tied head written once, as
-transformers writes it). One process, no process group.
+paths), so its tensors are the HuggingFace model's ``state_dict``: the names are
+checked against the model built on the meta device from the config, and each tensor is
+streamed into safetensors files (a tied head written once, as transformers writes it).
+One process, no process group.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -16,47 +17,71 @@ from typing import Any
 import torch
 
 from parallel._optional import require
-from parallel.compose.checkpoint import consolidate
+from parallel.compose import dcp_chunks
+
+SHARD_BYTES = 2 << 30  # safetensors files of at most this much (HF's default is 5 GB)
 
 
-def save_pretrained(checkpoint: str | os.PathLike, config: Any, out: str | os.PathLike
-                    ) -> Path:
+def save_pretrained(checkpoint: str | os.PathLike, config: Any, out: str | os.PathLike,
+                    shard_bytes: int = SHARD_BYTES) -> Path:
     """Write the model of ``checkpoint`` (saved by ``engine.save`` in any layout) as a
-    HuggingFace folder ``out``.
+    HuggingFace folder ``out``, streaming: each tensor is read whole from the
+    checkpoint and written into safetensors files of at most ``shard_bytes`` (with
+    HF's ``model.safetensors.index.json`` when there are several), so no more than one
+    file's tensors are in memory, whatever the model's size.
 
     Args:
         checkpoint: the checkpoint directory.
         config: the model's HuggingFace config (a ``PretrainedConfig``).
         out: the folder to write.
+        shard_bytes: the most tensor bytes in one safetensors file.
 
     Raises:
-        ValueError: the checkpoint's names are not this config's model's (strict load).
+        ValueError: the checkpoint's names are not this config's model's (strict).
     """
     transformers = require("transformers", "parallel.compose.save_pretrained (a HuggingFace "
                            "checkpoint)")
+    from safetensors.torch import save_file
 
-    state = consolidate(checkpoint)
+    saved = {k.removeprefix("model/"): v for k, v in dcp_chunks.saved_keys(checkpoint).items()
+             if k.startswith("model/")}
+    aliases = dcp_chunks.read_whole(checkpoint, ["meta/aliases"])["meta/aliases"]
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    wanted = model.state_dict()
-    missing = sorted(set(wanted) - set(state))
-    unknown = sorted(set(state) - set(wanted))
+    wanted = set(model.state_dict())
+    held = set(saved) | set(aliases)
+    missing, unknown = sorted(wanted - held), sorted(held - wanted)
     if missing or unknown:
         raise ValueError(f"export: {checkpoint} does not hold this {type(model).__name__}: "
                          f"missing {missing[:5]}, not in the model {unknown[:5]}")
-    model.load_state_dict({k: state[k] for k in wanted}, strict=True, assign=True)
-    model.tie_weights()
-    _rebuild_buffers(model)
-    model.save_pretrained(out)
+    shards = _shards({name: saved[name] for name in sorted(saved)}, shard_bytes)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    weight_map, total = {}, 0
+    for k, names in enumerate(shards):
+        file = ("model.safetensors" if len(shards) == 1
+                else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
+        tensors = dcp_chunks.read_whole(checkpoint, [f"model/{n}" for n in names])
+        save_file({n: tensors[f"model/{n}"] for n in names}, os.path.join(out, file),
+                  metadata={"format": "pt"})
+        total += sum(t.nbytes for t in tensors.values())
+        weight_map.update(dict.fromkeys(names, file))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
     return Path(out)
 
 
-def _rebuild_buffers(model: Any) -> None:
-    """Non-persistent buffers (a rotary table) are not in a state dict: made again."""
-    for module in model.modules():
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            if list(module.parameters(recurse=False)):
-                raise ValueError(f"export: {type(module).__name__} has buffers no checkpoint "
-                                 "holds beside its parameters; this model cannot be exported")
-            module.to_empty(device="cpu", recurse=False)
-            model._init_weights(module)
+def _shards(sizes: dict[str, Any], limit: int) -> list[list[str]]:
+    """Names in files of at most ``limit`` bytes (a larger tensor alone in its own)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, (shape, dtype) in sizes.items():
+        nbytes = shape.numel() * dtype.itemsize
+        if shards[-1] and used + nbytes > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += nbytes
+    return shards

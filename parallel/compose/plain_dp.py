@@ -117,6 +117,9 @@ class PlainDataParallel:
         self.optimizer.state[self.masters[index]].update(
             {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
 
+    def saved(self) -> None:
+        """(Checkpoints read the parameters and state in place: nothing to finish.)"""
+
     def loaded(self) -> None:
         """After a checkpoint was read into the masters: the model gets their values."""
         self.after_step()

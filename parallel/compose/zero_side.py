@@ -28,7 +28,7 @@ from parallel.compose.mesh import ParallelMesh
 from parallel.compose.optim_groups import ensure_state
 from parallel.zero import ZeroOptimizer, shard_model
 from parallel.zero.checkpoint import owned_pieces, state_slices
-from parallel.zero.offload import OffloadConfig
+from parallel.zero.offload import STATE_FIELDS, STEPPED, OffloadConfig
 from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD, LiveBudget
 
 # (parameter, its shape, flat start, master values, optimizer state tensors, scalar state)
@@ -140,21 +140,52 @@ class ZeroPlan:
 
     def pieces(self) -> list[Piece]:
         """For checkpoints: this rank's flat range of each parameter it owns elements
-        of, with the master values and optimizer state there (views of the shards)."""
+        of, with the master values and optimizer state there (views of the shards;
+        offloaded, views of the unit store, :meth:`_stored_pieces`)."""
         opt = self.optimizer
         if self.offload is not None:
-            raise ValueError("checkpoint: offloaded ZeRO-3 keeps its state in the unit "
-                             "store; checkpoints of an offloaded job are not supported")
+            return self._stored_pieces()
         ensure_state(opt.optimizer)
         shapes, out = opt.param_shapes(), []
         for i, k, lo, hi, at in owned_pieces(opt):
             state = state_slices(opt, k, at, hi - lo)
-            piece = next(q for p, q in zip(opt.pieces, opt.piece_params, strict=True)
-                         if p.bucket == k and p.start <= at < p.stop)
+            piece = self._piece_param(k, at)
             scalars = {key: v for key, v in opt.optimizer.state[piece].items()
                        if not (torch.is_tensor(v) and v.dim() > 0)}
             values = opt.shard_params[k].detach()[at : at + hi - lo]
             out.append((self.params[i], shapes[i], lo, values, state, scalars))
+        return out
+
+    def _piece_param(self, k: int, at: int) -> nn.Parameter:
+        """The inner optimizer's parameter holding element ``at`` of unit/bucket ``k``."""
+        opt = self.optimizer
+        return next(q for p, q in zip(opt.pieces, opt.piece_params, strict=True)
+                    if p.bucket == k and p.start <= at < p.stop)
+
+    def _stored_pieces(self) -> list[Piece]:
+        """Offloaded: the pieces' values and moments are views of the unit store (a
+        checkpoint streams through them, no record is read whole), the step counters
+        those in memory. Every piece gets Adam's state skeleton (step 0 before any
+        step), so a load can set the counters and the next step finds the moments in
+        the records rather than starting them again."""
+        opt, offload = self.optimizer, self.offload
+        inner = opt.optimizer
+        empty = torch.empty(0)
+        for q in opt.piece_params:
+            state = inner.state[q]
+            state.setdefault("step", torch.tensor(0.0))
+            for name in STATE_FIELDS:
+                state.setdefault(name, empty)
+        views: dict[int, dict[str, torch.Tensor]] = {}
+        shapes, out = opt.param_shapes(), []
+        for i, k, lo, hi, at in owned_pieces(opt):
+            if k not in views:
+                views[k] = {name: offload.stored(offload.units[k], name) for name in STEPPED}
+            n = hi - lo
+            state = {name: views[k][name][at : at + n] for name in STATE_FIELDS}
+            scalars = {"step": inner.state[self._piece_param(k, at)]["step"]}
+            out.append((self.params[i], shapes[i], lo, views[k]["master"][at : at + n], state,
+                        scalars))
         return out
 
     def set_scalars(self, p: nn.Parameter, scalars: dict[str, Any]) -> None:
@@ -162,6 +193,12 @@ class ZeroPlan:
         for state in self.optimizer.optimizer.state.values():
             state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
 
+    def saved(self) -> None:
+        """After a checkpoint was written from :meth:`pieces`' views."""
+        if self.offload is not None:
+            self.offload.end_stored()
+
     def loaded(self) -> None:
         """After a checkpoint was read into the master shards: every rank's parameters."""
+        self.saved()  # offloaded: what was read into the store's views reaches it
         self.optimizer.publish_shards()

@@ -180,15 +180,6 @@ class TrainConfig:
                              f"{self.effective_microbatches()}) equal micro-batches")
         if (self.ckpt_every or self.resume) and not self.ckpt_dir:
             raise ValueError("train: ckpt_every and resume need ckpt_dir")
-        saving = [f"--{n.replace('_', '-')}" for n in ("ckpt_every", "resume", "export_hf")
-                  if getattr(self, n)]
-        if self.offload != "none" and saving:
-            # refused now, not at the first save: an offloaded run's state is in its unit
-            # store, which checkpoints cannot read yet
-            raise ValueError(f"train: {', '.join(saving)} with --offload {self.offload}: "
-                             "checkpoints and the HuggingFace export of an offloaded run are "
-                             "not supported yet (its state lives in the unit store); train "
-                             "without --offload to save")
         if self.model not in MODELS and not self.model.startswith("hf:"):
             raise ValueError(f"train: model must be one of {MODELS} or hf:CONFIG.json, got "
                              f"{self.model!r}")

@@ -115,7 +115,8 @@ def _train_step(engine: ParallelModel, cfg: TrainConfig, data: DataSource, step:
                "step_s": seconds, "tokens_per_s": batch.tokens.numel() / seconds,
                "trained_tokens": batch.trained_tokens(), "aux_loss": r.aux_loss,
                "dropped": r.dropped, "skipped": r.skipped,
-               "loss_scale": r.loss_scale, "peak_rss_mb": peak_rss_mb()})
+               "loss_scale": r.loss_scale, "peak_rss_mb": peak_rss_mb(),
+               **({"stage3": stats} if (stats := engine.stage3_stats()) else {})})
 
 
 def describe(cfg: TrainConfig) -> str:

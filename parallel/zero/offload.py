@@ -20,12 +20,17 @@ record: the same per-element arithmetic, in the same dtype, as the in-memory ZeR
 
 Gradient clipping needs the global norm before any unit steps, so with ``defer_step``
 (DeepSpeed clips with offload too) backward writes each unit's reduced gradient shard
-into its record (a ``grad`` field after the master: the master it read for the gather
-and the gradient, two fields written) and adds its square to the norm; once the norm is
-known, :meth:`UnitOffload.step_deferred` reads each whole record ahead of use, scales its
-gradient by the clipping coefficient, steps it and writes it back. Per step that is 12
-fields moved instead of 7 (a read of the master in forward and in backward, two written
-in backward; four read and four written by the step pass).
+into its record (a ``grad`` field after the state, written alone: the master read for
+the gather is unchanged) and adds its square to the norm; once the norm is known,
+:meth:`UnitOffload.step_deferred` reads each whole record ahead of use, scales its
+gradient by the clipping coefficient, steps it and writes back what the step changed
+(master and state). Per step that is 10 fields moved instead of 7 (a read of the master
+in forward and in backward, the gradient written in backward; four read and three
+written by the step pass); each further micro-batch adds the master and the gradient
+read and the gradient written. Fields are read and written only as runs of neighbours
+(:func:`field_spans`), so a record buffer holds only what its pass touched.
+fp16's loss scaling defers the step too: an overflowed step is dropped before any unit
+steps.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from pycomm.arena import return_freed_memory
 
 KINDS = ("cpu", "disk")
 STATE_FIELDS = ("exp_avg", "exp_avg_sq")  # Adam's and AdamW's state, beside the master
+STEPPED = ("master", *STATE_FIELDS)  # what a step changes
 MAX_WRITES = 2  # write-backs in flight before the next one waits for the oldest
 IO_THREADS = 2
 
@@ -102,7 +108,8 @@ class UnitOffload:
         self.depth = config.prefetch
         self.defer = config.defer_step or config.microbatches > 1
         self.microbatches = config.microbatches
-        fields = ("master", *(("grad",) if self.defer else ()), *STATE_FIELDS)
+        # the gradient last: a step writes back the fields before it, backward it alone
+        fields = (*STEPPED, *(("grad",) if self.defer else ()))
         self.layouts = [RecordLayout(u.shard_numel, dtype, fields) for u in units]
         self.store: FileUnitStore | HostUnitStore = (
             FileUnitStore(config.directory, rank, self.layouts) if config.kind == "disk"
@@ -138,37 +145,41 @@ class UnitOffload:
         """Done with ``record``: its buffer goes back to the system now (a fresh mapping
         per use costs page faults, but holds only the fields a pass touched, and no
         record outlives its use)."""
-        record.loaded = ()
+        record.loaded = frozenset()
         record.release()
 
-    def _fields(self) -> int:
-        """Fields the current pass reads: the master for a gather; the whole record
-        where a step follows (in backward, or in the deferred step pass)."""
-        whole = len(self.layouts[0].fields) if self.layouts else 1
+    def _needed(self, k: int) -> tuple[str, ...]:
+        """Fields of unit ``k`` the current pass reads: the master for a gather; the
+        whole record where a step follows (in backward, or in the deferred step pass);
+        in a deferred backward, the master and the gradient summed so far (none before
+        the step's first backward reaches the unit: it is overwritten)."""
+        fields = self.layouts[k].fields
         if self.stepping or (self.backward and not self.defer):
-            return whole
-        if self.backward and self.microbatches > 1:
-            return 2  # the master and the gradient summed so far
-        return 1
+            return fields
+        if self.backward and self._landed.get(k, 0) > 0:
+            return ("master", "grad")
+        return ("master",)
 
     def fetch(self, k: int) -> None:
         """Start reading unit ``k`` (the fields this pass needs) unless it is in memory."""
-        fields = self._fields()
+        needed = self._needed(k)
         if k in self._records:
-            if len(self._records[k].loaded) >= fields or k in self._reads:
-                return  # a forward's master-only read still in flight serves the gather
+            if self._records[k].loaded.issuperset(needed) or k in self._reads:
+                return  # a read still in flight: acquire checks what it brought
             self._give(self._records.pop(k))  # master only: the step needs the state too
         record = self._take(k)
         after = self._writing.get(k)
-        self._reads[k] = self._io.submit(self._read, k, record, fields, after)
+        self._reads[k] = self._io.submit(self._read, k, record, needed, after)
 
-    def _read(self, k: int, record: Record, fields: int, after: Future[None] | None) -> None:
+    def _read(self, k: int, record: Record, names: tuple[str, ...],
+              after: Future[None] | None) -> None:
         if after is not None:
             after.result()  # the last step's values must be on the store first
         start = time.perf_counter()
-        self.store.read(k, record, fields)
-        record.to_device(fields)
-        record.loaded = self.layouts[k].fields[:fields]
+        for first, count in field_spans(record.layout, names):
+            self.store.read(k, record, first, count)
+            record.to_device(first, count)
+        record.loaded = frozenset(names)
         with self._lock:  # two I/O threads add to it
             self.stats["io_s"] += time.perf_counter() - start
 
@@ -184,7 +195,7 @@ class UnitOffload:
                 read.result()
                 self.stats["read_wait_s"] += time.perf_counter() - start
             record = self._records[k]
-            if len(record.loaded) >= self._fields():
+            if record.loaded.issuperset(self._needed(k)):
                 return record
             self._give(self._records.pop(k))
 
@@ -196,20 +207,21 @@ class UnitOffload:
         if k in self._records:
             self._give(self._records.pop(k))
 
-    def write_back(self, k: int, fields: int = 0) -> None:
-        """Write unit ``k``'s record (its first ``fields`` fields; 0: all) to the store in
-        the background, and drop it."""
+    def write_back(self, k: int, names: tuple[str, ...] = STEPPED) -> None:
+        """Write unit ``k``'s fields ``names`` (default: what a step changes, the master
+        and the optimizer state) to the store in the background, and drop the record."""
         while len(self._writes) >= MAX_WRITES:
             self._retire_write()
         record = self._records.pop(k)
-        future = self._io.submit(self._write, k, record, fields or len(record.layout.fields))
+        future = self._io.submit(self._write, k, record, names)
         self._writes.append((k, future, record))
         self._writing[k] = future
 
-    def _write(self, k: int, record: Record, fields: int) -> None:
+    def _write(self, k: int, record: Record, names: tuple[str, ...]) -> None:
         start = time.perf_counter()
-        record.to_host(fields)
-        self.store.write(k, record, fields)
+        for first, count in field_spans(record.layout, names):
+            record.to_host(first, count)
+            self.store.write(k, record, first, count)
         with self._lock:
             self.stats["io_s"] += time.perf_counter() - start
 
@@ -287,7 +299,7 @@ class UnitOffload:
             self.deferred.append(k)
         else:
             self._landed[k] = seen
-        self.write_back(k, fields=2)
+        self.write_back(k, ("grad",))  # the master is unchanged
 
     @torch.no_grad()
     def step_deferred(self) -> None:
@@ -334,12 +346,38 @@ class UnitOffload:
         record = self._take(u.index)
         record.data.zero_()
         record.field("master").copy_(shard)
-        record.loaded = record.layout.fields
+        record.loaded = frozenset(record.layout.fields)
         self.write_back(u.index)
+
+    def stored(self, u: Unit, name: str) -> torch.Tensor:
+        """``u``'s field ``name`` (``master``, ``exp_avg``, ``exp_avg_sq``) as a view of
+        the store, read and written in place (checkpoints); every write-back has
+        finished and no record is in memory. :meth:`end_stored` when done."""
+        self.flush()
+        if self._records or self._reads:
+            raise RuntimeError("offload: the store is viewed in place only between steps "
+                               f"(units {sorted(self._records)} are in memory)")
+        layout = self.layouts[u.index]
+        return self.store.field_view(u.index, layout, layout.fields.index(name))
+
+    def end_stored(self) -> None:
+        """The views of :meth:`stored` are dropped: what they changed reaches the store."""
+        self.store.end_views()
 
     def io_stats(self) -> dict[str, Any]:
         return {**self.stats, "bytes_read": self.store.bytes_read,
                 "bytes_written": self.store.bytes_written}
+
+
+def field_spans(layout: RecordLayout, names: tuple[str, ...]) -> list[tuple[int, int]]:
+    """``names``' fields as runs of neighbours, ``(first, count)``: one file call each."""
+    spans: list[tuple[int, int]] = []
+    for k in sorted(layout.fields.index(name) for name in names):
+        if spans and spans[-1][0] + spans[-1][1] == k:
+            spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+        else:
+            spans.append((k, 1))
+    return spans
 
 
 def _close(io: ThreadPoolExecutor, store: FileUnitStore | HostUnitStore) -> None:

@@ -19,6 +19,7 @@ them into the same buffers: the pipeline above is one code for both.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections.abc import Sequence
@@ -61,7 +62,7 @@ class Record:
         # ``device`` is where the unit computes; on a CPU it is the host buffer itself
         self.data = self.host if device.type == "cpu" else torch.empty(
             layout.nbytes, dtype=torch.uint8, device=device)
-        self.loaded: tuple[str, ...] = ()  # which fields hold the unit's values
+        self.loaded: frozenset[str] = frozenset()  # which fields hold the unit's values
 
     def field(self, name: str) -> torch.Tensor:
         k = self.layout.fields.index(name)
@@ -69,17 +70,22 @@ class Record:
         raw = self.data[k * size : (k + 1) * size]
         return raw.view(self.layout.dtype)[: self.layout.numel]
 
-    def to_device(self, fields: int) -> None:
+    def bounds(self, first: int, count: int) -> tuple[int, int]:
+        """Byte range of fields ``first`` to ``first + count``."""
+        size = self.layout.field_bytes
+        return first * size, (first + count) * size
+
+    def to_device(self, first: int, count: int) -> None:
         """After a read: the host bytes onto the unit's device (nothing on a CPU)."""
         if self.data is not self.host:
-            n = fields * self.layout.field_bytes
-            self.data[:n].copy_(self.host[:n])
+            lo, hi = self.bounds(first, count)
+            self.data[lo:hi].copy_(self.host[lo:hi])
 
-    def to_host(self, fields: int) -> None:
+    def to_host(self, first: int, count: int) -> None:
         """Before a write: the device's bytes into the host buffer (nothing on a CPU)."""
         if self.data is not self.host:
-            n = fields * self.layout.field_bytes
-            self.host[:n].copy_(self.data[:n])
+            lo, hi = self.bounds(first, count)
+            self.host[lo:hi].copy_(self.data[lo:hi])
 
     def release(self) -> None:
         """Let the host buffer go (the record is not used again): it is unmapped once
@@ -87,9 +93,11 @@ class Record:
         self.host = self.data = torch.empty(0, dtype=torch.uint8)
         self._map = None  # type: ignore[assignment]
 
-    def span(self, count: int) -> memoryview:
-        """The first ``count`` fields of the host buffer, as bytes for the file calls."""
-        return memoryview(self._map)[: count * self.layout.field_bytes]
+    def span(self, first: int, count: int) -> memoryview:
+        """Fields ``first`` to ``first + count`` of the host buffer, as bytes for the file
+        calls."""
+        lo, hi = self.bounds(first, count)
+        return memoryview(self._map)[lo:hi]
 
 
 class FileUnitStore:
@@ -119,21 +127,49 @@ class FileUnitStore:
             self.direct = False
         os.ftruncate(self._fd, at)
         os.unlink(self.path)
+        self.size = at
         self.bytes_read = self.bytes_written = 0
+        self._mapped: mmap.mmap | None = None
 
-    def read(self, k: int, record: Record, fields: int) -> None:
-        """Unit ``k``'s first ``fields`` fields into ``record`` (blocking: run it on an
-        I/O thread)."""
-        view, offset = record.span(fields), self.offsets[k]
+    def field_view(self, k: int, layout: RecordLayout, field: int) -> torch.Tensor:
+        """Unit ``k``'s field ``field`` as a tensor over the file itself (a shared
+        mapping: pages come in as they are touched and go back once clean, so a
+        checkpoint streams through it without holding the records). Between
+        :meth:`end_views` calls only; no record I/O may run meanwhile."""
+        if self._mapped is None:
+            self._mapped = mmap.mmap(self._fd, self.size)
+        lo = self.offsets[k] + field * layout.field_bytes
+        raw = torch.frombuffer(self._mapped, dtype=torch.uint8, offset=lo,
+                               count=layout.field_bytes)
+        return raw.view(layout.dtype)[: layout.numel]
+
+    def end_views(self) -> None:
+        """Write what the views changed to the file and drop their pages, so record I/O
+        (which bypasses the page cache) sees it; the views must be dropped first."""
+        if self._mapped is None:
+            return
+        self._mapped.flush()
+        mapped, self._mapped = self._mapped, None
+        with contextlib.suppress(BufferError):  # a view is still alive: unmapped with it
+            mapped.close()
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, 0, self.size, os.POSIX_FADV_DONTNEED)
+
+    def read(self, k: int, record: Record, first: int, count: int) -> None:
+        """Unit ``k``'s fields ``first`` to ``first + count`` into ``record`` (blocking:
+        run it on an I/O thread)."""
+        view = record.span(first, count)
+        offset = self.offsets[k] + record.bounds(first, count)[0]
         done = 0
         while done < len(view):
             done += os.preadv(self._fd, [view[done:]], offset + done)
         self._drop_cache(offset, len(view))
         self.bytes_read += len(view)
 
-    def write(self, k: int, record: Record, fields: int) -> None:
-        """``record``'s first ``fields`` fields as unit ``k``'s (blocking)."""
-        view, offset = record.span(fields), self.offsets[k]
+    def write(self, k: int, record: Record, first: int, count: int) -> None:
+        """``record``'s fields ``first`` to ``first + count`` as unit ``k``'s (blocking)."""
+        view = record.span(first, count)
+        offset = self.offsets[k] + record.bounds(first, count)[0]
         done = 0
         while done < len(view):
             done += os.pwrite(self._fd, view[done:], offset + done)
@@ -159,15 +195,23 @@ class HostUnitStore:
                       for layout in layouts]
         self.bytes_read = self.bytes_written = 0
 
-    def read(self, k: int, record: Record, fields: int) -> None:
-        n = fields * record.layout.field_bytes
-        record.host[:n].copy_(self._host[k][:n])
-        self.bytes_read += n
+    def read(self, k: int, record: Record, first: int, count: int) -> None:
+        lo, hi = record.bounds(first, count)
+        record.host[lo:hi].copy_(self._host[k][lo:hi])
+        self.bytes_read += hi - lo
 
-    def write(self, k: int, record: Record, fields: int) -> None:
-        n = fields * record.layout.field_bytes
-        self._host[k][:n].copy_(record.host[:n])
-        self.bytes_written += n
+    def write(self, k: int, record: Record, first: int, count: int) -> None:
+        lo, hi = record.bounds(first, count)
+        self._host[k][lo:hi].copy_(record.host[lo:hi])
+        self.bytes_written += hi - lo
+
+    def field_view(self, k: int, layout: RecordLayout, field: int) -> torch.Tensor:
+        """Unit ``k``'s field ``field``, a view of the stored record."""
+        lo = field * layout.field_bytes
+        return self._host[k][lo : lo + layout.field_bytes].view(layout.dtype)[: layout.numel]
+
+    def end_views(self) -> None:
+        """(The views are the records themselves.)"""
 
     def close(self) -> None:
         self._host.clear()
