@@ -169,6 +169,7 @@ class ZeroPlan:
         step), so a load can set the counters and the next step finds the moments in
         the records rather than starting them again."""
         opt, offload = self.optimizer, self.offload
+        assert offload is not None
         inner = opt.optimizer
         empty = torch.empty(0)
         for q in opt.piece_params:
