@@ -89,10 +89,12 @@ def _oom_kills(group: str) -> int:
 
 
 def run_capped(cmd: list[str], limit_bytes: int, timeout_s: float,
-               env: dict[str, str] | None = None, cwd: str | None = None) -> Capped:
+               env: dict[str, str] | None = None, cwd: str | None = None,
+               whole_tree: bool = False) -> Capped:
     """Run ``cmd`` with a fresh memory cgroup limited to ``limit_bytes`` for its ranks to
-    :func:`join`; the cgroup is removed after (any process of it still alive is killed
-    first)."""
+    :func:`join` (``whole_tree``: ``cmd`` itself is in it from its start, so every
+    process it starts is, a launcher included); the cgroup is removed after (any
+    process of it still alive is killed first)."""
     group = os.path.join(ROOT, f"pycomm_offload_{os.getpid()}_{time.monotonic_ns()}")
     os.mkdir(group)
     try:
@@ -100,9 +102,12 @@ def run_capped(cmd: list[str], limit_bytes: int, timeout_s: float,
         joined = group.replace("/", "_") + ".joined"
         joined = os.path.join(tempfile.gettempdir(), joined)
         start = time.perf_counter()
+        procs = os.path.join(group, "cgroup.procs")
+        enter = (lambda: _write(procs, str(os.getpid()))) if whole_tree else None
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, cwd=cwd, env={**(env or os.environ), ENV: group,
-                                                 ENV + "_JOINED": joined})
+                                                 ENV + "_JOINED": joined},
+                                 preexec_fn=enter)
         try:
             out, err = child.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -18,6 +18,9 @@ BATCH, SEQ, VOCAB = 4, 16, 256
 # the trainer's default GPT (4 blocks of width 128), on shorter sequences
 GPT_CFG = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_embd=128,
                     dropout=0.0)
+OTHER_OPTIMIZERS = {"sgd-momentum": (torch.optim.SGD, {"lr": 3e-2, "momentum": 0.9}),
+                    "adagrad": (torch.optim.Adagrad, {"lr": 3e-2}),
+                    "adam-amsgrad": (torch.optim.Adam, {"lr": 3e-3, "amsgrad": True})}
 FP16_OVERFLOWING_SCALE = 2.0**40  # halved per overflow: the first steps are skipped
 SPLIT_NUMEL = 10_000  # the Llama's embedding and head (256 x 64) become units
 LIVE_BUDGET_BYTES = 200_000  # a block gathered in bf16 is 2 x 49,152 bytes
@@ -58,11 +61,11 @@ def train(name: str, offload: str, directory: str, steps: int = STEPS,
 
     model = build(name, n_layer)
     mesh = ParallelMesh(pp=1, dp=2, tp=1)
-    engine = parallelize(model, mesh, ParallelConfig(
+    settings: dict[str, Any] = dict(
         zero=3, max_grad_norm=clip, weight_decay=0.1, lr_lambda=lr_lambda,
         optimizer_kwargs={"lr": 3e-3}, offload=offload, offload_dir=directory,
-        offload_prefetch=prefetch, recompute=recompute, microbatches=microbatches,
-        **config))
+        offload_prefetch=prefetch, recompute=recompute, microbatches=microbatches)
+    engine = parallelize(model, mesh, ParallelConfig(**{**settings, **config}))
     curve, skipped = [], 0
     for step in range(steps):
         r = engine.train_step(*batch(step))
@@ -105,6 +108,11 @@ def run_all(root: str) -> dict[Any, Any]:
             "gpt", offload, os.path.join(root, f"fp16-{offload}"), clip=CLIP, precision="fp16",
             loss_scale=FP16_OVERFLOWING_SCALE)
     out["budget"] = budget_run(os.path.join(root, "budget"))
+    for name, (optimizer, options) in OTHER_OPTIMIZERS.items():  # their state in the records
+        for offload in ("none", "disk"):
+            out[(name, offload)] = train("gpt", offload, os.path.join(root, f"{name}-{offload}"),
+                                         steps=4, clip=CLIP, optimizer=optimizer,
+                                         optimizer_kwargs=options)
     # twice the depth of ("gpt", "disk"): what is held in memory must not grow with it
     out["deep"] = train("gpt", "disk", os.path.join(root, "deep"), steps=2, n_layer=8)
     return out
@@ -128,7 +136,7 @@ def refused(root: str) -> list[str]:
     from parallel.compose.mesh import ParallelMesh
     from parallel.compose.parallelize import ParallelConfig, parallelize
 
-    cases = [dict(zero=2), dict(optimizer=torch.optim.SGD), dict(offload_dir=""), dict(tp=2),
+    cases = [dict(zero=2), dict(optimizer=torch.optim.LBFGS), dict(offload_dir=""), dict(tp=2),
              dict(pp=2)]
     messages = []
     for case in cases:

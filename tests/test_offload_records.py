@@ -50,8 +50,26 @@ def test_record_round_trip(kind, device, tmp_path):
     store.close()
 
 
+OPTIMIZERS = {  # name -> (class, options): per-element state of every kind
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2}),
+    "adam-amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
+    "sgd-nesterov": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 1e-2}),
+    "rmsprop-centered": (torch.optim.RMSprop, {"lr": 1e-2, "momentum": 0.5,
+                                               "centered": True}),
+}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_unit_step_matches_adamw_in_memory(device):
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_unit_step_matches_the_optimizer_in_memory(name, device):
+    """The record holds the state the optimizer keeps (found by a probe step); 4 unit
+    steps give the values and state of the same optimizer on the pieces in memory."""
+    from parallel.zero.offload_step import optimizer_state_layout
+
+    cls, options = OPTIMIZERS[name]
+    fields, _ = optimizer_state_layout(cls, options)
+    assert fields  # every one of these keeps per-element state
     torch.manual_seed(0)
     start = torch.randn(NUMEL, device=device)
     pieces = [Piece(0, 0, 600, 0), Piece(0, 600, NUMEL, 1)]  # two groups' options
@@ -60,16 +78,16 @@ def test_unit_step_matches_adamw_in_memory(device):
     def params(values: torch.Tensor) -> list[torch.nn.Parameter]:
         return [torch.nn.Parameter(values[p.start : p.stop].clone()) for p in pieces]
 
-    ref = params(start)
-    def adamw(members: list[torch.nn.Parameter]) -> torch.optim.AdamW:
-        return torch.optim.AdamW([{**g, "params": [q]}
-                                  for g, q in zip(groups, members, strict=True)], lr=1e-2)
+    def build(members: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return cls([{**g, "params": [q]} for g, q in zip(groups, members, strict=True)],
+                   **options)
 
-    ref_opt = adamw(ref)
+    ref = params(start)
+    ref_opt = build(ref)
     empties = [torch.nn.Parameter(torch.empty(0, device=device)) for _ in pieces]
-    inner = adamw(empties)
-    step = unit_stepper(inner, pieces, empties, lambda: None)
-    record = Record(RecordLayout(NUMEL, torch.float32, FIELDS), torch.device(device))
+    step = unit_stepper(build(empties), pieces, empties, lambda: None, fields)
+    record = Record(RecordLayout(NUMEL, torch.float32, ("master", *fields)),
+                    torch.device(device))
     record.data.zero_()
     record.field("master").copy_(start)
     unit = SimpleNamespace(index=0)
@@ -82,18 +100,22 @@ def test_unit_step_matches_adamw_in_memory(device):
         got = record.field("master")
         for p, q in zip(pieces, ref, strict=True):
             assert torch.equal(got[p.start : p.stop], q.detach())
-            state = ref_opt.state[q]
-            assert torch.equal(record.field("exp_avg")[p.start : p.stop], state["exp_avg"])
-            assert torch.equal(record.field("exp_avg_sq")[p.start : p.stop], state["exp_avg_sq"])
+            for field in fields:
+                want = ref_opt.state[q][field]
+                assert torch.equal(record.field(field)[p.start : p.stop], want), field
     assert all(q.numel() == 0 and q.grad is None for q in empties)  # nothing kept between
 
 
 def test_refuses_optimizers_whose_state_it_cannot_hold():
+    from parallel.zero.offload_step import optimizer_state_layout
+
+    with pytest.raises(ValueError, match="LBFGS.*cannot step one parameter alone"):
+        optimizer_state_layout(torch.optim.LBFGS, {"lr": 1.0})  # it needs a closure
     q = [torch.nn.Parameter(torch.empty(0))]
-    for opt, what in [(torch.optim.SGD(q, lr=1.0), "SGD"),
-                      (torch.optim.Adam(q, amsgrad=True), "amsgrad")]:
-        with pytest.raises(ValueError, match=what):
-            unit_stepper(opt, [Piece(0, 0, 0, 0)], q, lambda: None)
+    sgd = torch.optim.SGD(q, lr=1.0, momentum=0.9)
+    with pytest.raises(ValueError, match=r"records hold optimizer state \['exp_avg', "
+                                         r"'exp_avg_sq'\]; SGD keeps \['momentum_buffer'\]"):
+        unit_stepper(sgd, [Piece(0, 0, 0, 0)], q, lambda: None, ("exp_avg", "exp_avg_sq"))
 
 
 def test_the_ram_case_is_the_shallowest_over_3x_the_ram(tmp_path, monkeypatch):

@@ -66,7 +66,8 @@ class ParallelConfig:
             (:mod:`parallel.zero.offload`; with clipping, ``max_grad_norm``, stepped after
             backward once the norm is known; micro-batches summed in the records first;
             bf16 or fp16 compute gathers casts of the fp32 masters). Needs zero=3, dp
-            only and Adam(W). Every layer outside the blocks holding
+            only and an optimizer whose state is per element (its state tensors are
+            the records' fields). Every layer outside the blocks holding
             ``OWN_UNIT_NUMEL`` parameters or more (an embedding, an untied head) is then a
             unit of its own, gathered only around its use.
         max_live_units, max_live_bytes: ZeRO-3's budget (DeepSpeed's
@@ -168,8 +169,8 @@ class ParallelConfig:
             (mesh.size("pp") > 1, f"pp={mesh.size('pp')} (offload shards over dp only)"),
             (mesh.size("ep") > 1, f"ep={mesh.size('ep')} (the experts beside ZeRO-3 stay "
              "whole in memory, stepped after backward; offload steps units in backward)"),
-            (self.optimizer not in (torch.optim.Adam, torch.optim.AdamW),
-             f"optimizer={self.optimizer.__name__} (records hold Adam's two moments)"),
+            (self._per_element_state() is not None, f"optimizer={self.optimizer.__name__} "
+             f"({self._per_element_state()})"),
             (self.offload == "disk" and not self.offload_dir, "offload_dir='' (disk "
              "needs a directory)"),
             (self.offload_prefetch < 0, f"offload_prefetch={self.offload_prefetch} (>= 0)"),
@@ -178,6 +179,16 @@ class ParallelConfig:
         if named:
             raise ValueError(f"parallelize: offload={self.offload!r} cannot run with "
                              + "; ".join(named))
+
+    def _per_element_state(self) -> str | None:
+        """Why the optimizer cannot step unit by unit from records, or None."""
+        from parallel.zero.offload_step import optimizer_state_layout
+
+        try:
+            optimizer_state_layout(self.optimizer, self.optimizer_kwargs)
+        except ValueError as err:
+            return str(err)
+        return None
 
     def compute_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype forward and backward run in (the model's own when unset)."""

@@ -28,7 +28,8 @@ from parallel.compose.mesh import ParallelMesh
 from parallel.compose.optim_groups import ensure_state
 from parallel.zero import ZeroOptimizer, shard_model
 from parallel.zero.checkpoint import owned_pieces, state_slices
-from parallel.zero.offload import STATE_FIELDS, STEPPED, OffloadConfig
+from parallel.zero.offload import OffloadConfig
+from parallel.zero.offload_step import optimizer_state_layout
 from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD, LiveBudget
 
 # (parameter, its shape, flat start, master values, optimizer state tensors, scalar state)
@@ -80,6 +81,8 @@ class ZeroPlan:
                 config.offload, config.offload_dir, config.offload_prefetch,
                 # fp16: a step that overflowed is skipped, known only after backward
                 defer_step=config.max_grad_norm is not None or compute == torch.float16,
+                state_fields=optimizer_state_layout(config.optimizer,
+                                                    config.optimizer_kwargs)[0],
                 microbatches=config.microbatches)
             # offloaded, no unit stays gathered: a persistent one grows with the depth
             threshold = DEFAULT_PERSISTENCE_THRESHOLD if offload is None else 0
@@ -172,19 +175,22 @@ class ZeroPlan:
         assert offload is not None
         inner = opt.optimizer
         empty = torch.empty(0)
+        fields, scalars_at_zero = optimizer_state_layout(type(inner), dict(inner.defaults))
         for q in opt.piece_params:
             state = inner.state[q]
-            state.setdefault("step", torch.tensor(0.0))
-            for name in STATE_FIELDS:
+            for key, value in scalars_at_zero.items():
+                state.setdefault(key, value.clone() if torch.is_tensor(value) else value)
+            for name in fields:
                 state.setdefault(name, empty)
         views: dict[int, dict[str, torch.Tensor]] = {}
         shapes, out = opt.param_shapes(), []
         for i, k, lo, hi, at in owned_pieces(opt):
             if k not in views:
-                views[k] = {name: offload.stored(offload.units[k], name) for name in STEPPED}
+                views[k] = {name: offload.stored(offload.units[k], name)
+                            for name in offload.stepped}
             n = hi - lo
-            state = {name: views[k][name][at : at + n] for name in STATE_FIELDS}
-            scalars = {"step": inner.state[self._piece_param(k, at)]["step"]}
+            state = {name: views[k][name][at : at + n] for name in fields}
+            scalars = {key: inner.state[self._piece_param(k, at)][key] for key in scalars_at_zero}
             out.append((self.params[i], shapes[i], lo, views[k]["master"][at : at + n], state,
                         scalars))
         return out

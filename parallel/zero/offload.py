@@ -51,9 +51,8 @@ from parallel.zero.units import Unit
 from pycomm.arena import return_freed_memory
 
 KINDS = ("cpu", "disk")
-STATE_FIELDS = ("exp_avg", "exp_avg_sq")  # Adam's and AdamW's state, beside the master
-STEPPED = ("master", *STATE_FIELDS)  # what a step changes
-MAX_WRITES = 2  # write-backs in flight before the next one waits for the oldest
+ADAM_STATE = ("exp_avg", "exp_avg_sq")  # Adam's and AdamW's state, beside the master
+MAX_WRITES = 1  # write-backs in flight before the next one waits for the oldest
 IO_THREADS = 2
 
 
@@ -71,6 +70,8 @@ class OffloadConfig:
         microbatches: backwards per step: each unit's reduced gradients are summed in its
             record's ``grad`` (read with the master in backward) and the units step after
             the last (implies ``defer_step``).
+        state_fields: the optimizer's per-element state tensors, beside the master in
+            each record (:func:`parallel.zero.offload_step.optimizer_state_layout`).
     """
 
     kind: str
@@ -78,6 +79,7 @@ class OffloadConfig:
     prefetch: int = 2
     defer_step: bool = False
     microbatches: int = 1
+    state_fields: tuple[str, ...] = ADAM_STATE
 
     def check(self) -> None:
         """Raises ValueError for an unknown kind, ``disk`` without a directory, or a
@@ -108,8 +110,10 @@ class UnitOffload:
         self.depth = config.prefetch
         self.defer = config.defer_step or config.microbatches > 1
         self.microbatches = config.microbatches
+        self.state_fields = config.state_fields
+        self.stepped = ("master", *config.state_fields)  # what a step changes
         # the gradient last: a step writes back the fields before it, backward it alone
-        fields = (*STEPPED, *(("grad",) if self.defer else ()))
+        fields = (*self.stepped, *(("grad",) if self.defer else ()))
         self.layouts = [RecordLayout(u.shard_numel, dtype, fields) for u in units]
         self.store: FileUnitStore | HostUnitStore = (
             FileUnitStore(config.directory, rank, self.layouts) if config.kind == "disk"
@@ -207,12 +211,14 @@ class UnitOffload:
         if k in self._records:
             self._give(self._records.pop(k))
 
-    def write_back(self, k: int, names: tuple[str, ...] = STEPPED) -> None:
+    def write_back(self, k: int, names: tuple[str, ...] | None = None) -> None:
         """Write unit ``k``'s fields ``names`` (default: what a step changes, the master
         and the optimizer state) to the store in the background, and drop the record."""
         while len(self._writes) >= MAX_WRITES:
             self._retire_write()
         record = self._records.pop(k)
+        names = names or self.stepped
+        record.forget(names)  # what is not written is not needed: its pages go now
         future = self._io.submit(self._write, k, record, names)
         self._writes.append((k, future, record))
         self._writing[k] = future
@@ -350,7 +356,7 @@ class UnitOffload:
         self.write_back(u.index)
 
     def stored(self, u: Unit, name: str) -> torch.Tensor:
-        """``u``'s field ``name`` (``master``, ``exp_avg``, ``exp_avg_sq``) as a view of
+        """``u``'s field ``name`` (``master`` or a state tensor) as a view of
         the store, read and written in place (checkpoints); every write-back has
         finished and no record is in memory. :meth:`end_stored` when done."""
         self.flush()

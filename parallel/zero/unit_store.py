@@ -57,7 +57,8 @@ class Record:
 
     def __init__(self, layout: RecordLayout, device: torch.device):
         self.layout = layout
-        self._map = mmap.mmap(-1, layout.nbytes)  # page-aligned: O_DIRECT can use it
+        # page-aligned (O_DIRECT can use it), private: a forgotten field's pages are freed
+        self._map = mmap.mmap(-1, layout.nbytes, flags=mmap.MAP_PRIVATE)
         self.host = torch.frombuffer(self._map, dtype=torch.uint8)
         # ``device`` is where the unit computes; on a CPU it is the host buffer itself
         self.data = self.host if device.type == "cpu" else torch.empty(
@@ -86,6 +87,17 @@ class Record:
         if self.data is not self.host:
             lo, hi = self.bounds(first, count)
             self.host[lo:hi].copy_(self.data[lo:hi])
+
+    def forget(self, keep: tuple[str, ...]) -> None:
+        """Give the pages of every field but ``keep`` back to the system (a record
+        waiting to be written holds only what is written)."""
+        if self.data is not self.host or not hasattr(mmap, "MADV_DONTNEED"):
+            return  # on a GPU the host buffer is only a staging copy
+        for k, name in enumerate(self.layout.fields):
+            if name not in keep:
+                lo, hi = self.bounds(k, 1)
+                self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        self.loaded = self.loaded & frozenset(keep)
 
     def release(self) -> None:
         """Let the host buffer go (the record is not used again): it is unmapped once

@@ -115,7 +115,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.offload = getattr(self._shards, "offload", None)
         if self.offload is not None:  # stage 3 offloaded: each unit steps in backward
             self.offload.stepper = unit_stepper(self.optimizer, self.pieces,
-                                                self.piece_params, self._copy_options)
+                                                self.piece_params, self._copy_options,
+                                                self.offload.state_fields)
 
     def _make_piece_params(self) -> list[nn.Parameter]:
         """The inner optimizer's parameters: each piece of a master shard (the shard
