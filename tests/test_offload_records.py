@@ -109,7 +109,7 @@ def test_unit_step_matches_the_optimizer_in_memory(name, device):
 def test_refuses_optimizers_whose_state_it_cannot_hold():
     from parallel.zero.offload_step import optimizer_state_layout
 
-    with pytest.raises(ValueError, match="LBFGS.*cannot step one parameter alone"):
+    with pytest.raises(ValueError, match=r"LBFGS.*cannot step one parameter alone"):
         optimizer_state_layout(torch.optim.LBFGS, {"lr": 1.0})  # it needs a closure
     q = [torch.nn.Parameter(torch.empty(0))]
     sgd = torch.optim.SGD(q, lr=1.0, momentum=0.9)
