@@ -136,7 +136,7 @@ def refused(root: str) -> list[str]:
     from parallel.compose.mesh import ParallelMesh
     from parallel.compose.parallelize import ParallelConfig, parallelize
 
-    cases = [dict(zero=2), dict(optimizer=torch.optim.LBFGS), dict(offload_dir=""), dict(tp=2),
+    cases = [dict(zero=0), dict(optimizer=torch.optim.LBFGS), dict(offload_dir=""), dict(tp=2),
              dict(pp=2)]
     messages = []
     for case in cases:

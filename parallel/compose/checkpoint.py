@@ -96,7 +96,7 @@ def save(engine: Any, directory: str | os.PathLike, extra: dict[str, Any]) -> No
     state = {k: v if isinstance(v, ChunkedTensor) else _scalar_value(v) for k, v in state.items()}
     state.update(_objects(engine, extra))
     try:
-        dcp_chunks.save(state, directory, stream=engine.config.offload != "none")
+        dcp_chunks.save(state, directory, release=engine.dp.release_view())
     finally:
         del state
         engine.dp.saved()
@@ -114,7 +114,7 @@ def load(engine: Any, directory: str | os.PathLike) -> dict[str, Any]:
     wanted = {k: v if isinstance(v, ChunkedTensor) else None for k, v in state.items()}
     wanted.update(dict.fromkeys(_objects(engine, {})))
     try:
-        got = dcp_chunks.load(wanted, directory)
+        got = dcp_chunks.load(wanted, directory, release=engine.dp.release_view())
     except BaseException:
         del state, wanted
         engine.dp.saved()  # offloaded: nothing was written, the store's views are let go

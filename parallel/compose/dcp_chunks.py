@@ -24,6 +24,7 @@ import pickle
 import shutil
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,9 @@ from parallel.compose.dcp_metadata import Reader, read_metadata
 __all__ = ["Chunk", "ChunkedTensor", "chunks_of", "load", "payload_by_file", "read_whole",
            "save", "saved_keys"]
 
+Release = Callable[[torch.Tensor, bool], None]  # (view, written): see save's ``release``
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -77,9 +81,9 @@ class _SavePlanner(DefaultSavePlanner):
     """One write item per non-empty chunk (DCP dedups identical ones across ranks); the
     coordinator checks that ranks agree on each key and that the chunks tile each tensor."""
 
-    def __init__(self, state: dict[str, Any]) -> None:
+    def __init__(self, state: dict[str, Any], release: Release | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._state = state
+        self._state, self._release = state, release
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:
@@ -117,7 +121,12 @@ class _SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex) -> Any:
         if index.offset is None:
             return self.state_dict[index.fqn]
-        return self._data[index]
+        data = self._data[index]
+        if self._release is None:
+            return data
+        copy = data.clone()  # the chunk's own memory, then its source's pages let go
+        self._release(data, False)
+        return copy
 
 
 def _write_item(index: MetadataIndex, ct: ChunkedTensor, sizes: torch.Size) -> WriteItem:
@@ -168,7 +177,7 @@ def _check_tiling(kinds: dict[str, Any], metadata: Metadata) -> None:
 
 
 def save(state: dict[str, Any], path: str | os.PathLike, group: Any = None,
-         stream: bool = False) -> None:
+         release: Release | None = None) -> None:
     """Write ``state`` to the directory ``path``, each rank only its chunks. Collective
     over ``group`` (default: the world; a single process without a process group).
 
@@ -179,9 +188,12 @@ def save(state: dict[str, Any], path: str | os.PathLike, group: Any = None,
             once every rank has written, replacing an older ``path``: a directory named
             ``path`` is always complete.
         group: the process group of the ranks that save.
-        stream: one file per chunk, so at most one chunk is in memory at a time (DCP
-            keeps every tensor of a file until the file is written; chunks that are
-            views of files, an offloaded job's, would otherwise all come in at once).
+        release: for chunks that are views of files (an offloaded job's unit store):
+            ``release(view, written)`` lets the view's pages go once it was copied
+            (save) or written (load, ``written``: flushed first). Each chunk is then
+            copied when written, into a file of its own, so at most one chunk is in
+            memory at a time (DCP keeps every tensor of a file until the file is
+            written; the views would otherwise all come in at once).
 
     Raises:
         ValueError: a chunk does not fit its tensor, ranks disagree on a key's shape or
@@ -197,9 +209,9 @@ def save(state: dict[str, Any], path: str | os.PathLike, group: Any = None,
     try:
         with warnings.catch_warnings():  # DCP warns that one process is one process
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            writer = FileSystemWriter(partial, single_file_per_rank=not stream)
+            writer = FileSystemWriter(partial, single_file_per_rank=release is None)
             dcp.save(dict.fromkeys(state), storage_writer=writer,
-                     planner=_SavePlanner(state), process_group=group,
+                     planner=_SavePlanner(state, release), process_group=group,
                      no_dist=not _distributed())
     except CheckpointException as exc:
         raise _unwrapped(exc, f"saving {final}") from None
@@ -241,9 +253,10 @@ class _LoadPlanner(DefaultLoadPlanner):
     unpickles the objects (``weights_only`` unless told otherwise: the files are data)."""
 
     def __init__(self, items: list[ReadItem], targets: dict[str, list[torch.Tensor]],
-                 weights_only: bool) -> None:
+                 weights_only: bool, release: Release | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._items, self._targets, self._weights_only = items, targets, weights_only
+        self._release = release
         self.objects: dict[str, Any] = {}
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
@@ -256,6 +269,10 @@ class _LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self._targets[index.fqn][index.index or 0]
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        if self._release is not None:  # written: flushed, and its pages let go
+            self._release(tensor, True)
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         obj = torch.load(value, weights_only=self._weights_only)
@@ -326,7 +343,7 @@ def _uncovered(key: str, local: list[ChunkStorageMetadata], reads: list[ReadItem
 
 
 def load(state: dict[str, Any], path: str | os.PathLike, group: Any = None, *,
-         weights_only: bool = True) -> dict[str, Any]:
+         weights_only: bool = True, release: Release | None = None) -> dict[str, Any]:
     """Fill ``state`` from the checkpoint at ``path``, saved in any layout. Collective
     over ``group`` (default: the world; a single process without a process group).
 
@@ -338,6 +355,7 @@ def load(state: dict[str, Any], path: str | os.PathLike, group: Any = None, *,
         group: the process group of the ranks that load.
         weights_only: unpickle objects with ``torch.load(weights_only=True)``'s allow
             list (plain containers, numbers, strings, tensors); False trusts the files.
+        release: as for :func:`save`, called on each chunk once it is written.
 
     Returns: key -> loaded value, for the object entries.
 
@@ -347,11 +365,11 @@ def load(state: dict[str, Any], path: str | os.PathLike, group: Any = None, *,
             dtype or kind differs from the wanted one, or the saved chunks do not cover a
             wanted chunk exactly once. Nothing has been written then.
     """
-    return _load(state, path, group, weights_only, multi=_distributed())
+    return _load(state, path, group, weights_only, multi=_distributed(), release=release)
 
 
 def _load(state: dict[str, Any], path: str | os.PathLike, group: Any, weights_only: bool,
-          multi: bool) -> dict[str, Any]:
+          multi: bool, release: Release | None = None) -> dict[str, Any]:
     """:func:`load`, collective when ``multi``, else in this process alone."""
     reader: Reader | None = None
     items: list[ReadItem] = []
@@ -366,7 +384,7 @@ def _load(state: dict[str, Any], path: str | os.PathLike, group: Any, weights_on
         problems = _everyones(problems, group)
     if problems or reader is None:
         raise ValueError(f"cannot load {path}:\n  " + "\n  ".join(problems))
-    planner = _LoadPlanner(items, targets, weights_only)
+    planner = _LoadPlanner(items, targets, weights_only, release)
     try:
         with warnings.catch_warnings():  # as in save
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -73,6 +73,9 @@ class ExpertsBeside:
     def set_scalars(self, p: nn.Parameter, scalars: dict[str, Any]) -> None:
         (self.experts if is_expert(p) else self.dense).set_scalars(p, scalars)
 
+    def release_view(self) -> Any:
+        return self.dense.release_view() or self.experts.release_view()
+
     def saved(self) -> None:
         self.dense.saved()
         self.experts.saved()

@@ -117,6 +117,10 @@ class PlainDataParallel:
         self.optimizer.state[self.masters[index]].update(
             {k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
 
+    def release_view(self) -> None:
+        """(Checkpoints read and write the parameters and state in memory.)"""
+        return None
+
     def saved(self) -> None:
         """(Checkpoints read the parameters and state in place: nothing to finish.)"""
 

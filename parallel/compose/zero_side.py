@@ -104,6 +104,11 @@ class ZeroPlan:
             bucket_cap_mb=config.bucket_mb, reduce_in_backward=False, mixed_precision=mixed,
             reduce_dtype=config.reduce_dtype if mixed else None, **config.optimizer_kwargs)
         self.params: list[nn.Parameter] = self.optimizer.params  # layout order
+        if self.zero < 3 and config.offload != "none":  # ZeRO-Offload: the state in a store
+            self.optimizer.offload_states(OffloadConfig(config.offload, config.offload_dir,
+                                                        config.offload_prefetch))
+        # where the optimizer state lives when not in memory (stage 3: with the masters)
+        self.store = self.optimizer.state_offload or self.offload
 
     def step_offloaded(self, unscale: float, clip: float) -> None:
         """Offloaded with clipping or loss scaling: every unit steps now, its gradient
@@ -146,8 +151,8 @@ class ZeroPlan:
         of, with the master values and optimizer state there (views of the shards;
         offloaded, views of the unit store, :meth:`_stored_pieces`)."""
         opt = self.optimizer
-        if self.offload is not None:
-            return self._stored_pieces()
+        if self.store is not None:
+            return self._stored_pieces(self.store)
         ensure_state(opt.optimizer)
         shapes, out = opt.param_shapes(), []
         for i, k, lo, hi, at in owned_pieces(opt):
@@ -165,14 +170,13 @@ class ZeroPlan:
         return next(q for p, q in zip(opt.pieces, opt.piece_params, strict=True)
                     if p.bucket == k and p.start <= at < p.stop)
 
-    def _stored_pieces(self) -> list[Piece]:
-        """Offloaded: the pieces' values and moments are views of the unit store (a
-        checkpoint streams through them, no record is read whole), the step counters
-        those in memory. Every piece gets Adam's state skeleton (step 0 before any
-        step), so a load can set the counters and the next step finds the moments in
-        the records rather than starting them again."""
-        opt, offload = self.optimizer, self.offload
-        assert offload is not None
+    def _stored_pieces(self, store: Any) -> list[Piece]:
+        """Offloaded: the pieces' optimizer state (stage 3: and values) are views of the
+        unit store (a checkpoint streams through them, no record is read whole), the
+        scalars (step counters) those in memory. Every piece gets the optimizer's state
+        skeleton (counters at 0 before any step), so a load can set the counters and the
+        next step finds the state in the records rather than starting it again."""
+        opt = self.optimizer
         inner = opt.optimizer
         empty = torch.empty(0)
         fields, scalars_at_zero = optimizer_state_layout(type(inner), dict(inner.defaults))
@@ -186,13 +190,12 @@ class ZeroPlan:
         shapes, out = opt.param_shapes(), []
         for i, k, lo, hi, at in owned_pieces(opt):
             if k not in views:
-                views[k] = {name: offload.stored(offload.units[k], name)
-                            for name in offload.stepped}
+                views[k] = {name: store.stored(store.units[k], name) for name in store.stepped}
             n = hi - lo
             state = {name: views[k][name][at : at + n] for name in fields}
             scalars = {key: inner.state[self._piece_param(k, at)][key] for key in scalars_at_zero}
-            out.append((self.params[i], shapes[i], lo, views[k]["master"][at : at + n], state,
-                        scalars))
+            master = views[k]["master"] if "master" in views[k] else opt.shard_params[k].detach()
+            out.append((self.params[i], shapes[i], lo, master[at : at + n], state, scalars))
         return out
 
     def set_scalars(self, p: nn.Parameter, scalars: dict[str, Any]) -> None:
@@ -200,10 +203,15 @@ class ZeroPlan:
         for state in self.optimizer.optimizer.state.values():
             state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
 
+    def release_view(self) -> Any:
+        """For checkpoints: how a chunk viewing the unit store lets its pages go
+        (``dcp_chunks.save``'s ``release``), None where the state is in memory."""
+        return None if self.store is None else self.store.release_view
+
     def saved(self) -> None:
         """After a checkpoint was written from :meth:`pieces`' views."""
-        if self.offload is not None:
-            self.offload.end_stored()
+        if self.store is not None:
+            self.store.end_stored()
 
     def loaded(self) -> None:
         """After a checkpoint was read into the master shards: every rank's parameters."""

@@ -118,7 +118,8 @@ class TrainConfig:
                         "more than the free cores makes every op spin)")
     offload: str = _opt("parallel", "none", "ZeRO-3 offload of each unit's shard, fp32 "
                         "master and Adam state: disk (files in --offload-dir) or cpu (host "
-                        "memory); needs --zero 3 and dp only",
+                        "memory); --zero 3 offloads whole units (dp only), --zero 1 or 2 the "
+                        "optimizer state (ZeRO-Offload)",
                         ("none", "cpu", "disk"))
     offload_dir: str = _opt("parallel", "", "where --offload disk keeps one file per rank")
     offload_prefetch: int = _opt("parallel", 2, "units --offload reads ahead of use")

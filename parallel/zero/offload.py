@@ -57,6 +57,14 @@ IO_THREADS = 2
 
 
 @dataclass(frozen=True)
+class Span:
+    """A ZeRO-1/2 bucket as the store sees it: its index and this rank's shard size."""
+
+    index: int
+    shard_numel: int
+
+
+@dataclass(frozen=True)
 class OffloadConfig:
     """Offload of stage 3's units.
 
@@ -99,11 +107,13 @@ class UnitOffload:
 
     Args:
         units: the engine's units; ``dtype``: the masters' dtype; ``device``: where the
-            units compute; ``rank``: this rank (names its file).
+            units compute; ``rank``: this rank in the world (names its file: every
+            rank of the job has its own); ``masters``: the records hold the master
+            (stage 3) or only the optimizer state (stages 1-2 keep masters in memory).
     """
 
-    def __init__(self, config: OffloadConfig, units: list[Unit], dtype: torch.dtype,
-                 device: torch.device, rank: int):
+    def __init__(self, config: OffloadConfig, units: list[Unit] | list[Span],
+                 dtype: torch.dtype, device: torch.device, rank: int, masters: bool = True):
         config.check()
         return_freed_memory()
         self.config, self.units, self.device = config, units, device
@@ -111,7 +121,8 @@ class UnitOffload:
         self.defer = config.defer_step or config.microbatches > 1
         self.microbatches = config.microbatches
         self.state_fields = config.state_fields
-        self.stepped = ("master", *config.state_fields)  # what a step changes
+        # what a step changes (the optimizer state alone where masters stay in memory)
+        self.stepped = (*(("master",) if masters else ()), *config.state_fields)
         # the gradient last: a step writes back the fields before it, backward it alone
         fields = (*self.stepped, *(("grad",) if self.defer else ()))
         self.layouts = [RecordLayout(u.shard_numel, dtype, fields) for u in units]
@@ -130,7 +141,7 @@ class UnitOffload:
         self.deferred: list[int] = []  # units whose gradient waits in their record
         self._landed: dict[int, int] = {}  # unit -> backwards summed into its grad this step
         self.sequence: list[int] = []  # unit indices in the order of the current pass
-        self.stepper: Callable[[Unit, torch.Tensor, Record], None] | None = None
+        self.stepper: Callable[..., None] | None = None
         self.grad_square_sum = 0.0  # of the reduced shards this backward (the norm)
         self.stats = {"read_wait_s": 0.0, "write_wait_s": 0.0, "io_s": 0.0, "step_s": 0.0,
                       "max_records": 0, "steps": 0}
@@ -257,7 +268,7 @@ class UnitOffload:
         if backward and not self.defer:  # deferred: the step pass resets it
             self.grad_square_sum = 0.0
 
-    def ahead(self, u: Unit) -> None:
+    def ahead(self, u: Unit | Span) -> None:
         """``u`` is in use: read the next ``prefetch`` units of the pass."""
         j = self._position.get(u.index)
         if j is not None:
@@ -338,6 +349,30 @@ class UnitOffload:
         self.deferred, self._landed, self.grad_square_sum = [], {}, 0.0
 
     @torch.no_grad()
+    def step_states(self, masters: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """ZeRO-Offload (stages 1-2): step every bucket's master shard (in memory) from
+        its reduced gradient, its optimizer state read from the store ahead of use and
+        written back after, one bucket at a time."""
+        if self.stepper is None:
+            raise RuntimeError("offload: no ZeroOptimizer was built over these states")
+        order = [u.index for u in self.units]
+        self.begin_pass(False, order, stepping=True)
+        try:
+            for k in order:
+                self.ahead(self.units[k])
+                record = self.acquire(k)
+                grad = grads[k]
+                if grad.dtype != masters[k].dtype:  # reduced in bf16: stepped in fp32
+                    grad = grad.to(masters[k].dtype)
+                start = time.perf_counter()
+                self.stepper(self.units[k], grad, record, masters[k])
+                self.stats["step_s"] += time.perf_counter() - start
+                self.stats["steps"] += 1
+                self.write_back(k)
+        finally:
+            self.stepping = False
+
+    @torch.no_grad()
     def read_master(self, u: Unit) -> torch.Tensor:
         """A copy of ``u``'s master shard (checkpoints, comparisons)."""
         resident = u.index in self._records
@@ -355,7 +390,7 @@ class UnitOffload:
         record.loaded = frozenset(record.layout.fields)
         self.write_back(u.index)
 
-    def stored(self, u: Unit, name: str) -> torch.Tensor:
+    def stored(self, u: Unit | Span, name: str) -> torch.Tensor:
         """``u``'s field ``name`` (``master`` or a state tensor) as a view of
         the store, read and written in place (checkpoints); every write-back has
         finished and no record is in memory. :meth:`end_stored` when done."""
@@ -365,6 +400,11 @@ class UnitOffload:
                                f"(units {sorted(self._records)} are in memory)")
         layout = self.layouts[u.index]
         return self.store.field_view(u.index, layout, layout.fields.index(name))
+
+    def release_view(self, view: torch.Tensor, written: bool) -> None:
+        """A view of :meth:`stored` is done with: its pages go (flushed first when
+        ``written``), so a checkpoint holds one chunk at a time."""
+        self.store.release_view(view, written)
 
     def end_stored(self) -> None:
         """The views of :meth:`stored` are dropped: what they changed reaches the store."""

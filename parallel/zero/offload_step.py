@@ -67,7 +67,7 @@ def _zero(value: Any) -> Any:
 
 def unit_stepper(inner: torch.optim.Optimizer, pieces: Sequence[Piece],
                  piece_params: Sequence[nn.Parameter], copy_options: Callable[[], None],
-                 fields: tuple[str, ...]) -> Callable[[Unit, torch.Tensor, Record], Any]:
+                 fields: tuple[str, ...]) -> Callable[..., Any]:
     """``step(unit, reduced_grad_shard, record)``: step the unit's pieces in place in
     ``record`` (``copy_options`` first brings the groups' current options, as an LR
     scheduler set them, into ``inner``); ``fields``: the state tensors the record holds.
@@ -86,11 +86,15 @@ def unit_stepper(inner: torch.optim.Optimizer, pieces: Sequence[Piece],
     empty = torch.empty(0, dtype=piece_params[0].dtype if piece_params else torch.float32)
 
     @torch.no_grad()
-    def step(u: Unit, grad: torch.Tensor, record: Record) -> None:
+    def step(u: Unit, grad: torch.Tensor, record: Record,
+             master: torch.Tensor | None = None) -> None:
+        """``master``: the shard stepped, when it is not in the record (ZeRO-Offload at
+        stages 1-2 keeps it in memory)."""
         copy_options()
         mine = by_unit.get(u.index, [])
-        master = record.field("master")
+        master = record.field("master") if master is None else master
         states = {name: record.field(name) for name in fields}
+        kept = [q.data for _, q in mine]  # empty, or (stages 1-2) views of the shards
         for piece, q in mine:
             q.data = master[piece.start : piece.stop]
             q.grad = grad[piece.start : piece.stop]
@@ -106,6 +110,7 @@ def unit_stepper(inner: torch.optim.Optimizer, pieces: Sequence[Piece],
                 if state[name].data_ptr() != home.data_ptr():  # the first step made them
                     home.copy_(state[name])
                 state[name] = empty
-            q.grad, q.data = None, empty
+        for (_, q), data in zip(mine, kept, strict=True):
+            q.grad, q.data = None, data
 
     return step

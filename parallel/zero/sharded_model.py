@@ -108,8 +108,8 @@ class ShardedModel:
                       for k, (plan, ids) in enumerate(zip(plans, groups, strict=True))]
         # offloaded: the masters live in the unit store, not in memory
         device = next((p.device for p in self.params if not p.is_meta), torch.device("cpu"))
-        self.offload = None if offload is None else UnitOffload(
-            offload, self.units, self.dtype, device, self.rank)
+        self.offload = None if offload is None else UnitOffload(  # files by world rank
+            offload, self.units, self.dtype, device, dist.get_rank())
         self.masters = None if offload else Arena.for_group(self.layout.shard_numel,
                                                             self.dtype, group)
         self.unit_of = {i: u for u in self.units for i in u.ids}

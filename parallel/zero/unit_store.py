@@ -142,6 +142,7 @@ class FileUnitStore:
         self.size = at
         self.bytes_read = self.bytes_written = 0
         self._mapped: mmap.mmap | None = None
+        self._whole = torch.empty(0, dtype=torch.uint8)  # the mapping, as bytes
 
     def field_view(self, k: int, layout: RecordLayout, field: int) -> torch.Tensor:
         """Unit ``k``'s field ``field`` as a tensor over the file itself (a shared
@@ -150,10 +151,26 @@ class FileUnitStore:
         :meth:`end_views` calls only; no record I/O may run meanwhile."""
         if self._mapped is None:
             self._mapped = mmap.mmap(self._fd, self.size)
+            self._whole = torch.frombuffer(self._mapped, dtype=torch.uint8)
         lo = self.offsets[k] + field * layout.field_bytes
-        raw = torch.frombuffer(self._mapped, dtype=torch.uint8, offset=lo,
-                               count=layout.field_bytes)
-        return raw.view(layout.dtype)[: layout.numel]
+        return self._whole[lo : lo + layout.field_bytes].view(layout.dtype)[: layout.numel]
+
+    def release_view(self, view: torch.Tensor, written: bool) -> None:
+        """The pages under ``view`` (a part of a :meth:`field_view`) leave this process
+        and the page cache, written to the file first when ``written``."""
+        if self._mapped is None:
+            return
+        start = view.data_ptr() - self._whole.data_ptr()
+        if not 0 <= start <= self.size - view.nbytes:
+            return  # not the store's (a master kept in memory)
+        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = min(self.size, -(-(start + view.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if written:
+            self._mapped.flush(lo, hi - lo)
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._mapped.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
 
     def end_views(self) -> None:
         """Write what the views changed to the file and drop their pages, so record I/O
@@ -161,6 +178,7 @@ class FileUnitStore:
         if self._mapped is None:
             return
         self._mapped.flush()
+        self._whole = torch.empty(0, dtype=torch.uint8)
         mapped, self._mapped = self._mapped, None
         with contextlib.suppress(BufferError):  # a view is still alive: unmapped with it
             mapped.close()
@@ -221,6 +239,9 @@ class HostUnitStore:
         """Unit ``k``'s field ``field``, a view of the stored record."""
         lo = field * layout.field_bytes
         return self._host[k][lo : lo + layout.field_bytes].view(layout.dtype)[: layout.numel]
+
+    def release_view(self, view: torch.Tensor, written: bool) -> None:
+        """(The views are host memory: nothing to let go.)"""
 
     def end_views(self) -> None:
         """(The views are the records themselves.)"""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,7 +24,8 @@ from torch import nn
 from parallel.tensor.sharding import model_parallel_groups, replicated_copies
 from parallel.zero import optimizer_state
 from parallel.zero.flat_shards import FlatShards
-from parallel.zero.offload_step import unit_stepper
+from parallel.zero.offload import OffloadConfig, Span, UnitOffload
+from parallel.zero.offload_step import optimizer_state_layout, unit_stepper
 from parallel.zero.param_groups import (
     Piece,
     check_params,
@@ -112,6 +114,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(groups, dict(self.optimizer.defaults))
         self._frozen = True  # the layout is fixed: no group can be added later
         self.state = self.optimizer.state
+        self.state_offload: UnitOffload | None = None  # ZeRO-Offload: offload_states
         self.offload = getattr(self._shards, "offload", None)
         if self.offload is not None:  # stage 3 offloaded: each unit steps in backward
             self.offload.stepper = unit_stepper(self.optimizer, self.pieces,
@@ -206,10 +209,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._shards.adopt_model_writes()
         self._copy_options()
-        if self.offload is None:  # offloaded, every unit stepped in backward already
+        if self.state_offload is not None:  # bucket by bucket, state from the store
+            self.state_offload.step_states(list(self.shard_params), self._shards.shard_grads)
+        elif self.offload is None:  # offloaded, every unit stepped in backward already
             step_on_masters(self.optimizer, self.piece_params, self._piece_grads())
         self._shards.publish_shards()
         return loss
+
+    def offload_states(self, config: OffloadConfig) -> None:
+        """ZeRO-Offload (stages 1-2): keep the optimizer state of every bucket's shard
+        in a unit store (``config``: files or host memory, read ``prefetch`` buckets
+        ahead), stepped bucket by bucket; the master shards stay in memory. Call it
+        before the first step.
+
+        Raises:
+            ValueError: at stage 3 (offload its units instead: ``shard_model(...,
+                offload=...)``), after a step, or for an optimizer whose state is not
+                per element.
+        """
+        if self.stage == 3:
+            raise ValueError("ZeroOptimizer.offload_states: stage 3 offloads whole units "
+                             "(shard_model(..., offload=OffloadConfig(...)))")
+        if any(self.optimizer.state.values()):
+            raise ValueError("ZeroOptimizer.offload_states: call it before the first step")
+        fields, _ = optimizer_state_layout(type(self.optimizer), dict(self.optimizer.defaults))
+        spans = [Span(k, shard.numel()) for k, shard in enumerate(self.shard_params)]
+        master = self.shard_params[0] if self.shard_params else torch.empty(0)
+        self.state_offload = UnitOffload(replace(config, state_fields=fields), spans,
+                                         master.dtype, master.device,
+                                         dist.get_rank(), masters=False)
+        self.state_offload.stepper = unit_stepper(self.optimizer, self.pieces,
+                                                  self.piece_params, self._copy_options,
+                                                  fields)
 
     def reduce_gradients(self) -> None:
         """Reduce the gradients backward left in ``.grad`` (built with

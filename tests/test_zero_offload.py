@@ -1,0 +1,38 @@
+"""ZeRO-Offload at stages 1-2 (the optimizer state of each bucket in a unit store,
+stepped bucket by bucket after the reduction; the masters in memory): 6 clipped steps of
+the project's GPT give parameters torch.equal to the same stage in memory, at dp=2 in
+fp32 and bf16, at tp=2 and at pp=2; an offloaded ZeRO-1 checkpoint resumes in memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def ranks(require_pycomm, tmp_path_factory):
+    from _zero_offload_scenarios import run_all
+
+    from pycomm.testing import run_ranks
+
+    return run_ranks(run_all, 2, str(tmp_path_factory.mktemp("zero-offload")),
+                     timeout_s=600.0)
+
+
+@pytest.mark.parametrize("case", ["zero1", "zero2", "zero2-bf16", "zero1-tp2", "zero1-pp2"])
+def test_state_offloaded_equals_in_memory(ranks, case):
+    from _zero_offload_scenarios import STEPS
+
+    for rank, result in enumerate(ranks):
+        want, got = result[(case, "none")], result[(case, "disk")]
+        assert want["steps"] is None and got["buckets"] >= 1
+        assert got["steps"] == STEPS * got["buckets"]  # every bucket stepped from its record
+        for name, value in want["params"].items():
+            assert torch.equal(got["params"][name], value), f"rank {rank} {case}: {name}"
+
+
+def test_an_offloaded_zero1_checkpoint_resumes_in_memory(ranks):
+    for result in ranks:
+        want = result[("zero1", "none")]["params"]
+        for name, value in want.items():
+            assert torch.equal(result["resumed"]["params"][name], value), name
