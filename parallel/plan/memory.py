@@ -83,6 +83,7 @@ class Memory:
     end_of_backward: int = 0  # stage 2's bucket buffers (their peak, activations gone)
     units: list[int] = field(default_factory=list)  # stage 3: each unit's whole bytes
     experts: dict[str, int] = field(default_factory=dict)  # their params, grads, optimizer
+    offloaded: int = 0  # elements whose optimizer state lives in the unit store (offload)
 
     @property
     def states(self) -> int:
@@ -176,6 +177,7 @@ def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, job: Job) -> 
         mem.buffers["offload gradient shards"] = (min(len(sl.buckets), 1 + MAX_IN_FLIGHT)
                                                   * unit * F32)
         mem.params = mem.grads = mem.optimizer = 0
+        mem.offloaded = sl.shard_numel
 
 
 def states(m: ModelShape, layout: Layout, job: Job, stage: int) -> Memory:
@@ -191,7 +193,19 @@ def states(m: ModelShape, layout: Layout, job: Job, stage: int) -> Memory:
     dense = flat_states(numels, layout.dp, job.bucket_mb, layout.zero)
     mem.params, mem.grads, mem.optimizer = dense["params"], dense["grads"], dense["optimizer"]
     mem.end_of_backward = dense["end_of_backward"]
+    if layout.offload != "none" and layout.zero > 0:
+        _zero_offload(mem, numels, layout, job)
     return mem
+
+
+def _zero_offload(mem: Memory, numels: list[int], layout: Layout, job: Job) -> None:
+    """ZeRO-Offload at stages 1-2: each bucket's optimizer state is a record in the store,
+    in memory while its bucket steps (read ahead, in use, being written back)."""
+    flat = _flat(numels, layout.dp, job.bucket_mb, layout.zero)
+    bucket = max((b.shard for b in flat.buckets), default=0)
+    records = min(len(flat.buckets), job.prefetch + 1 + MAX_WRITES)
+    mem.buffers["offload records"] = records * bucket * ADAM_STATE
+    mem.optimizer, mem.offloaded = 0, flat.shard_numel
 
 
 def expert_states(numels: list[int], layout: Layout, job: Job) -> dict[str, int]:

@@ -24,9 +24,10 @@ pipeline's bubble, and for offload the disk's measured bandwidth.
   ``ep`` (timed as an all-gather of the same bytes: both move ``(N-1)/N`` of them per
   rank); once a step the experts' gradients reduced over ``edp`` (as the dense ones over
   ``dp``);
-- offload=disk: each unit's shard, master and state read and written once a step (with
-  clipping, the gradient written in backward and a step pass reading every record) at
-  the measured bandwidth, hidden behind compute with a prefetch depth k >= 1;
+- offload=disk: at stage 3 each unit's master and state read and written once a step
+  (with clipping, the gradient written in backward and a step pass reading every
+  record), at stages 1-2 (ZeRO-Offload) the optimizer state read and written by the
+  step, at the measured bandwidth, hidden behind compute with a prefetch depth k >= 1;
 - waiting for peers: each blocking collective between stretches of compute costs what
   :mod:`parallel.plan.sync_probe` measured on this machine for the job's ranks at that
   stretch's length (a rank reaching it first waits for peers the scheduler has not run;
@@ -221,7 +222,8 @@ def predict_time(m: ModelShape, layout: Layout, job: Job, mems: list[Memory],
                              job.bucket_mb * (1 << 20))
     t.expert_comm = _expert_comm(m, layout, mems[worst], rows, comm,
                                  job.bucket_mb * (1 << 20))
-    stepped = (mems[worst].optimizer + mems[worst].experts.get("optimizer", 0)) / 8
+    stepped = ((mems[worst].optimizer + mems[worst].experts.get("optimizer", 0)) / 8
+               + mems[worst].offloaded)
     adam = cal.get("adamw", lambda: (adam_seconds_per_element(),))[0]
     t.optimizer = stepped * adam * share
     world = layout.dp * layout.tp * layout.pp
@@ -231,17 +233,24 @@ def predict_time(m: ModelShape, layout: Layout, job: Job, mems: list[Memory],
     if layout.offload == "disk":
         read, write = cal.get(f"disk|{job_offload_dir()}",
                               lambda: disk_bandwidth(job_offload_dir()))
-        # fields of fp32 per element: forward reads the master; backward reads it again and
-        # the state, writes master and state. Deferred (clipping, micro-batches): each
-        # backward reads the master (and the gradient summed so far) and writes master and
-        # gradient, then the step pass reads and writes all four
+        # fields of fp32 per offloaded element. ZeRO-Offload (stages 1-2): the step reads
+        # and writes the two moments. Stage 3: forward reads the master; backward reads it
+        # again and the state, writes master and state. Deferred (clipping,
+        # micro-batches): each backward reads the master (and, after the first, the
+        # gradient summed so far) and writes the gradient, then the step pass reads all
+        # four and writes master and moments
         mb = layout.microbatches
-        if job.clip or mb > 1:
-            reads, writes = mb * (1 + (2 if mb > 1 else 1)) + 4, 2 * mb + 4
+        if layout.zero < 3:
+            reads, writes = 2, 2
+        elif job.clip or mb > 1:
+            reads, writes = 2 * mb + (mb - 1) + 4, mb + 3
         else:
             reads, writes = 4, 3
-        io = stepped * F32 * (reads / read + writes / write)
-        t.offload_io = io if job.prefetch == 0 else max(0.0, io - t.compute)
+        io = mems[worst].offloaded * F32 * (reads / read + writes / write)
+        # read ahead, it hides behind what runs meanwhile: stage 3's compute; at stages
+        # 1-2 the step runs after backward, so only the other buckets' Adam
+        beside = t.compute if layout.zero == 3 else t.optimizer
+        t.offload_io = io if job.prefetch == 0 else max(0.0, io - beside)
     return t
 
 
