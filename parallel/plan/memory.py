@@ -21,7 +21,9 @@ buffers the project holds beside them:
   persistent unit, a tie across pipeline stages a unit on each stage; every unit's
   gathered parameters and gradients come from a pool of whole-unit buffers
   (:class:`parallel.zero.slot_pool.SlotPool`, one size per unit) that keeps the most
-  it ever handed out at once (``zero3 pool``);
+  it ever handed out at once (``zero3 pool``; under ``max_live_bytes`` the budget, or
+  what the unit in use needs where that is more: its parameters, the gradient being
+  filled and the two being reduced);
 - recompute: the checkpointed inputs live in one arena that keeps its largest size;
 - a pipeline's sends hold their tensors until the step ends (``pipeline messages``);
 - a mixture of experts' fused experts tensors at ep > 1 (``Memory.experts``; at ep = 1
@@ -69,6 +71,7 @@ class Job:
     dropout: float
     prefetch: int = 2  # offload=disk: units read ahead
     clip: bool = False  # gradient clipping (offload: records keep the gradient too)
+    max_live_bytes: int = 0  # ZeRO-3's live budget (0: none)
 
 
 @dataclass
@@ -163,6 +166,11 @@ def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, job: Job) -> 
     if kinds["blocks"]:
         slots = BLOCK_SLOTS if len(kinds["blocks"]) > 1 else 2  # nothing to prefetch
         pool += slots * max(sizes[id(u)] for u in kinds["blocks"])
+    if job.max_live_bytes:
+        # the budget holds prefetch back and frees what it would keep beyond it, but the
+        # unit in use is gathered whatever it says: its parameters, the gradient being
+        # filled and those being reduced
+        pool = max(min(pool, job.max_live_bytes), (2 + MAX_IN_FLIGHT) * max(full, default=0))
     mem.buffers["zero3 pool"] = pool
     if layout.offload != "none":
         # parallel.zero.offload: each unit's record (fp32 master and Adam's state) is in

@@ -41,7 +41,8 @@ def job_of(cfg: Any) -> Job:
         raise ValueError(f"plan: precision {cfg.precision!r} is not modelled (the "
                          "predictions are for fp32 parameters, gradients and activations)")
     return Job(cfg.batch_size, cfg.bucket_mb, cfg.schedule, cfg.sequence_parallel,
-               cfg.dropout, getattr(cfg, "offload_prefetch", 2), bool(cfg.max_grad_norm))
+               cfg.dropout, getattr(cfg, "offload_prefetch", 2), bool(cfg.max_grad_norm),
+               int(getattr(cfg, "max_live_mb", 0.0) * 2**20))
 
 
 def evaluate(cfg: Any, world: int, memory_gib: float, calibration: str = "",
