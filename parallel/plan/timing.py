@@ -224,7 +224,7 @@ def predict_time(m: ModelShape, layout: Layout, job: Job, mems: list[Memory],
                                  job.bucket_mb * (1 << 20))
     stepped = ((mems[worst].optimizer + mems[worst].experts.get("optimizer", 0)) / 8
                + mems[worst].offloaded)
-    adam = cal.get("adamw", lambda: (adam_seconds_per_element(),))[0]
+    adam = cal.get("adamw-fused", lambda: (adam_seconds_per_element(),))[0]
     t.optimizer = stepped * adam * share
     world = layout.dp * layout.tp * layout.pp
     if world > 1:
