@@ -41,9 +41,11 @@ STAGE3 = [  # (row, model, reference key, offloaded key, steps)
     ("Adagrad", "gpt", ("adagrad", "none"), ("adagrad", "disk"), 4),
     ("Adam with amsgrad", "gpt", ("adam-amsgrad", "none"), ("adam-amsgrad", "disk"), 4),
 ]
-REFUSED = [("ZeRO-3 offload at tp=2", "tp=2 (ZeRO-3 offload shards units over dp only; zero "
-            "1-2 offloads the optimizer state with tp): see ZeRO-Offload at tp=2 below"),
-           ("ZeRO-3 offload at pp=2", "pp=2 (likewise): see ZeRO-Offload at pp=2 below")]
+REFUSED = [  # (what, the refusal's words, what runs instead)
+    ("ZeRO-3 offload at tp=2", "tp=2 (ZeRO-3 offload shards units over dp only; zero 1-2 "
+     "offloads the optimizer state with tp)", "ZeRO-Offload at tp=2, above"),
+    ("ZeRO-3 offload at pp=2", "pp=2 (ZeRO-3 offload shards units over dp only; zero 1-2 "
+     "offloads the optimizer state with pp)", "ZeRO-Offload at pp=2, above")]
 
 
 def _largest(results: list[dict[Any, Any]], want: Any, got: Any) -> float:
@@ -85,7 +87,8 @@ def markdown(result: dict[str, Any]) -> str:
         diff = "0 (torch.equal)" if r["max_abs_diff"] == 0 else f"{r['max_abs_diff']:.3g}"
         lines.append(f"| {r['stage']} | {r['case']} | {r['model']} | {r['steps']} | {diff} |")
     lines += ["", "Refused before the first step, by name:", ""]
-    lines += [f"- {what}: `{why}`" for what, why in result["refused"]]
+    lines += [f"- {what}: `{why}`; runs instead: {instead}"
+              for what, why, instead in result["refused"]]
     return "\n".join(lines) + "\n"
 
 
