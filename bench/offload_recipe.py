@@ -120,6 +120,9 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=6.0)
     parser.add_argument("--name", default="recipe-1b")
     parser.add_argument("--skip-in-memory", action="store_true")
+    parser.add_argument("--overlap", action="store_true", help="instead: the offloaded "
+                        "run (2 steps, no checkpoint, uncapped) at prefetch 0, 1 and 2: "
+                        "step time against the I/O threads' busy time and the read waits")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer model of width "
                         "256 (the same runs, in a minute: a check of this script)")
     args = parser.parse_args()
@@ -132,6 +135,9 @@ def main() -> None:
     config = os.path.join(work, "config.json")
     with open(config, "w") as f:
         json.dump(model, f)
+    if args.overlap:
+        _overlap(work, config, args.name)
+        return
     runs = [_run("offload", _trainer(config, [
         "--dp", "2", "--offload", "disk", "--offload-dir", os.path.join(work, "off"),
         "--offload-prefetch", "1", "--max-live-mb", LIVE_MB, "--steps", "3",
@@ -159,6 +165,39 @@ def main() -> None:
     with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
         f.write(_table(result))
     print(_table(result))
+
+
+def _overlap(work: str, config: str, name: str) -> None:
+    """Prefetch 0, 1, 2: the second step's time, the I/O threads' busy time, the waits."""
+    rows = []
+    for depth in (0, 1, 2):
+        metrics = os.path.join(work, f"overlap{depth}.jsonl")
+        cmd = _trainer(config, ["--dp", "2", "--offload", "disk", "--offload-dir",
+                                os.path.join(work, f"off{depth}"), "--offload-prefetch",
+                                str(depth), "--max-live-mb", LIVE_MB, "--steps", "2",
+                                "--metrics", metrics])
+        run = _run(f"prefetch {depth}", cmd, 64 * GIB, metrics, 3000.0)
+        steps = _read_metrics(metrics)
+        first, second = (s.get("stage3", {}) for s in steps[:2])
+        rows.append({**run, "depth": depth, "per_step": {  # step 2 alone (counters grow)
+            k: second.get(k, 0) - first.get(k, 0)
+            for k in ("io_s", "read_wait_s", "write_wait_s", "step_s")}})
+        shutil.rmtree(os.path.join(work, f"off{depth}"), ignore_errors=True)
+    with open(os.path.join(RESULTS, f"{name}-overlap.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    lines = ["TinyLlama-shaped HF Llama (1.1B), dp=2, ZeRO-3 offloaded to disk, bf16, "
+             "clipping 1.0, 2 micro-batches, batch 4x64; step 2 (rank 0's I/O threads)", "",
+             "| prefetch | step s | I/O busy s | read wait s | write wait s | unit steps s | "
+             "cgroup peak GiB |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["per_step"]
+        lines.append(f"| {r['depth']} | {r['step_s'][-1]} | {p['io_s']:.1f} | "
+                     f"{p['read_wait_s']:.1f} | {p['write_wait_s']:.1f} | {p['step_s']:.1f} | "
+                     f"{r['max_usage_bytes'] / GIB:.2f} |")
+    table = "\n".join(lines) + "\n"
+    with open(os.path.join(RESULTS, f"{name}-overlap.md"), "w") as f:
+        f.write(table)
+    print(table)
 
 
 def _table(result: dict[str, Any]) -> str:
