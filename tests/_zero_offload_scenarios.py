@@ -61,3 +61,21 @@ def run_all(root: str) -> dict[Any, Any]:
         engine.train_step(*batch(step))
     out["resumed"] = _finish(engine)
     return out
+
+
+def refused_saves(root: str) -> list[str]:
+    """The messages of ZeroOptimizer.state_dict and save_sharded on a ZeRO-Offload run."""
+    from parallel.zero.checkpoint import save_sharded
+
+    engine = _engine({"dp": 2}, {"zero": 1}, "disk", os.path.join(root, "o"))
+    engine.train_step(*batch(0))
+    messages = []
+    for call in (lambda: engine.optimizer.state_dict(),
+                 lambda: save_sharded(os.path.join(root, "c"), engine.stage, engine.optimizer)):
+        try:
+            call()
+            messages.append("")
+        except RuntimeError as err:
+            messages.append(str(err))
+    engine.mesh.destroy()
+    return messages

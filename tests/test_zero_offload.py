@@ -36,3 +36,14 @@ def test_an_offloaded_zero1_checkpoint_resumes_in_memory(ranks):
         want = result[("zero1", "none")]["params"]
         for name, value in want.items():
             assert torch.equal(result["resumed"]["params"][name], value), name
+
+
+def test_the_optimizer_level_checkpoints_refuse_state_in_a_store(require_pycomm, tmp_path):
+    """ZeroOptimizer.state_dict and save_sharded read state in memory: with the state
+    offloaded they refuse by name rather than save empty tensors."""
+    from _zero_offload_scenarios import refused_saves
+
+    from pycomm.testing import run_ranks
+
+    for message in run_ranks(refused_saves, 2, str(tmp_path), timeout_s=300.0)[0]:
+        assert "the optimizer state is in the unit store" in message, message

@@ -162,6 +162,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
     world for a tensor-parallel model). See the module docstring for ``shard_key``."""
     from parallel.compose import dcp_chunks
 
+    opt._refuse_offload("save_sharded", state_only=True)  # its state is not in memory
     where = _where(path, opt, shard_key)
     names = opt.param_names(model)
     state = {**_tensors(model, opt, names, where), **_objects(opt, names)}
@@ -242,6 +243,7 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
             (parameter or buffer names or shapes), has other parameter groups, or lacks
             state this optimizer keeps (named in the message).
     """
+    opt._refuse_offload("load_sharded", state_only=True)
     from parallel.compose import dcp_chunks
     from parallel.compose.optim_groups import ensure_state
 

@@ -341,7 +341,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         instead: they store each parameter whole, as every rank's chunks of it
         (torch.distributed.checkpoint), by parameter name.
         """
-        self._refuse_offload("state_dict")
+        self._refuse_offload("state_dict", state_only=True)
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self._shards.adopt_model_writes()  # masters of weights loaded since the last step
@@ -367,7 +367,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ValueError: the state is not a ZeroOptimizer's, or is from another world size,
                 rank, stage, precision, optimizer class, layout or grouping.
         """
-        self._refuse_offload("load_state_dict")
+        self._refuse_offload("load_state_dict", state_only=True)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         optimizer_state.check(self._signature(), state_dict)
@@ -384,11 +384,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for post in self._optimizer_load_state_dict_post_hooks.values():
             post(self)
 
-    def _refuse_offload(self, what: str) -> None:
+    def _refuse_offload(self, what: str, state_only: bool = False) -> None:
+        """Stage 3 offloaded keeps no gradient or state in memory; ZeRO-Offload (stages
+        1-2) no state (``state_only``: what reads only gradients runs there)."""
         if self.offload is not None:
             raise RuntimeError(f"ZeroOptimizer.{what}: offloaded units step in backward, as "
                                "soon as their gradient is reduced; no gradient or state "
                                "stays in memory to clip, measure or save")
+        if self.state_offload is not None and state_only:
+            raise RuntimeError(f"ZeroOptimizer.{what}: the optimizer state is in the unit "
+                               "store (offload_states); save through the composed engine's "
+                               "checkpoints (parallel.compose), which stream it")
 
     def _signature(self) -> dict[str, Any]:
         return optimizer_state.signature(self.stage, self.world, self.rank, self.precision,
