@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,10 @@ class Capped:
     oom_kills: int
     wall_s: float
     joined: int  # processes that joined the cgroup
+    # the most anonymous + shared memory seen (sampled every 0.2 s): what the processes
+    # hold, without the page cache of files they read or wrote, which the kernel takes
+    # back under the cap (so max_usage_bytes reaches the cap whenever files are written)
+    peak_held_bytes: int = 0
 
     @property
     def oom_killed(self) -> bool:
@@ -67,7 +72,7 @@ class Capped:
     def summary(self) -> dict[str, Any]:
         return {"returncode": self.returncode, "max_usage_bytes": self.max_usage_bytes,
                 "failcnt": self.failcnt, "oom_kills": self.oom_kills, "wall_s": self.wall_s,
-                "joined": self.joined}
+                "joined": self.joined, "peak_held_bytes": self.peak_held_bytes}
 
 
 def _read(path: str) -> str:
@@ -108,6 +113,7 @@ def run_capped(cmd: list[str], limit_bytes: int, timeout_s: float,
                                  text=True, cwd=cwd, env={**(env or os.environ), ENV: group,
                                                  ENV + "_JOINED": joined},
                                  preexec_fn=enter)
+        held = _HeldSampler(group)
         try:
             out, err = child.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -117,9 +123,31 @@ def run_capped(cmd: list[str], limit_bytes: int, timeout_s: float,
         return Capped(child.returncode, out, err,
                       int(_read(os.path.join(group, "memory.max_usage_in_bytes"))),
                       int(_read(os.path.join(group, "memory.failcnt"))), _oom_kills(group), wall,
-                      _count_lines(joined))
+                      _count_lines(joined), held.stop())
     finally:
         _remove(group)
+
+
+class _HeldSampler:
+    """The cgroup's anonymous + shared memory (``total_rss + total_shmem`` of
+    ``memory.stat``), its maximum sampled on a thread until :meth:`stop`."""
+
+    def __init__(self, group: str, every_s: float = 0.2):
+        self._stat, self._every = os.path.join(group, "memory.stat"), every_s
+        self._done, self.peak = threading.Event(), 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self._every):
+            with contextlib.suppress(OSError, ValueError):
+                stat = dict(line.split() for line in _read(self._stat).splitlines())
+                self.peak = max(self.peak, int(stat["total_rss"]) + int(stat["total_shmem"]))
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak
 
 
 def _count_lines(path: str) -> int:
