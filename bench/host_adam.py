@@ -80,14 +80,16 @@ def _unit_step(params: list[torch.Tensor], grad: torch.Tensor,
 
 
 def _deepspeed_step(params: list[torch.Tensor], grad: torch.Tensor) -> Callable[[], None]:
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from parallel._optional import require
+
+    cpu_adam = require("deepspeed.ops.adam", "bench.host_adam's DeepSpeed peer").DeepSpeedCPUAdam
 
     members = [torch.nn.Parameter(p.clone()) for p in params]
     at = 0
     for q in members:
         q.grad = grad[at : at + q.numel()].clone()
         at += q.numel()
-    opt = DeepSpeedCPUAdam(members, adamw_mode=True, **OPTIONS)
+    opt = cpu_adam(members, adamw_mode=True, **OPTIONS)
     return opt.step
 
 

@@ -29,6 +29,7 @@ import sys
 from typing import Any
 
 from bench._memcap import available, run_capped
+from parallel._optional import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results", "offload")
@@ -81,8 +82,8 @@ def _logits_check(work: str, export: str) -> dict[str, Any]:
 
     engine_logits, tokens = run_ranks(_engine_logits, 1, work, timeout_s=3000.0)[0]
     import torch
-    import transformers
 
+    transformers = require("transformers", "bench.offload_recipe")
     model = transformers.AutoModelForCausalLM.from_pretrained(export)
     with torch.no_grad():
         hf = model(tokens).logits
@@ -94,11 +95,11 @@ def _logits_check(work: str, export: str) -> dict[str, Any]:
 
 def _engine_logits(work: str) -> Any:
     import torch
-    import transformers
 
     from parallel.compose.mesh import ParallelMesh
     from parallel.compose.parallelize import ParallelConfig, parallelize
 
+    transformers = require("transformers", "bench.offload_recipe")
     config = transformers.AutoConfig.from_pretrained(work)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):  # each unit materialized just before it is sharded

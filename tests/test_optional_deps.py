@@ -95,6 +95,12 @@ SITES = [
          "from bench._deepspeed import missing; print(missing())",
          soft="deepspeed is not installed (pip install 'pycomm[deepspeed]', or pip install "
               "deepspeed)"),
+    Site("parallel/compose/export.py", "safetensors",
+         "from parallel.compose.export import save_pretrained; save_pretrained('c', None, 'o')"),
+    Site("bench/host_adam.py", "deepspeed",
+         "from bench.host_adam import _deepspeed_step; _deepspeed_step([], None)"),
+    Site("bench/offload_recipe.py", "transformers",
+         "from bench.offload_recipe import _engine_logits; _engine_logits('x')"),
     Site("bench/_model_zoo.py", "transformers",
          "from bench._model_zoo import TINY, _hf; _hf('llama', TINY)"),
     Site("bench/_mpi.py", "mpi4py", "from bench._mpi import _mpi; _mpi()"),

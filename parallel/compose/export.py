@@ -41,7 +41,7 @@ def save_pretrained(checkpoint: str | os.PathLike, config: Any, out: str | os.Pa
     """
     transformers = require("transformers", "parallel.compose.save_pretrained (a HuggingFace "
                            "checkpoint)")
-    from safetensors.torch import save_file
+    save_file = require("safetensors.torch", "the HuggingFace export").save_file
 
     saved = {k.removeprefix("model/"): v for k, v in dcp_chunks.saved_keys(checkpoint).items()
              if k.startswith("model/")}
