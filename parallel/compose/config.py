@@ -166,6 +166,7 @@ class ParallelConfig:
         if self.offload == "none":
             return
         units = self.zero == 3  # stage 3 offloads whole units; stages 1-2 the state only
+        unsteppable = self._per_element_state()
         refused = [
             (self.zero == 0, "zero=0 (offload moves ZeRO's optimizer state: zero 1-2, or "
              "ZeRO-3's units: zero=3)"),
@@ -175,8 +176,7 @@ class ParallelConfig:
              "units over dp only; zero 1-2 offloads the optimizer state with pp)"),
             (mesh.size("ep") > 1, f"ep={mesh.size('ep')} (the experts beside ZeRO-3 stay "
              "whole in memory, stepped after backward; offload steps units in backward)"),
-            (self._per_element_state() is not None, f"optimizer={self.optimizer.__name__} "
-             f"({self._per_element_state()})"),
+            (unsteppable is not None, f"optimizer={self.optimizer.__name__} ({unsteppable})"),
             (self.offload == "disk" and not self.offload_dir, "offload_dir='' (disk "
              "needs a directory)"),
             (self.offload_prefetch < 0, f"offload_prefetch={self.offload_prefetch} (>= 0)"),

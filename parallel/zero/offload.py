@@ -295,15 +295,37 @@ class UnitOffload:
         if self.defer:
             self._keep_grad(u.index, grad, record)
             return
-        master = record.field("master")
-        if grad.dtype != master.dtype:  # reduced in bf16: stepped in the master's dtype
-            grad = grad.to(master.dtype)
         self.grad_square_sum += float(grad.double().square().sum())
+        self._step_and_write(u, grad, record)
+
+    def _step_and_write(self, u: Unit | Span, grad: torch.Tensor, record: Record,
+                        master: torch.Tensor | None = None) -> None:
+        """Step ``u`` (its master in ``record``, or ``master`` where it stays in memory)
+        from ``grad``, cast to the master's dtype where it was reduced in another, and
+        write the record back."""
+        dtype = (record.field("master") if master is None else master).dtype
+        if grad.dtype != dtype:  # reduced in bf16: stepped in the master's dtype
+            grad = grad.to(dtype)
         start = time.perf_counter()
-        self.stepper(u, grad, record)
+        assert self.stepper is not None
+        self.stepper(u, grad, record, master)
         self.stats["step_s"] += time.perf_counter() - start
         self.stats["steps"] += 1
         self.write_back(u.index)
+
+    def _stepping_pass(self, order: list[int],
+                       step: Callable[[Unit | Span, Record], None]) -> None:
+        """Read every record of ``order`` ahead of use, whole, and ``step(unit, record)``
+        each (which writes it back)."""
+        if self.stepper is None:
+            raise RuntimeError("offload: no ZeroOptimizer was built over these records")
+        self.begin_pass(False, order, stepping=True)
+        try:
+            for k in order:
+                self.ahead(self.units[k])
+                step(self.units[k], self.acquire(k))
+        finally:
+            self.stepping = False
 
     def _keep_grad(self, k: int, grad: torch.Tensor, record: Record) -> None:
         """Deferred: ``grad`` into (the first backward of a step) or onto (the others)
@@ -323,25 +345,18 @@ class UnitOffload:
         """Step every unit from the gradient its record holds, multiplied by each of
         ``grad_factors`` (fp16's unscale, the clipping coefficient), reading ahead as a
         pass does (see the module docstring)."""
-        if self.stepper is None:
-            raise RuntimeError("offload: no ZeroOptimizer was built over this model")
+
+        def step(u: Unit | Span, record: Record) -> None:
+            grad = record.field("grad")
+            for factor in self.grad_factors:  # one rounding each, as in memory
+                grad.mul_(factor)
+            self._step_and_write(u, grad, record)
+
         order, self.deferred = self.deferred, []
-        self.begin_pass(False, order, stepping=True)
         try:
-            for k in order:
-                u = self.units[k]
-                self.ahead(u)
-                record = self.acquire(k)
-                grad = record.field("grad")
-                for factor in self.grad_factors:  # one rounding each, as in memory
-                    grad.mul_(factor)
-                start = time.perf_counter()
-                self.stepper(u, grad, record)
-                self.stats["step_s"] += time.perf_counter() - start
-                self.stats["steps"] += 1
-                self.write_back(k)
+            self._stepping_pass(order, step)
         finally:
-            self.stepping, self.grad_factors, self.grad_square_sum = False, [], 0.0
+            self.grad_factors, self.grad_square_sum = [], 0.0
 
     def discard_deferred(self) -> None:
         """The step is skipped (fp16 overflow): the gradients in the records are left
@@ -353,24 +368,9 @@ class UnitOffload:
         """ZeRO-Offload (stages 1-2): step every bucket's master shard (in memory) from
         its reduced gradient, its optimizer state read from the store ahead of use and
         written back after, one bucket at a time."""
-        if self.stepper is None:
-            raise RuntimeError("offload: no ZeroOptimizer was built over these states")
-        order = [u.index for u in self.units]
-        self.begin_pass(False, order, stepping=True)
-        try:
-            for k in order:
-                self.ahead(self.units[k])
-                record = self.acquire(k)
-                grad = grads[k]
-                if grad.dtype != masters[k].dtype:  # reduced in bf16: stepped in fp32
-                    grad = grad.to(masters[k].dtype)
-                start = time.perf_counter()
-                self.stepper(self.units[k], grad, record, masters[k])
-                self.stats["step_s"] += time.perf_counter() - start
-                self.stats["steps"] += 1
-                self.write_back(k)
-        finally:
-            self.stepping = False
+        self._stepping_pass([u.index for u in self.units],
+                            lambda u, record: self._step_and_write(
+                                u, grads[u.index], record, masters[u.index]))
 
     @torch.no_grad()
     def read_master(self, u: Unit) -> torch.Tensor:
