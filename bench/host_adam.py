@@ -24,10 +24,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from bench import _c2c
+from bench._provenance import write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results", "offload")
@@ -139,7 +143,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(one_job(args.numel, args.steps)))
         return
-    load = os.getloadavg()
+    load, before = os.getloadavg(), _c2c.reading()
     jobs = []
     for k in range(args.jobs):
         cmd = [sys.executable, "-m", "bench.host_adam", "--one", "--numel", str(args.numel),
@@ -151,14 +155,13 @@ def main() -> None:
               "options": {k: list(v) if isinstance(v, tuple) else v
                           for k, v in OPTIONS.items()},
               "loadavg_before": load, "loadavg_after": os.getloadavg(),
+              "c2c_before": before, "c2c_after": _c2c.reading(),
               "torch": torch.__version__, "cpu_capability":
               torch.backends.cpu.get_cpu_capability(), "jobs": jobs}
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "host-adam.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    out = os.path.join(RESULTS, "host-adam.json")
+    write_report(result, out)  # with the commit, versions and CPU
     table = _table(result)
-    with open(os.path.join(RESULTS, "host-adam.md"), "w") as f:
-        f.write(table)
+    Path(out).with_suffix(".md").write_text(table)
     print(table)
 
 
@@ -168,7 +171,9 @@ def _table(result: dict[str, Any]) -> str:
              f"{result['threads']} thread, torch {result['torch']} "
              f"({result['cpu_capability']}); {len(jobs)} fresh jobs, median of "
              f"{result['steps']} steps each; load average before/after "
-             f"{result['loadavg_before'][0]:.2f}/{result['loadavg_after'][0]:.2f}", "",
+             f"{result['loadavg_before'][0]:.2f}/{result['loadavg_after'][0]:.2f}; "
+             f"before: {_c2c.describe(result['c2c_before'])}; after: "
+             f"{_c2c.describe(result['c2c_after'])}", "",
              "| implementation | step ms (median, range over jobs) | GB/s of state | "
              "speed vs per-tensor loop |", "|---|---|---|---|"]
     # bytes an Adam step touches: param, grad, two moments read; param, moments written

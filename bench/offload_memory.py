@@ -23,9 +23,11 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from bench._memcap import available, run_capped
+from bench._provenance import write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results", "offload")
@@ -102,12 +104,10 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = {"model": MODEL, "rows": rows, "loadavg": os.getloadavg()}
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "memory.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    out = os.path.join(RESULTS, "memory.json")
+    write_report(result, out)  # with the commit, versions and CPU
     table = _table(result)
-    with open(os.path.join(RESULTS, "memory.md"), "w") as f:
-        f.write(table)
+    Path(out).with_suffix(".md").write_text(table)
     print(table)
 
 

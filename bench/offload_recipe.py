@@ -26,9 +26,11 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
 from bench._memcap import available, run_capped
+from bench._provenance import write_report
 from parallel._optional import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,11 +162,9 @@ def main() -> None:
     print(json.dumps(check), flush=True)
     result = {"cap_bytes": cap, "model": model, "recipe": RECIPE, "live_mb": LIVE_MB,
               "runs": runs, "export_logits": check}
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{args.name}.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(RESULTS, f"{args.name}.md"), "w") as f:
-        f.write(_table(result))
+    out = os.path.join(RESULTS, f"{args.name}.json")
+    write_report(result, out)  # with the commit, versions and CPU
+    Path(out).with_suffix(".md").write_text(_table(result))
     print(_table(result))
 
 
@@ -184,8 +184,8 @@ def _overlap(work: str, config: str, name: str) -> None:
             k: second.get(k, 0) - first.get(k, 0)
             for k in ("io_s", "read_wait_s", "write_wait_s", "step_s")}})
         shutil.rmtree(os.path.join(work, f"off{depth}"), ignore_errors=True)
-    with open(os.path.join(RESULTS, f"{name}-overlap.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    out = os.path.join(RESULTS, f"{name}-overlap.json")
+    write_report({"rows": rows}, out)
     lines = ["TinyLlama-shaped HF Llama (1.1B), dp=2, ZeRO-3 offloaded to disk, bf16, "
              "clipping 1.0, 2 micro-batches, batch 4x64; step 2 (rank 0's I/O threads)", "",
              "| prefetch | step s | I/O busy s | read wait s | write wait s | unit steps s | "
@@ -196,8 +196,7 @@ def _overlap(work: str, config: str, name: str) -> None:
                      f"{p['read_wait_s']:.1f} | {p['write_wait_s']:.1f} | {p['step_s']:.1f} | "
                      f"{r['max_usage_bytes'] / GIB:.2f} |")
     table = "\n".join(lines) + "\n"
-    with open(os.path.join(RESULTS, f"{name}-overlap.md"), "w") as f:
-        f.write(table)
+    Path(out).with_suffix(".md").write_text(table)
     print(table)
 
 
