@@ -10,6 +10,7 @@ prints the table for more steps).
 
 from __future__ import annotations
 
+import tempfile
 from typing import Any
 
 import torch
@@ -133,6 +134,11 @@ LAYOUTS: dict[str, tuple[int, int, int, dict[str, Any]]] = {
     "dp2 x tp2": (2, 2, 1, {"zero": 2}),
     "pp2 x dp2": (2, 1, 2, {"microbatches": 2, "zero": 1}),
     "2x2x2": (2, 2, 2, {"microbatches": 2, "zero": 1, "sequence_parallel": True}),
+    # offload: ZeRO-3's units in files; ZeRO-Offload (the optimizer state) under a pipeline
+    "dp2 zero3 offload": (2, 1, 1, {"zero": 3, "offload": "disk",
+                                    "offload_dir": tempfile.gettempdir()}),
+    "pp2 x dp2 zero1 offload": (2, 1, 2, {"microbatches": 2, "zero": 1, "offload": "disk",
+                                          "offload_dir": tempfile.gettempdir()}),
 }
 
 
