@@ -79,6 +79,8 @@ def layouts() -> dict[str, tuple[int, int, int, int, dict[str, Any]]]:
     (the experts beside ZeRO 1-3, whole on their ranks, reduced over edp)."""
     out = {}
     for name, (dp, tp, pp, config) in rb.LAYOUTS.items():
+        if "offload" in config:  # not in the experts matrix (with ep > 1, refused by name)
+            continue
         config = {k: v for k, v in config.items() if k != "sequence_parallel"}
         if config.get("microbatches", 1) > 1:
             config["schedule"] = "gpipe"
