@@ -17,6 +17,13 @@ from its config, through ``python -m parallel.train`` with the whole process tre
 Each run's exit, OOM kills, cgroup peak, largest per-rank peak RSS, step times and
 (rank 0's) bytes read and written go to ``bench/results/offload/recipe-1b.json`` and a
 table to ``recipe-1b.md``.
+
+``--fit G [G ...]``: instead, the offloaded run (2 steps) with ``--memory-gb G`` and no
+``--offload-prefetch`` or ``--max-live-mb`` of its own (the trainer picks them to fit,
+:mod:`parallel.plan.fit`), capped at what ``G`` promises: two ranks of ``G`` each plus
+three processes' runtime (two ranks and the launcher, measured here as the resident
+memory of a process that imported torch, transformers and pycomm) — and whether it
+fits, or is refused before any rank starts (``recipe-1b-fit.{json,md}``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -126,6 +134,9 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="instead: the offloaded "
                         "run (2 steps, no checkpoint, uncapped) at prefetch 0, 1 and 2: "
                         "step time against the I/O threads' busy time and the read waits")
+    parser.add_argument("--fit", type=float, nargs="*", default=None, help="instead: the "
+                        "offloaded run with --memory-gb G for each G, capped at what it "
+                        "promises (see the module docstring)")
     parser.add_argument("--smoke", action="store_true", help="a 2-layer model of width "
                         "256 (the same runs, in a minute: a check of this script)")
     args = parser.parse_args()
@@ -140,6 +151,9 @@ def main() -> None:
         json.dump(model, f)
     if args.overlap:
         _overlap(work, config, args.name)
+        return
+    if args.fit is not None:
+        _fit(work, config, args.name, args.fit)
         return
     runs = [_run("offload", _trainer(config, [
         "--dp", "2", "--offload", "disk", "--offload-dir", os.path.join(work, "off"),
@@ -195,6 +209,50 @@ def _overlap(work: str, config: str, name: str) -> None:
         lines.append(f"| {r['depth']} | {r['step_s'][-1]} | {p['io_s']:.1f} | "
                      f"{p['read_wait_s']:.1f} | {p['write_wait_s']:.1f} | {p['step_s']:.1f} | "
                      f"{r['max_usage_bytes'] / GIB:.2f} |")
+    table = "\n".join(lines) + "\n"
+    Path(out).with_suffix(".md").write_text(table)
+    print(table)
+
+
+def _runtime_bytes() -> int:
+    """Resident bytes of a fresh process that imported what a rank imports."""
+    code = ("import torch, transformers, pycomm, parallel.train.loop, re; print(re.search("
+            "r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    return int(out.split()[-1]) * 1024
+
+
+def _fit(work: str, config: str, name: str, limits: list[float]) -> None:
+    """The offloaded recipe under --memory-gb G, capped at 2 G plus 3 runtimes."""
+    runtime = _runtime_bytes()
+    rows = []
+    for limit in limits:
+        metrics = os.path.join(work, f"fit{limit}.jsonl")
+        cmd = _trainer(config, ["--dp", "2", "--offload", "disk", "--offload-dir",
+                                os.path.join(work, f"fit{limit}"), "--memory-gb", str(limit),
+                                "--steps", "2", "--metrics", metrics])
+        cap = int(2 * limit * GIB) + 3 * runtime
+        run = _run(f"--memory-gb {limit}", cmd, cap, metrics, 3000.0)
+        said = [line for line in run["stderr_tail"].splitlines()
+                if line.startswith(("memory:", "error:"))]
+        rows.append({**run, "memory_gb": limit, "cap_bytes": cap, "said": said})
+        shutil.rmtree(os.path.join(work, f"fit{limit}"), ignore_errors=True)
+    out = os.path.join(RESULTS, f"{name}-fit.json")
+    write_report({"runtime_bytes": runtime, "rows": rows}, out)
+    lines = ["TinyLlama-shaped HF Llama (1.1B), dp=2, ZeRO-3 offloaded to disk, bf16, "
+             "clipping 1.0, 2 micro-batches, batch 4x64, 2 steps, with `--memory-gb G` and "
+             "no read-ahead or budget of its own; the whole tree capped at 2 G + 3 runtimes "
+             f"(a process's runtime measured here: {runtime / GIB:.2f} GiB)", "",
+             "| --memory-gb | cap GiB | the trainer said | exit | OOM kills | cgroup peak "
+             "GiB | held at most GiB (both ranks and launcher) | largest rank peak RSS GiB "
+             "| step s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        said = "<br>".join(r["said"]) or "-"
+        lines.append(f"| {r['memory_gb']:g} | {r['cap_bytes'] / GIB:.2f} | {said} | "
+                     f"{r['returncode']} | {r['oom_kills']} | {r['max_usage_bytes'] / GIB:.2f} "
+                     f"| {r.get('peak_held_bytes', 0) / GIB:.2f} | {r['peak_rss_gib']:.2f} | "
+                     f"{r['step_s'] or '-'} |")
     table = "\n".join(lines) + "\n"
     Path(out).with_suffix(".md").write_text(table)
     print(table)

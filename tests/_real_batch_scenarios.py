@@ -134,9 +134,12 @@ LAYOUTS: dict[str, tuple[int, int, int, dict[str, Any]]] = {
     "dp2 x tp2": (2, 2, 1, {"zero": 2}),
     "pp2 x dp2": (2, 1, 2, {"microbatches": 2, "zero": 1}),
     "2x2x2": (2, 2, 2, {"microbatches": 2, "zero": 1, "sequence_parallel": True}),
-    # offload: ZeRO-3's units in files; ZeRO-Offload (the optimizer state) under a pipeline
+    # offload: ZeRO-3's units in files (over dp; and over tp and pp, each rank its own
+    # units); ZeRO-Offload (the optimizer state) under a pipeline
     "dp2 zero3 offload": (2, 1, 1, {"zero": 3, "offload": "disk",
                                     "offload_dir": tempfile.gettempdir()}),
+    "pp2 x tp2 zero3 offload": (1, 2, 2, {"microbatches": 2, "zero": 3, "offload": "disk",
+                                          "offload_dir": tempfile.gettempdir()}),
     "pp2 x dp2 zero1 offload": (2, 1, 2, {"microbatches": 2, "zero": 1, "offload": "disk",
                                           "offload_dir": tempfile.gettempdir()}),
 }

@@ -1,7 +1,9 @@
 """What each rank runs for tests/test_zero_offload.py: ZeRO-Offload (stages 1-2, the
 optimizer state in a unit store, the masters in memory) against the same stage in
-memory, on the project's GPT at dp=2 (fp32 and bf16, clipped), at tp=2 and pp=2, and a
-checkpoint of an offloaded ZeRO-1 run resumed in memory."""
+memory, on the project's GPT at dp=2 (fp32 and bf16, clipped), at tp=2 and pp=2; ZeRO-3
+offload at tp=2 (fp32, bf16) and pp=2 (untied, and the head tied to the embedding
+across the stages), clipped; and a checkpoint of an offloaded ZeRO-1
+run resumed in memory."""
 
 from __future__ import annotations
 
@@ -18,6 +20,18 @@ CASES = {  # name -> (mesh sizes, ParallelConfig settings)
     "zero2-bf16": ({"dp": 2}, {"zero": 2, "precision": "bf16"}),
     "zero1-tp2": ({"tp": 2}, {"zero": 1}),
     "zero1-pp2": ({"pp": 2}, {"zero": 1, "microbatches": 2}),
+    # ZeRO-3 offload (whole units in the store) with model parallelism
+    "zero3-tp2": ({"tp": 2}, {"zero": 3}),
+    "zero3-tp2-bf16": ({"tp": 2}, {"zero": 3, "precision": "bf16"}),
+    # built on the meta device (each unit materialized as it is sharded, as --init meta)
+    "zero3-tp2-meta": ({"tp": 2}, {"zero": 3, "meta": True}),
+    "zero3-pp2": ({"pp": 2}, {"zero": 3, "microbatches": 2}),
+    # the head tied to the embedding, on the other stage: the copies' gradients summed
+    # in their records before the units step
+    "zero3-pp2-tied": ({"pp": 2}, {"zero": 3, "microbatches": 2, "tied": True}),
+    # unclipped, one micro-batch: the tie alone defers the units' steps
+    "zero3-pp2-tied-unclipped": ({"pp": 2}, {"zero": 3, "microbatches": 1, "tied": True,
+                                             "max_grad_norm": None}),
 }
 
 
@@ -27,14 +41,26 @@ def _engine(sizes: dict[str, int], settings: dict[str, Any], offload: str,
     from parallel.compose.parallelize import ParallelConfig, parallelize
 
     mesh = ParallelMesh(**{"pp": 1, "dp": 1, "tp": 1, **sizes})
-    return parallelize(build("gpt"), mesh, ParallelConfig(
-        max_grad_norm=CLIP, weight_decay=0.1, lr_lambda=lr_lambda,
-        optimizer_kwargs={"lr": 3e-3}, offload=offload, offload_dir=directory, **settings))
+    settings = dict(settings)
+    with torch.device("meta" if settings.pop("meta", False) else "cpu"):
+        model = build("gpt")
+    if settings.pop("tied", False):
+        model.lm_head.weight = model.embed.wte.weight
+    return parallelize(model, mesh, ParallelConfig(**{
+        "max_grad_norm": CLIP, "weight_decay": 0.1, "lr_lambda": lr_lambda,
+        "optimizer_kwargs": {"lr": 3e-3}, "offload": offload, "offload_dir": directory,
+        **settings}))
 
 
-def _finish(engine: Any) -> dict[str, torch.Tensor]:
-    out = {n: p.detach().clone() for n, p in engine.stage.named_parameters()}
-    state = engine.optimizer.state_offload
+def _finish(engine: Any) -> dict[str, Any]:
+    """Each rank's parameters (stage 3: gathered whole), how many records stepped and
+    how many there are (None in memory), the losses and gradient norms."""
+    zero3 = engine.stage.__dict__.get("zero3")
+    if zero3 is not None:
+        out = zero3.full_state_dict()
+    else:
+        out = {n: p.detach().clone() for n, p in engine.stage.named_parameters()}
+    state = engine.dp.store
     engine.mesh.destroy()
     return {"params": out, "steps": None if state is None else state.stats["steps"],
             "buckets": None if state is None else len(state.units)}
@@ -45,9 +71,9 @@ def run_all(root: str) -> dict[Any, Any]:
     for name, (sizes, settings) in CASES.items():
         for offload in ("none", "disk"):
             engine = _engine(sizes, settings, offload, os.path.join(root, f"{name}-{offload}"))
-            for step in range(STEPS):
-                engine.train_step(*batch(step))
+            curve = [engine.train_step(*batch(step)) for step in range(STEPS)]
             out[(name, offload)] = _finish(engine)
+            out[(name, offload)]["curve"] = [(r.loss, r.grad_norm) for r in curve]
     # saved offloaded after 3 steps, resumed in memory for the rest
     sizes, settings = CASES["zero1"]
     engine = _engine(sizes, settings, "disk", os.path.join(root, "ck-a"))

@@ -42,10 +42,13 @@ STAGE3 = [  # (row, model, reference key, offloaded key, steps)
     ("Adam with amsgrad", "gpt", ("adam-amsgrad", "none"), ("adam-amsgrad", "disk"), 4),
 ]
 REFUSED = [  # (what, the refusal's words, what runs instead)
-    ("ZeRO-3 offload at tp=2", "tp=2 (ZeRO-3 offload shards units over dp only; zero 1-2 "
-     "offloads the optimizer state with tp)", "ZeRO-Offload at tp=2, above"),
-    ("ZeRO-3 offload at pp=2", "pp=2 (ZeRO-3 offload shards units over dp only; zero 1-2 "
-     "offloads the optimizer state with pp)", "ZeRO-Offload at pp=2, above")]
+    ("offload at zero=0", "zero=0 (offload moves ZeRO's optimizer state: zero 1-2, or "
+     "ZeRO-3's units: zero=3)", "any stage 1-3, above"),
+    ("offload with expert parallelism", "ep=2 (the experts beside ZeRO-3 stay whole in "
+     "memory, stepped after backward; offload steps units in backward)",
+     "offload at ep=1 (the experts are then dense parameters)"),
+    ("an optimizer that needs a closure", "optimizer=LBFGS (...)",
+     "any per-element torch.optim optimizer, above")]
 
 
 def _largest(results: list[dict[Any, Any]], want: Any, got: Any) -> float:
@@ -73,7 +76,8 @@ def measure() -> dict[str, Any]:
         rows.append({"stage": "ZeRO-3 offload", "case": label, "model": model,
                      "steps": steps, "max_abs_diff": _largest(stage3, want, got)})
     for name in CASES:
-        rows.append({"stage": "ZeRO-Offload", "case": name, "model": "gpt", "steps": ZO_STEPS,
+        stage = "ZeRO-3 offload" if name.startswith("zero3") else "ZeRO-Offload"
+        rows.append({"stage": stage, "case": name, "model": "gpt", "steps": ZO_STEPS,
                      "max_abs_diff": _largest(staged, (name, "none"), (name, "disk"))})
     return {"rows": rows, "refused": REFUSED, "torch": torch.__version__}
 

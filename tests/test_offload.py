@@ -148,7 +148,6 @@ def test_refuses_what_it_cannot_run(require_pycomm, tmp_path):
     from pycomm.testing import run_ranks
 
     messages = run_ranks(refused, 2, str(tmp_path), timeout_s=300.0)[0]
-    named = ["zero=0", "optimizer=LBFGS",
-             "offload_dir=''", "tp=2", "pp=2"]
+    named = ["zero=0", "optimizer=LBFGS", "offload_dir=''"]
     for message, what in zip(messages, named, strict=True):
         assert what in message and message.startswith("parallelize: offload='disk'")

@@ -121,14 +121,17 @@ def test_a_refused_layout_is_refused_by_the_trainer_too():
 
 
 @pytest.mark.usefixtures("require_pycomm")
-def test_prediction_of_a_measured_run_is_within_10_percent():
+@pytest.mark.parametrize(("zero", "precision"), [(2, "fp32"), (3, "bf16")])
+def test_prediction_of_a_measured_run_is_within_10_percent(zero, precision):
+    """fp32 ZeRO-2, and bf16 ZeRO-3 (the units gathered in bf16, their gradients and
+    the masters in fp32, the activations in bf16 but the loss's in fp32)."""
     from pycomm.testing import run_ranks
     from tests import _plan_predictor_scenarios as sc
 
     cfg = TrainConfig(n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=8,
-                      dp=2, zero=2, eval_every=0)
+                      dp=2, zero=zero, precision=precision, eval_every=0)
     shape = model_shape(cfg)
-    layout = Layout(2, 1, 1, 2, False, False, microbatches=1)
+    layout = Layout(2, 1, 1, zero, False, False, microbatches=1)
     predicted = predict(shape, layout, job_of(cfg))[0].peak
     ranks = run_ranks(sc.measured, 2, cfg)
     for r in ranks:

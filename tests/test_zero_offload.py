@@ -1,7 +1,9 @@
 """ZeRO-Offload at stages 1-2 (the optimizer state of each bucket in a unit store,
 stepped bucket by bucket after the reduction; the masters in memory): 6 clipped steps of
 the project's GPT give parameters torch.equal to the same stage in memory, at dp=2 in
-fp32 and bf16, at tp=2 and at pp=2; an offloaded ZeRO-1 checkpoint resumes in memory."""
+fp32 and bf16, at tp=2 and at pp=2; so does ZeRO-3 offload (whole units in the store) at
+tp=2 (fp32, bf16) and pp=2 (with a head tied to the embedding across the stages too); an
+offloaded ZeRO-1 checkpoint resumes in memory."""
 
 from __future__ import annotations
 
@@ -19,16 +21,25 @@ def ranks(require_pycomm, tmp_path_factory):
                      timeout_s=600.0)
 
 
-@pytest.mark.parametrize("case", ["zero1", "zero2", "zero2-bf16", "zero1-tp2", "zero1-pp2"])
+@pytest.mark.parametrize("case", ["zero1", "zero2", "zero2-bf16", "zero1-tp2", "zero1-pp2",
+                                  "zero3-tp2", "zero3-tp2-bf16", "zero3-tp2-meta", "zero3-pp2",
+                                  "zero3-pp2-tied", "zero3-pp2-tied-unclipped"])
 def test_state_offloaded_equals_in_memory(ranks, case):
+    """Every step clipped: at tp=2 the norm counts a parameter replicated over tp once
+    (a wrong weight changes the clipping coefficient, and with it the parameters)."""
+    from _offload_scenarios import CLIP
     from _zero_offload_scenarios import STEPS
 
     for rank, result in enumerate(ranks):
         want, got = result[(case, "none")], result[(case, "disk")]
         assert want["steps"] is None and got["buckets"] >= 1
         assert got["steps"] == STEPS * got["buckets"]  # every bucket stepped from its record
+        assert len(want["params"]) > 0
         for name, value in want["params"].items():
             assert torch.equal(got["params"][name], value), f"rank {rank} {case}: {name}"
+        assert all(norm > CLIP for _, norm in want["curve"])  # (clipped where asked)
+        for (loss, norm), (ref_loss, ref_norm) in zip(got["curve"], want["curve"], strict=True):
+            assert loss == ref_loss and norm == pytest.approx(ref_norm, rel=1e-12)
 
 
 def test_an_offloaded_zero1_checkpoint_resumes_in_memory(ranks):

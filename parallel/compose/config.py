@@ -65,11 +65,14 @@ class ParallelConfig:
             ``offload_prefetch`` units ahead and stepped unit by unit in backward
             (:mod:`parallel.zero.offload`; with clipping, ``max_grad_norm``, stepped after
             backward once the norm is known; micro-batches summed in the records first;
-            bf16 or fp16 compute gathers casts of the fp32 masters). Needs dp only
-            and an optimizer whose state is per element (its state tensors are the
-            records' fields). At zero 1-2 it is ZeRO-Offload: only the optimizer
-            state lives in the store, stepped bucket by bucket after the reduction,
-            the masters in memory (any tp and pp). Every layer outside the blocks holding
+            bf16 or fp16 compute gathers casts of the fp32 masters). Runs with tp and
+            pp (each rank offloads the units it holds; the norm counts a parameter
+            replicated over tp once; a tie across pipeline stages defers the steps
+            until its copies' gradients are summed), and needs an optimizer whose
+            state is per element (its state tensors are the records' fields). At
+            zero 1-2 it is ZeRO-Offload: only the optimizer state lives in the store,
+            stepped bucket by bucket after the reduction, the masters in memory (any
+            tp and pp). Every layer outside the blocks holding
             ``OWN_UNIT_NUMEL`` parameters or more (an embedding, an untied head) is then a
             unit of its own, gathered only around its use.
         max_live_units, max_live_bytes: ZeRO-3's budget (DeepSpeed's
@@ -165,15 +168,10 @@ class ParallelConfig:
                              f"{self.offload!r}")
         if self.offload == "none":
             return
-        units = self.zero == 3  # stage 3 offloads whole units; stages 1-2 the state only
         unsteppable = self._per_element_state()
         refused = [
             (self.zero == 0, "zero=0 (offload moves ZeRO's optimizer state: zero 1-2, or "
              "ZeRO-3's units: zero=3)"),
-            (units and mesh.size("tp") > 1, f"tp={mesh.size('tp')} (ZeRO-3 offload shards "
-             "units over dp only; zero 1-2 offloads the optimizer state with tp)"),
-            (units and mesh.size("pp") > 1, f"pp={mesh.size('pp')} (ZeRO-3 offload shards "
-             "units over dp only; zero 1-2 offloads the optimizer state with pp)"),
             (mesh.size("ep") > 1, f"ep={mesh.size('ep')} (the experts beside ZeRO-3 stay "
              "whole in memory, stepped after backward; offload steps units in backward)"),
             (unsteppable is not None, f"optimizer={self.optimizer.__name__} ({unsteppable})"),

@@ -136,8 +136,10 @@ class ParallelModel:
             units, keep = zero3_units(self.plan, stage, self.ties, self.names,
                                       own_large_layers=config.offload != "none")
             experts = {n for n, p in self.stage.named_parameters() if is_expert(p)}
+            # a tie across stages is summed after backward: offloaded units wait for it
             self.dp = ZeroPlan(self.stage, self.mesh, config, self.compute, self._copies,
-                               units, keep, self.names.materialize_by_stage_name, experts)
+                               units, keep, self.names.materialize_by_stage_name, experts,
+                               defer=bool(self.ties.ties))
             if experts:
                 self.dp = ExpertsBeside(self.dp, self._experts_side(experts))
         self.names.refresh(self.stage)
@@ -174,6 +176,8 @@ class ParallelModel:
                     p.grad = torch.zeros_like(p)
                 grads.append((p.grad, group))
             self.ties.sum_grads(grads)
+        elif getattr(self.dp, "offload", None) is not None:  # in the units' records
+            self.dp.sum_offloaded(tied, self.ties.sum_grads)
         else:
             shards = self.dp.shard_grads_of([p for p, _ in tied])
             self.ties.sum_grads([(s, g) for s, (_, g) in zip(shards, tied, strict=True)])

@@ -62,6 +62,8 @@ class ZeroPlan:
         stage: the ZeRO stage, if not ``config.zero``.
         grad_scale: multiplies the gradients before they are averaged over ``axis`` (the
             experts: summed over edp, divided by dp).
+        defer: offloaded at stage 3, step every unit after backward whatever else asks
+            for it (a tie across pipeline stages: its copies' gradients are summed then).
     """
 
     def __init__(self, stage_module: nn.Module, mesh: ParallelMesh, config: Any,
@@ -70,7 +72,7 @@ class ZeroPlan:
                  never_persistent: tuple[str, ...] = (),
                  materialize: Callable[[list[str]], None] | None = None,
                  exclude: set[str] | None = None, axis: str = "dp", stage: int | None = None,
-                 grad_scale: float = 1.0):
+                 grad_scale: float = 1.0, defer: bool = False):
         self.zero = config.zero if stage is None else stage
         self.mesh, self.copies, self.grad_scale = mesh, copies, grad_scale
         group = mesh.group(axis)
@@ -80,7 +82,8 @@ class ZeroPlan:
             offload = None if config.offload == "none" else OffloadConfig(
                 config.offload, config.offload_dir, config.offload_prefetch,
                 # fp16: a step that overflowed is skipped, known only after backward
-                defer_step=config.max_grad_norm is not None or compute == torch.float16,
+                defer_step=(defer or config.max_grad_norm is not None
+                            or compute == torch.float16),
                 state_fields=optimizer_state_layout(config.optimizer,
                                                     config.optimizer_kwargs)[0],
                 microbatches=config.microbatches)
@@ -109,6 +112,19 @@ class ZeroPlan:
                                                         config.offload_prefetch))
         # where the optimizer state lives when not in memory (stage 3: with the masters)
         self.store = self.optimizer.state_offload or self.offload
+        if self.offload is not None:  # (at the first step: parameters made from meta
+            self.offload.weigh = self._norm_weights  # are named once the plan is built)
+
+    def _norm_weights(self) -> dict[int, list[tuple[int, int, float]]]:
+        """Stage 3 offload's norm: each unit's shard elements of a parameter held by
+        several model-parallel ranks (replicated over tp) weighted 1 / its copies, as
+        :meth:`grad_parts` weighs them in memory."""
+        weights: dict[int, list[tuple[int, int, float]]] = {}
+        for i, k, lo, hi, at in owned_pieces(self.optimizer):
+            copies = self.copies(self.params[i])
+            if copies != 1:
+                weights.setdefault(k, []).append((at, hi - lo, 1.0 / copies))
+        return weights
 
     def step_offloaded(self, unscale: float, clip: float) -> None:
         """Offloaded with clipping or loss scaling: every unit steps now, its gradient
@@ -138,6 +154,18 @@ class ZeroPlan:
             return [(local.sqrt(), 1.0)]
         return [(part, 1.0 / self.copies(self.params[i]))
                 for i, part in self.optimizer.grad_parts()]
+
+    def sum_offloaded(self, tied: list[tuple[nn.Parameter, Any]],
+                      sum_grads: Callable[[list[tuple[torch.Tensor, Any]]], None]) -> None:
+        """Stage 3 offloaded: each tied parameter's gradient, waiting in its unit's
+        record (the unit holds it alone), summed over its group by ``sum_grads``."""
+        assert self.offload is not None
+        index = {id(p): i for i, p in enumerate(self.params)}
+        bucket = self.optimizer.layout.bucket_of_param()
+        for p, group in tied:
+            unit = self.offload.units[bucket[index[id(p)]]]
+            self.offload.combine_deferred_grad(
+                unit, lambda grad, group=group: sum_grads([(grad, group)]))
 
     def shard_grads_of(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """Stage 3: the reduced gradient shard of each of ``params``' units, each unit

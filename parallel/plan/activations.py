@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 from parallel.plan.shapes import ModelShape
 
+FP32 = 4  # the loss's dtype (and the activations' in fp32)
+
 
 @dataclass(frozen=True)
 class ActShape:
@@ -73,15 +75,19 @@ def checkpoint_kept(m: ModelShape, a: ActShape, partitioned: bool) -> int:
 
 def head_saved(m: ModelShape, a: ActShape) -> int:
     """The last stage's head: the final norm's and the LM head's inputs (sbh each), the
-    logits and the cross-entropy's log-softmax (``rows x seq x vocab/t`` each)."""
+    logits and the cross-entropy's log-softmax (``rows x seq x vocab/t`` each). The loss
+    is taken in fp32 (``parallel.precision.widened``): in bf16 or fp16 the logits are
+    kept in their dtype and the log-softmax of their fp32 copy in fp32."""
     sbh = a.rows * a.seq * m.hidden
     logits = a.rows * a.seq * m.vocab // a.tp
-    return a.dtype_bytes * (2 * sbh + 2 * logits)
+    return a.dtype_bytes * 2 * sbh + (a.dtype_bytes + FP32) * logits
 
 
 def head_working(m: ModelShape, a: ActShape) -> int:
-    """The logits' gradient, alive while the head's backward runs."""
-    return a.dtype_bytes * a.rows * a.seq * m.vocab // a.tp
+    """The logits' gradient, alive while the head's backward runs: in fp32, and in bf16
+    or fp16 its copy in their dtype beside it."""
+    low = a.dtype_bytes if a.dtype_bytes != FP32 else 0
+    return (FP32 + low) * a.rows * a.seq * m.vocab // a.tp
 
 
 def embed_saved(a: ActShape) -> int:

@@ -94,6 +94,10 @@ def refusal(cfg: Any, layout: Layout, shape: ModelShape) -> str | None:
 
     if layout.offload != "none" and not offload_supported():
         return f"offload={layout.offload}: this checkout's parallel.train has no --offload"
+    precision = getattr(cfg, "precision", "fp32")
+    if precision != "fp32" and layout.zero != 3:
+        return (f"plan: precision {precision} is modelled at zero=3 only (the trainer runs "
+                f"zero={layout.zero} in {precision}; the planner cannot predict its memory)")
     try:
         run = with_layout(cfg, layout)
         run.check()

@@ -40,10 +40,12 @@ runs or while a block's does (the largest of those phases).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from parallel.compose.recompute_units import OWN_UNIT_NUMEL
 from parallel.plan import activations as act
 from parallel.plan.layouts import Layout
 from parallel.plan.shapes import ModelShape
@@ -53,6 +55,7 @@ from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD
 from parallel.zero.unit_grads import MAX_IN_FLIGHT
 
 MB = 1 << 20
+GIB = 1 << 30
 F32 = 4
 ADAM_STATE = 8  # AdamW's exp_avg and exp_avg_sq, fp32
 # stage 3: block-unit buffers live at once: the unit in use and the one prefetched, its
@@ -72,6 +75,18 @@ class Job:
     prefetch: int = 2  # offload=disk: units read ahead
     clip: bool = False  # gradient clipping (offload: records keep the gradient too)
     max_live_bytes: int = 0  # ZeRO-3's live budget (0: none)
+    compute_bytes: int = F32  # forward and backward's dtype (2: bf16 or fp16, at zero 3)
+
+
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def job_of(cfg: Any) -> Job:
+    """The :class:`Job` of the trainer's settings ``cfg`` (a :class:`TrainConfig`)."""
+    return Job(cfg.batch_size, cfg.bucket_mb, cfg.schedule, cfg.sequence_parallel,
+               cfg.dropout, getattr(cfg, "offload_prefetch", 2), bool(cfg.max_grad_norm),
+               int(getattr(cfg, "max_live_mb", 0.0) * MB),
+               COMPUTE_BYTES[getattr(cfg, "precision", "fp32")])
 
 
 @dataclass
@@ -87,6 +102,7 @@ class Memory:
     units: list[int] = field(default_factory=list)  # stage 3: each unit's whole bytes
     experts: dict[str, int] = field(default_factory=dict)  # their params, grads, optimizer
     offloaded: int = 0  # elements whose optimizer state lives in the unit store (offload)
+    step_pass: int = 0  # offload's deferred step: its records beyond backward's (no activations)
 
     @property
     def states(self) -> int:
@@ -95,7 +111,7 @@ class Memory:
 
     @property
     def peak(self) -> int:
-        return self.states + max(self.activations, self.end_of_backward)
+        return self.states + max(self.activations, self.end_of_backward, self.step_pass)
 
 
 def _meta(numels: list[int]) -> list[nn.Parameter]:
@@ -117,11 +133,19 @@ def _zero3_units(m: ModelShape, layout: Layout, stage: int) -> dict[str, list[li
     """Stage 3's units on one rank of ``stage``, by kind, each a list of parameter
     sizes: a block's large parameters (``blocks``); the stage's other large ones, its
     own unit (``own``); a parameter tied across pipeline stages, a unit of its own on
-    each (``ties``); everything under the persistence threshold (``persistent``)."""
+    each (``ties``); everything under the persistence threshold (``persistent``); and
+    the units a pass gathers one after another, in forward order (``sequence``: the
+    blocks, the ties and the layers of their own).
+    Offloaded, nothing persists (the small parameters join their layer's unit) and a
+    layer outside the blocks of ``OWN_UNIT_NUMEL`` parameters or more is a unit of its
+    own (``own``, one each), as :func:`parallel.compose.recompute_units.zero3_units`
+    makes them."""
+    offloaded = layout.offload != "none"
+    threshold = 0 if offloaded else DEFAULT_PERSISTENCE_THRESHOLD
     elsewhere = {p.key for s in range(layout.pp) if s != stage
                  for lay in m.stage_layers(layout.pp, s) for p in lay.params}
     out: dict[str, list[list[int]]] = {"own": [[]], "blocks": [], "ties": [],
-                                       "persistent": [[]]}
+                                       "persistent": [[]], "sequence": []}
     seen: set[str] = set()
     for lay in m.stage_layers(layout.pp, stage):
         block: list[int] = []
@@ -132,13 +156,27 @@ def _zero3_units(m: ModelShape, layout: Layout, stage: int) -> dict[str, list[li
             n = p.numel // layout.tp if p.tp_split else p.numel
             if p.key in elsewhere:
                 out["ties"].append([n])
-            elif n < DEFAULT_PERSISTENCE_THRESHOLD:
+                out["sequence"].append(out["ties"][-1])
+            elif n < threshold:
                 out["persistent"][0].append(n)
             else:
-                (block if lay.is_block else out["own"][0]).append(n)
-        if block:
+                block.append(n)
+        if lay.is_block:
             out["blocks"].append(block)
+        elif offloaded and sum(block) >= OWN_UNIT_NUMEL:
+            out["own"].append(block)
+        else:
+            out["own"][0].extend(block)
+            continue
+        out["sequence"].append(block)
     return {k: [u for u in v if u] for k, v in out.items()}
+
+
+def _window(sizes: list[int], width: int) -> int:
+    """The most ``width`` consecutive ``sizes`` add up to (all of them if fewer)."""
+    if len(sizes) <= width:
+        return sum(sizes)
+    return max(sum(sizes[i : i + width]) for i in range(len(sizes) - width + 1))
 
 
 def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, job: Job) -> None:
@@ -155,37 +193,67 @@ def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, job: Job) -> 
         spans.append(list(range(index, index + len(g))))
         index += len(g)
     sl = ShardLayout.from_groups(numels, spans, layout.dp, 0, torch.float32)
-    full = [b.shard * layout.dp * F32 for b in sl.buckets]
-    mem.units = full
+    elements = [b.shard * layout.dp for b in sl.buckets]
+    mem.units = [F32 * n for n in elements]
     mem.params = F32 * sl.shard_numel
     mem.grads = F32 * sl.shard_numel
     mem.optimizer = ADAM_STATE * sl.shard_numel
-    once = 1 + min(layout.microbatches, MAX_IN_FLIGHT)
-    sizes = dict(zip(map(id, groups), full, strict=True))
-    pool = sum(once * sizes[id(u)] for k in ("own", "ties", "persistent") for u in kinds[k])
+    # a unit's gathered parameters are in the compute dtype, its gradient buffers in the
+    # reduce dtype (fp32)
+    gathered, reducing = job.compute_bytes, F32
+    once = 1 + min(layout.microbatches, MAX_IN_FLIGHT)  # parameters, gradients in flight
+    sizes = dict(zip(map(id, groups), elements, strict=True))
+    pool = sum((gathered + (once - 1) * reducing) * sizes[id(u)]
+               for k in ("own", "ties", "persistent") for u in kinds[k])
     if kinds["blocks"]:
-        slots = BLOCK_SLOTS if len(kinds["blocks"]) > 1 else 2  # nothing to prefetch
-        pool += slots * max(sizes[id(u)] for u in kinds["blocks"])
+        # the unit in use and the one prefetched, its gradient and the one reducing
+        pairs = BLOCK_SLOTS // 2 if len(kinds["blocks"]) > 1 else 1  # nothing to prefetch
+        pool += pairs * (gathered + reducing) * max(sizes[id(u)] for u in kinds["blocks"])
     if job.max_live_bytes:
         # the budget holds prefetch back and frees what it would keep beyond it, but the
         # unit in use is gathered whatever it says: its parameters, the gradient being
         # filled and those being reduced
-        pool = max(min(pool, job.max_live_bytes), (2 + MAX_IN_FLIGHT) * max(full, default=0))
+        largest = max(elements, default=0)
+        pool = max(min(pool, job.max_live_bytes),
+                   (gathered + (1 + MAX_IN_FLIGHT) * reducing) * largest)
     mem.buffers["zero3 pool"] = pool
+    if gathered != F32 and layout.offload == "none":
+        # the shards cast to the compute dtype, gathered from (ShardedModel.comm_arena)
+        mem.buffers["zero3 compute-dtype shards"] = gathered * sl.shard_numel
     if layout.offload != "none":
-        # parallel.zero.offload: each unit's record (fp32 master and Adam's state) is in
-        # memory only around its use: k read ahead, the unit in use, those whose
-        # reduction is in flight and those being written back; its gradient shard only
-        # until the unit has stepped
-        unit = max((b.shard for b in sl.buckets), default=0)
-        records = min(len(sl.buckets), job.prefetch + 1 + MAX_IN_FLIGHT + MAX_WRITES)
-        deferred = job.clip or layout.microbatches > 1  # the records hold the gradient too
-        fields = F32 * (2 if deferred else 1) + ADAM_STATE
-        mem.buffers["offload records"] = records * unit * fields
-        mem.buffers["offload gradient shards"] = (min(len(sl.buckets), 1 + MAX_IN_FLIGHT)
-                                                  * unit * F32)
-        mem.params = mem.grads = mem.optimizer = 0
+        _offloaded_records(mem, [sizes[id(u)] // layout.dp for u in kinds["sequence"]],
+                           max((b.shard for b in sl.buckets), default=0), layout, job)
         mem.offloaded = sl.shard_numel
+        if layout.offload == "cpu":  # the store itself is host memory: every record, whole
+            deferred = job.clip or layout.microbatches > 1
+            fields = F32 + ADAM_STATE + (F32 if deferred else 0)
+            mem.buffers["offload host store"] = sl.shard_numel * fields
+
+
+def _offloaded_records(mem: Memory, sequence: list[int], largest: int, layout: Layout,
+                       job: Job) -> None:
+    """Stage 3 offload (:mod:`parallel.zero.offload`): no shard, master or state stays
+    in memory; a unit's record is mapped only around its use, with only the fields the
+    pass touches. ``sequence``: the shard elements of the units a pass takes in turn.
+
+    In forward and backward a window of consecutive units is mapped: ``k`` read ahead,
+    the unit in use, and in backward those whose reduction is in flight and one being
+    written back; forward reads the fp32 master alone; backward, stepping each unit as
+    it goes, the master and the optimizer state, or, deferred (clipping, micro-batches),
+    the master and the gradient. The deferred step pass afterwards, with activations
+    gone, maps ``k + 2`` records whole (master, state, gradient). The reduced gradient
+    shards live until their unit steps (or lands in its record)."""
+    deferred = job.clip or layout.microbatches > 1
+    backward_fields = F32 + (F32 if deferred else ADAM_STATE)
+    window = job.prefetch + 1 + MAX_IN_FLIGHT + MAX_WRITES
+    mem.buffers["offload records"] = _window(sequence, window) * backward_fields
+    mem.buffers["offload gradient shards"] = (min(len(sequence), 1 + MAX_IN_FLIGHT)
+                                              * largest * F32)
+    if deferred:
+        step = _window(sequence, job.prefetch + 1 + MAX_WRITES) * (2 * F32 + ADAM_STATE)
+        beside = mem.buffers["offload records"] + mem.buffers["offload gradient shards"]
+        mem.step_pass = max(0, step - beside)
+    mem.params = mem.grads = mem.optimizer = 0
 
 
 def states(m: ModelShape, layout: Layout, job: Job, stage: int) -> Memory:
@@ -213,6 +281,8 @@ def _zero_offload(mem: Memory, numels: list[int], layout: Layout, job: Job) -> N
     bucket = max((b.shard for b in flat.buckets), default=0)
     records = min(len(flat.buckets), job.prefetch + 1 + MAX_WRITES)
     mem.buffers["offload records"] = records * bucket * ADAM_STATE
+    if layout.offload == "cpu":  # the store itself is host memory
+        mem.buffers["offload host store"] = flat.shard_numel * ADAM_STATE
     mem.optimizer, mem.offloaded = 0, flat.shard_numel
 
 
@@ -266,7 +336,8 @@ def activation_peak(m: ModelShape, layout: Layout, job: Job, stage: int,
     and each block's, with the transient gradients of the layers already through
     backward (stages 1-2) beside them."""
     rows = job.batch // (layout.dp * layout.microbatches)
-    a = act.ActShape(rows, m.seq, layout.tp, job.sequence_parallel, job.dropout)
+    a = act.ActShape(rows, m.seq, layout.tp, job.sequence_parallel, job.dropout,
+                     job.compute_bytes)
     flying = act.in_flight(job.schedule, layout.pp, stage, layout.microbatches)
     grads_before = _backward_grads(m, layout, stage, transient_grads)
     blocks = len(grads_before)

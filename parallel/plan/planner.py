@@ -4,17 +4,16 @@ and step time, whether it fits, and the best one (``parallel.train --plan auto``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from parallel.plan.calibrate import Calibration
 from parallel.plan.comms import CommModel
+from parallel.plan.fit import fitting_job, settings_of
 from parallel.plan.layouts import OFFLOADS, Layout, enumerate_layouts
-from parallel.plan.memory import Job, Memory, predict
+from parallel.plan.memory import GIB, Memory, job_of, predict
 from parallel.plan.shapes import ModelShape, model_shape
 from parallel.plan.timing import StepTime, predict_time
-
-GIB = 1 << 30
 
 
 @dataclass
@@ -25,6 +24,13 @@ class Row:
     memory: list[Memory]
     time: StepTime
     fits: bool
+    # the trainer's settings it fits with, where not those given (offload's read-ahead
+    # and live budget, :func:`parallel.plan.fit.fitting_job`)
+    settings: dict[str, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        picked = ", ".join(f"{k} {v:g}" for k, v in self.settings.items())
+        return f"{self.layout} ({picked})" if picked else str(self.layout)
 
     @property
     def peak(self) -> int:
@@ -36,31 +42,27 @@ class Row:
         return max(self.memory, key=lambda m: m.peak)
 
 
-def job_of(cfg: Any) -> Job:
-    if cfg.precision != "fp32":
-        raise ValueError(f"plan: precision {cfg.precision!r} is not modelled (the "
-                         "predictions are for fp32 parameters, gradients and activations)")
-    return Job(cfg.batch_size, cfg.bucket_mb, cfg.schedule, cfg.sequence_parallel,
-               cfg.dropout, getattr(cfg, "offload_prefetch", 2), bool(cfg.max_grad_norm),
-               int(getattr(cfg, "max_live_mb", 0.0) * 2**20))
-
-
 def evaluate(cfg: Any, world: int, memory_gib: float, calibration: str = "",
              comm_results: str = "", offloads: tuple[str, ...] = OFFLOADS,
              shape: ModelShape | None = None, other_load: float = 0.0
              ) -> tuple[list[Row], list[tuple[Layout, str]]]:
     """Every accepted layout's prediction, those that fit first by predicted step time,
-    then those that do not by memory; and the refused layouts with why. ``other_load``:
-    runnable processes beside the job (they share the CPUs with its ranks)."""
+    then those that do not by memory; and the refused layouts with why. An offloaded
+    ZeRO-3 layout that does not fit with the read-ahead and budget given is predicted
+    with those that fit where there are (``Row.settings``). ``other_load``: runnable
+    processes beside the job (they share the CPUs with its ranks)."""
     shape = shape or model_shape(cfg)
     job = job_of(cfg)
     cal, comm = Calibration(calibration, cfg.threads), CommModel(comm_results)
     layouts, refused = enumerate_layouts(cfg, world, shape, offloads)
     rows = []
     for layout in layouts:
-        mems = predict(shape, layout, job)
-        time = predict_time(shape, layout, job, mems, cal, comm, cfg.threads, other_load)
-        rows.append(Row(layout, mems, time, max(m.peak for m in mems) <= memory_gib * GIB))
+        fitted = fitting_job(shape, layout, job, int(memory_gib * GIB))
+        used = fitted or job
+        mems = predict(shape, layout, used)
+        time = predict_time(shape, layout, used, mems, cal, comm, cfg.threads, other_load)
+        settings = settings_of(used) if used != job else {}
+        rows.append(Row(layout, mems, time, fitted is not None, settings))
     rows.sort(key=lambda r: (not r.fits, r.time.total if r.fits else r.peak))
     return rows, refused
 

@@ -111,9 +111,11 @@ def _split(styles: list[Any], param_name: str) -> bool:
     return any(isinstance(s, Rowwise) for s in styles) and param_name != "bias"
 
 
-def from_model(model: Any, plan: Plan, kind: str, cfg: Any) -> ModelShape:
+def from_model(model: Any, plan: Plan, kind: str, cfg: Any,
+               dims: tuple[int, int, int, int] | None = None) -> ModelShape:
     """The shape of ``model`` (built on the meta device) under ``plan``: the layers the
-    plan resolves, each parameter split where the plan's style splits its module."""
+    plan resolves, each parameter split where the plan's style splits its module.
+    ``dims``: (heads, hidden, MLP width, vocabulary), by default the trainer's GPT's."""
     from parallel.compose.apply_tp import styles_by_path
     from parallel.compose.plan import resolve_layers
     from parallel.compose.tied import canonical_names, tie_groups
@@ -133,8 +135,9 @@ def from_model(model: Any, plan: Plan, kind: str, cfg: Any) -> ModelShape:
                                     _split(styles.get(owner, []), leaf),
                                     expert=under_any(owner, experts)))
         layers.append(LayerShape(layer.name, tuple(params), layer.is_block))
-    return ModelShape(kind, tuple(layers), cfg.n_head, cfg.n_embd, 4 * cfg.n_embd,
-                      cfg.block_size, VOCAB, tuple(plan.divisible.items()),
+    heads, hidden, ffn, vocab = dims or (cfg.n_head, cfg.n_embd, 4 * cfg.n_embd, VOCAB)
+    return ModelShape(kind, tuple(layers), heads, hidden, ffn, cfg.block_size, vocab,
+                      tuple(plan.divisible.items()),
                       getattr(cfg, "moe_top_k", 0) if getattr(cfg, "moe_experts", 0) else 0)
 
 
@@ -162,19 +165,39 @@ def llama_shape(cfg: Any) -> ModelShape:
                       (("attention heads", cfg.n_head),))
 
 
+# HuggingFace families whose blocks' activations the planner counts: a gated MLP as
+# Llama's (attention, then gate, up, SiLU, down), or GPT-2's as the project GPT's
+_HF_KINDS = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+             "gpt2": "gpt"}
+
+
 def model_shape(cfg: Any) -> ModelShape:
     """The shape of the trainer's model for ``cfg`` (a :class:`TrainConfig`): the GPT
-    (and a HuggingFace model where transformers is installed) built on the meta device
-    and read through its plan; a Llama without transformers by :func:`llama_shape`."""
+    (and a HuggingFace model where transformers is installed: ``--model llama``,
+    ``qwen2``, ``mistral``, ``gpt2``, ``hf:CONFIG.json``) built on the meta device and
+    read through its plan; a Llama without transformers by :func:`llama_shape`.
+
+    Raises:
+        ValueError: a HuggingFace family whose activations the planner does not count.
+    """
     import dataclasses
 
     from parallel._optional import available
     from parallel.compose.parallelize import plan_for
     from parallel.train.models import build_model
 
-    if cfg.model not in ("gpt", "llama"):
-        raise ValueError(f"plan: --model must be gpt or llama, got {cfg.model!r}")
     if cfg.model == "llama" and available("transformers") is None:
         return llama_shape(cfg)
     model = build_model(dataclasses.replace(cfg, init="meta"))
-    return from_model(model, plan_for(model), cfg.model, cfg)
+    if cfg.model == "gpt" and not getattr(cfg, "from_pretrained", ""):
+        return from_model(model, plan_for(model), "gpt", cfg)
+    config: Any = model.config
+    kind = _HF_KINDS.get(config.model_type)
+    if kind is None:
+        raise ValueError(f"plan: model_type {config.model_type!r} is not modelled (the "
+                         f"planner counts the activations of {sorted(_HF_KINDS)})")
+    hidden = int(config.hidden_size)
+    ffn = (getattr(config, "n_inner", None) or 4 * hidden) if kind == "gpt" else \
+        config.intermediate_size
+    dims = (int(config.num_attention_heads), hidden, int(ffn), int(config.vocab_size))
+    return from_model(model, plan_for(model), kind, cfg, dims)

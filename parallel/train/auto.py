@@ -1,7 +1,10 @@
 """``--plan auto``: the trainer takes the layout :mod:`parallel.plan` ranks first for its
 ranks and memory (the fastest predicted that fits), in place of dp, tp, pp, zero,
-recompute and partition_activations. Under torchrun rank 0 plans and every rank takes
-its choice (ranks measuring on their own could choose differently and never meet)."""
+recompute and partition_activations. Without it, ``--memory-gb`` checks the layout
+given against the limit (:mod:`parallel.plan.fit`: refused with its predicted peak, or
+with ZeRO-3 offload the read-ahead and live budget picked to fit). Under torchrun rank
+0 plans and every rank takes its choice (ranks measuring on their own could choose
+differently and never meet)."""
 
 from __future__ import annotations
 
@@ -14,14 +17,14 @@ from parallel.train.config import TrainConfig
 
 
 def planned(cfg: TrainConfig, world: int) -> TrainConfig:
-    """``cfg`` with the planner's best layout for ``world`` ranks (``cfg`` itself without
-    ``--plan auto``).
+    """``cfg`` with the planner's best layout for ``world`` ranks; without ``--plan
+    auto``, ``cfg`` as it fits in ``--memory-gb`` (``cfg`` itself without either).
 
     Raises:
         ValueError: no layout fits in the memory (the planner names the smallest need).
     """
     if cfg.plan != "auto":
-        return cfg
+        return fitted(cfg) if cfg.memory_gb else cfg
     from parallel.plan.cli import memory_gib
     from parallel.plan.layouts import with_layout
     from parallel.plan.planner import GIB, choose
@@ -29,16 +32,31 @@ def planned(cfg: TrainConfig, world: int) -> TrainConfig:
     limit = memory_gib(cfg.memory_gb, world)
     row = choose(dataclasses.replace(cfg, nproc=world, plan=""), world, limit,
                  other_load=cfg.plan_other_load)
-    print(f"plan auto: {row.layout} (predicted {row.peak / GIB:.3f} GiB per rank of "
+    print(f"plan auto: {row} (predicted {row.peak / GIB:.3f} GiB per rank of "
           f"{limit:.3f}, {row.time.total:.3f} s per step)", file=sys.stderr)
-    chosen = with_layout(cfg, row.layout)
+    chosen = dataclasses.replace(with_layout(cfg, row.layout), **row.settings)
     chosen.check()
+    return chosen
+
+
+def fitted(cfg: TrainConfig) -> TrainConfig:
+    """The layout given, checked against ``--memory-gb`` (its settings picked to fit)."""
+    from parallel.plan.fit import fit_memory
+    from parallel.plan.planner import GIB
+
+    chosen, mem = fit_memory(cfg, cfg.memory_gb)
+    changed = [f"--{f.replace('_', '-')} {getattr(chosen, f):g}"
+               for f in ("offload_prefetch", "max_live_mb")
+               if getattr(chosen, f) != getattr(cfg, f)]
+    print(f"memory: predicted {mem.peak / GIB:.3f} GiB per rank of --memory-gb "
+          f"{cfg.memory_gb:g}" + (f" at {' '.join(changed)}" if changed else ""),
+          file=sys.stderr)
     return chosen
 
 
 def planned_everywhere(cfg: TrainConfig) -> TrainConfig:
     """:func:`planned` on rank 0, the same layout on every rank (the group is up)."""
-    if cfg.plan != "auto":
+    if cfg.plan != "auto" and not cfg.memory_gb:
         return cfg
     box = [planned(cfg, dist.get_world_size()) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)

@@ -118,7 +118,7 @@ class TrainConfig:
                         "more than the free cores makes every op spin)")
     offload: str = _opt("parallel", "none", "ZeRO-3 offload of each unit's shard, fp32 "
                         "master and Adam state: disk (files in --offload-dir) or cpu (host "
-                        "memory); --zero 3 offloads whole units (dp only), --zero 1 or 2 the "
+                        "memory); --zero 3 offloads whole units, --zero 1 or 2 the "
                         "optimizer state (ZeRO-Offload)",
                         ("none", "cpu", "disk"))
     offload_dir: str = _opt("parallel", "", "where --offload disk keeps one file per rank")
@@ -131,8 +131,11 @@ class TrainConfig:
     plan: str = _opt("parallel", "", "auto: train the layout python -m parallel.plan ranks "
                      "first for nproc ranks (0: dp * tp * pp) within --memory-gb; it sets dp, "
                      "tp, pp, zero, recompute and partition_activations", ("", "auto"))
-    memory_gb: float = _opt("parallel", 0.0, "per-rank memory --plan auto must fit in, GiB "
-                            "(0: this machine's memory over the ranks)")
+    memory_gb: float = _opt("parallel", 0.0, "per-rank memory, GiB, beyond the runtime: "
+                            "--plan auto's layout must fit in it (0: this machine's memory "
+                            "over the ranks); without --plan auto, the layout given is "
+                            "refused if predicted not to fit, and with --zero 3 --offload "
+                            "its --offload-prefetch and --max-live-mb are picked to fit")
     plan_other_load: float = _opt("parallel", 0.0, "runnable processes beside the job that "
                                   "--plan auto counts as sharing its CPUs (e.g. the load "
                                   "average before it starts; 0: a machine of its own)")

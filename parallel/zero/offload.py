@@ -143,6 +143,11 @@ class UnitOffload:
         self.sequence: list[int] = []  # unit indices in the order of the current pass
         self.stepper: Callable[..., None] | None = None
         self.grad_square_sum = 0.0  # of the reduced shards this backward (the norm)
+        # unit -> (start, count, weight) of shard elements counted other than once in the
+        # norm (a parameter replicated over tensor-parallel ranks: 1 / its copies), from
+        # ``weigh`` at the first use (the model's names are complete by then)
+        self.norm_weights: dict[int, list[tuple[int, int, float]]] = {}
+        self.weigh: Callable[[], dict[int, list[tuple[int, int, float]]]] | None = None
         self.stats = {"read_wait_s": 0.0, "write_wait_s": 0.0, "io_s": 0.0, "step_s": 0.0,
                       "max_records": 0, "steps": 0}
         weakref.finalize(self, _close, self._io, self.store)
@@ -295,8 +300,19 @@ class UnitOffload:
         if self.defer:
             self._keep_grad(u.index, grad, record)
             return
-        self.grad_square_sum += float(grad.double().square().sum())
+        self.grad_square_sum += self._square_sum(u.index, grad)
         self._step_and_write(u, grad, record)
+
+    def _square_sum(self, k: int, grad: torch.Tensor) -> float:
+        """Unit ``k``'s share of the squared global norm: its reduced shard's squares,
+        each element weighted as :attr:`norm_weights` says (1 where it does not)."""
+        if self.weigh is not None:
+            self.norm_weights, self.weigh = self.weigh(), None
+        squares = grad.double().square()
+        total = float(squares.sum())
+        for start, count, weight in self.norm_weights.get(k, ()):
+            total += (weight - 1.0) * float(squares[start : start + count].sum())
+        return total
 
     def _step_and_write(self, u: Unit | Span, grad: torch.Tensor, record: Record,
                         master: torch.Tensor | None = None) -> None:
@@ -334,7 +350,7 @@ class UnitOffload:
         home = record.field("grad")
         home.copy_(grad) if seen == 1 else home.add_(grad)
         if seen == self.microbatches:
-            self.grad_square_sum += float(home.double().square().sum())
+            self.grad_square_sum += self._square_sum(k, home)
             self.deferred.append(k)
         else:
             self._landed[k] = seen
@@ -357,6 +373,21 @@ class UnitOffload:
             self._stepping_pass(order, step)
         finally:
             self.grad_factors, self.grad_square_sum = [], 0.0
+
+    @torch.no_grad()
+    def combine_deferred_grad(self, u: Unit, combine: Callable[[torch.Tensor], None]) -> None:
+        """Deferred, after backward: ``combine`` applied in place to ``u``'s gradient in
+        its record (a tied parameter's copies summed over the pipeline stages holding
+        them), and the norm's share of ``u`` taken again."""
+        if u.index not in self.deferred:
+            raise RuntimeError(f"offload: unit {u.index}'s gradient is not waiting in its "
+                               "record (combine_deferred_grad needs a deferred step)")
+        view = self.stored(u, "grad")
+        self.grad_square_sum -= self._square_sum(u.index, view)
+        combine(view)
+        self.grad_square_sum += self._square_sum(u.index, view)
+        self.release_view(view, written=True)
+        self.end_stored()
 
     def discard_deferred(self) -> None:
         """The step is skipped (fp16 overflow): the gradients in the records are left
