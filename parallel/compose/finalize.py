@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.precision import accumulation_dtype
+from parallel.precision import accumulation_dtype, sum_of_squares
 
 # A rank's part of the gradients, as (tensor, weight): the weight is 1 / how many
 # ranks hold the same values, so the sum over the mesh counts each element once.
@@ -89,7 +89,7 @@ def global_grad_norm(parts: list[tuple[torch.Tensor, float]]) -> float:
     over the default group)."""
     local = torch.zeros(1, dtype=torch.float64)
     for g, weight in parts:
-        local += weight * g.detach().double().pow(2).sum()
+        local += weight * sum_of_squares(g)
     dist.all_reduce(local)
     return math.sqrt(float(local))
 

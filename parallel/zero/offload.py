@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from parallel.precision import sum_of_squares
 from parallel.zero.unit_store import FileUnitStore, HostUnitStore, Record, RecordLayout
 from parallel.zero.units import Unit
 from pycomm.arena import return_freed_memory
@@ -308,10 +309,9 @@ class UnitOffload:
         each element weighted as :attr:`norm_weights` says (1 where it does not)."""
         if self.weigh is not None:
             self.norm_weights, self.weigh = self.weigh(), None
-        squares = grad.double().square()
-        total = float(squares.sum())
+        total = float(sum_of_squares(grad))
         for start, count, weight in self.norm_weights.get(k, ()):
-            total += (weight - 1.0) * float(squares[start : start + count].sum())
+            total += (weight - 1.0) * float(sum_of_squares(grad[start : start + count]))
         return total
 
     def _step_and_write(self, u: Unit | Span, grad: torch.Tensor, record: Record,

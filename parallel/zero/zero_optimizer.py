@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.precision import sum_of_squares
 from parallel.tensor.sharding import model_parallel_groups, replicated_copies
 from parallel.zero import optimizer_state
 from parallel.zero.flat_shards import FlatShards
@@ -314,7 +315,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         weighted = torch.zeros((), dtype=torch.float64)
         for i, part in self.grad_parts():
             copies = replicated_copies(self.params[i])
-            weighted += part.double().square().sum() / copies
+            weighted += sum_of_squares(part) / copies
         total = weighted.reshape(1)
         dist.all_reduce(total, group=self.group)
         for group in model_parallel_groups(self.params, model_parallel_group):
