@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from _offload_scenarios import CLIP, batch, build, lr_lambda
 
-STEPS = 6
+STEPS = 10
 CASES = {  # name -> (mesh sizes, ParallelConfig settings)
     "zero1": ({"dp": 2}, {"zero": 1}),
     "zero2": ({"dp": 2}, {"zero": 2}),

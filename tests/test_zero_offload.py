@@ -1,5 +1,5 @@
 """ZeRO-Offload at stages 1-2 (the optimizer state of each bucket in a unit store,
-stepped bucket by bucket after the reduction; the masters in memory): 6 clipped steps of
+stepped bucket by bucket after the reduction; the masters in memory): 10 clipped steps of
 the project's GPT give parameters torch.equal to the same stage in memory, at dp=2 in
 fp32 and bf16, at tp=2 and at pp=2; so does ZeRO-3 offload (whole units in the store) at
 tp=2 (fp32, bf16) and pp=2 (with a head tied to the embedding across the stages too); an
