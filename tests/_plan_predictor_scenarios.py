@@ -13,3 +13,14 @@ def measured(cfg: Any) -> dict[str, Any]:
 
     measure(cfg, steps=2)  # (no timed steps: memory only)
     return measure(cfg, steps=2)
+
+
+def refused_everywhere(cfg: Any) -> str:
+    """What ``planned_everywhere`` raises on this rank ("" if it returned)."""
+    from parallel.train.auto import planned_everywhere
+
+    try:
+        planned_everywhere(cfg)
+    except ValueError as err:
+        return str(err)
+    return ""

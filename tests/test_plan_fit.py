@@ -124,3 +124,15 @@ def test_the_planner_fits_offloaded_layouts_with_the_settings_that_fit():
     assert str(row).startswith("dp2 tp1 pp1 zero3 offload=disk (")
     chosen = dataclasses.replace(OFFLOADED, **row.settings)
     assert _peak(chosen) == row.peak
+
+
+@pytest.mark.usefixtures("require_pycomm")
+def test_under_torchrun_every_rank_raises_what_rank_0_found():
+    """Rank 0 plans; a layout that does not fit is raised on every rank, none left
+    waiting for the broadcast of a layout."""
+    from pycomm.testing import run_ranks
+    from tests import _plan_predictor_scenarios as sc
+
+    cfg = dataclasses.replace(OFFLOADED, memory_gb=0.0001)
+    for message in run_ranks(sc.refused_everywhere, 2, cfg, timeout_s=120.0):
+        assert "is predicted to need" in message and "--memory-gb 0.0001" in message

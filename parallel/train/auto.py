@@ -55,10 +55,23 @@ def fitted(cfg: TrainConfig) -> TrainConfig:
 
 
 def planned_everywhere(cfg: TrainConfig) -> TrainConfig:
-    """:func:`planned` on rank 0, the same layout on every rank (the group is up)."""
+    """:func:`planned` on rank 0, the same layout on every rank (the group is up).
+
+    Raises:
+        ValueError: on every rank alike, what rank 0's planning raised (no layout fits,
+            a layout that does not fit): the others do not wait for a broadcast that
+            never comes.
+    """
     if cfg.plan != "auto" and not cfg.memory_gb:
         return cfg
-    box = [planned(cfg, dist.get_world_size()) if dist.get_rank() == 0 else None]
+    box: list[TrainConfig | str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = planned(cfg, dist.get_world_size())
+        except ValueError as err:
+            box[0] = str(err)
     dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise ValueError(box[0])
     assert box[0] is not None
     return box[0]
