@@ -67,16 +67,13 @@ def _measure(flags: list[str], work: str) -> dict[str, Any]:
 
 def _predict(flags: list[str]) -> dict[str, int]:
     """The planner's memory for exactly this layout and settings (its rank peak)."""
-    from parallel.plan.layouts import Layout
-    from parallel.plan.memory import predict
-    from parallel.plan.planner import job_of
+    from parallel.plan.fit import layout_of, worst_rank
+    from parallel.plan.memory import job_of
     from parallel.plan.shapes import model_shape
     from parallel.train.config import parse
 
     cfg = parse(flags)
-    layout = Layout(cfg.dp, cfg.tp, cfg.pp, cfg.zero, cfg.recompute, False, cfg.offload,
-                    microbatches=cfg.effective_microbatches())
-    mem = max(predict(model_shape(cfg), layout, job_of(cfg)), key=lambda m: m.peak)
+    mem = worst_rank(model_shape(cfg), layout_of(cfg), job_of(cfg))
     return {"peak": mem.peak, "pool": mem.buffers.get("zero3 pool", 0),
             "records": mem.buffers.get("offload records", 0), "optimizer": mem.optimizer}
 

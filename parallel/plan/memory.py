@@ -225,9 +225,13 @@ def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, job: Job) -> 
                            max((b.shard for b in sl.buckets), default=0), layout, job)
         mem.offloaded = sl.shard_numel
         if layout.offload == "cpu":  # the store itself is host memory: every record, whole
-            deferred = job.clip or layout.microbatches > 1
-            fields = F32 + ADAM_STATE + (F32 if deferred else 0)
+            fields = F32 + ADAM_STATE + (F32 if offload_deferred(layout, job) else 0)
             mem.buffers["offload host store"] = sl.shard_numel * fields
+
+
+def offload_deferred(layout: Layout, job: Job) -> bool:
+    """Stage 3 offload steps after backward (its records hold the gradient too)."""
+    return job.clip or layout.microbatches > 1
 
 
 def _offloaded_records(mem: Memory, sequence: list[int], largest: int, layout: Layout,
@@ -243,7 +247,7 @@ def _offloaded_records(mem: Memory, sequence: list[int], largest: int, layout: L
     the master and the gradient. The deferred step pass afterwards, with activations
     gone, maps ``k + 2`` records whole (master, state, gradient). The reduced gradient
     shards live until their unit steps (or lands in its record)."""
-    deferred = job.clip or layout.microbatches > 1
+    deferred = offload_deferred(layout, job)
     backward_fields = F32 + (F32 if deferred else ADAM_STATE)
     window = job.prefetch + 1 + MAX_IN_FLIGHT + MAX_WRITES
     mem.buffers["offload records"] = _window(sequence, window) * backward_fields

@@ -51,7 +51,7 @@ from parallel.plan.calibrate import (
 )
 from parallel.plan.comms import CommModel
 from parallel.plan.layouts import Layout
-from parallel.plan.memory import Job, Memory
+from parallel.plan.memory import Job, Memory, offload_deferred
 from parallel.plan.shapes import ModelShape
 from parallel.plan.sync_probe import sync_waits
 
@@ -242,7 +242,7 @@ def predict_time(m: ModelShape, layout: Layout, job: Job, mems: list[Memory],
         mb = layout.microbatches
         if layout.zero < 3:
             reads, writes = 2, 2
-        elif job.clip or mb > 1:
+        elif offload_deferred(layout, job):
             reads, writes = 2 * mb + (mb - 1) + 4, mb + 3
         else:
             reads, writes = 4, 3
