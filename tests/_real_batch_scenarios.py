@@ -25,6 +25,7 @@ LR, CLIP, DECAY = 3e-3, 1.0, 0.1
 MODELS = ("gpt", "llama", "qwen3")
 CASES = ("ignored", "right_pad", "left_pad", "packed")
 PAD = 0
+TILE_BYTES = 16 * 32 * 4  # 16 rows of the embedding or head, in fp32
 
 
 def build(name: str, dtype: str = "float32") -> nn.Module:
@@ -142,6 +143,13 @@ LAYOUTS: dict[str, tuple[int, int, int, dict[str, Any]]] = {
                                           "offload_dir": tempfile.gettempdir()}),
     "pp2 x dp2 zero1 offload": (2, 1, 2, {"microbatches": 2, "zero": 1, "offload": "disk",
                                           "offload_dir": tempfile.gettempdir()}),
+    # ZeRO-3 tiles: the embedding and head (64 x 32) split into 4 units of 16 rows, the
+    # loss taken in the head's vocabulary chunks; in memory, and offloaded under a pipeline
+    "dp2 zero3 tiles": (2, 1, 1, {"zero": 3, "max_unit_bytes": TILE_BYTES}),
+    "pp2 x dp2 zero3 tiles offload": (2, 1, 2, {"microbatches": 2, "zero": 3,
+                                                "max_unit_bytes": TILE_BYTES,
+                                                "offload": "disk",
+                                                "offload_dir": tempfile.gettempdir()}),
 }
 
 

@@ -80,6 +80,14 @@ class ParallelConfig:
             the units gathered and the whole-unit buffers (gathered parameters, gradients
             being reduced) stay within them; buffers beyond ``max_live_bytes`` are freed
             between uses (:class:`parallel.zero.sharded_model.LiveBudget`).
+        max_unit_bytes: ZeRO-3's largest unit (of the masters): a layer outside the
+            blocks holding more is split into tiles of at most this much, each a unit
+            gathered alone (DeepSpeed's ``TiledLinear``; :mod:`parallel.compose.tiles`):
+            an embedding by rows, the head by vocabulary chunks, the default
+            cross-entropy then taken in those chunks (:mod:`parallel.compose.chunked_loss`;
+            a ``loss_fn`` is given the whole logits). A larger layer
+            it cannot split (not a plain ``nn.Embedding`` or ``nn.Linear``, a tied one,
+            tp > 1) is refused by name. None: layers stay whole.
         capacity_factor: a mixture of experts' expert capacity (Megatron-LM's
             ``moe_expert_capacity_factor``): each experts call gives every expert room
             for ``ceil(tokens * k / E * factor)`` assignments and drops the rest
@@ -117,6 +125,7 @@ class ParallelConfig:
     drop_policy: str = "probs"
     max_live_units: int | None = None
     max_live_bytes: int | None = None
+    max_unit_bytes: int | None = None
 
     def check(self, mesh: ParallelMesh) -> None:
         """Raises ValueError for combinations that cannot work, naming them."""
@@ -147,10 +156,14 @@ class ParallelConfig:
             raise ValueError(f"parallelize: drop_policy must be one of {POLICIES}, got "
                              f"{self.drop_policy!r}")
         self._check_live_budget()
+        if self.max_unit_bytes is not None and mesh.size("tp") > 1:
+            raise ValueError(f"parallelize: max_unit_bytes with tp={mesh.size('tp')}: the "
+                             "embedding and head are split over the vocabulary by tensor "
+                             "parallelism, tiles split whole layers (use one of them)")
         self._check_offload(mesh)
 
     def _check_live_budget(self) -> None:
-        for name in ("max_live_units", "max_live_bytes"):
+        for name in ("max_live_units", "max_live_bytes", "max_unit_bytes"):
             value = getattr(self, name)
             if value is None:
                 continue

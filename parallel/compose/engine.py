@@ -12,6 +12,7 @@ from torch import nn
 from parallel.compose import checkpoint
 from parallel.compose import stage as build
 from parallel.compose.apply_ep import expert_parallel, is_expert
+from parallel.compose.apply_tiles import tile_large_layers
 from parallel.compose.apply_tp import partial_grad_params
 from parallel.compose.batch import check_targets, model_inputs, vocab_of
 from parallel.compose.batch_layers import batchnorm_over_batch, expert_capacity, routing_stats
@@ -66,6 +67,7 @@ class ParallelModel:
         self.last_tokens = 0  # the last step's count of targets the loss counted
         self.last_aux = 0.0  # and its load-balancing loss
         self._loss: StepLoss | None = None  # the step's, while it runs
+        self.vocab_bounds: list[tuple[int, int]] | None = None  # a tiled head's chunks
         self.stage_plan = self._build_stage(model)
         self._build_pipeline(model)
         batchnorm_over_batch(self)
@@ -135,6 +137,8 @@ class ParallelModel:
         else:
             units, keep = zero3_units(self.plan, stage, self.ties, self.names,
                                       own_large_layers=config.offload != "none")
+            tiles = self._tiles(model)
+            units, keep = units + tiles, keep + self._paths_in(tiles)
             experts = {n for n, p in self.stage.named_parameters() if is_expert(p)}
             # a tie across stages is summed after backward: offloaded units wait for it
             self.dp = ZeroPlan(self.stage, self.mesh, config, self.compute, self._copies,
@@ -150,6 +154,21 @@ class ParallelModel:
             grad_parts=self.dp.grad_parts,
             pipeline_before=(lambda: self._sum_ties(tied, before=True)),
             pipeline_after=(lambda: self._sum_ties(tied, before=False)))
+
+    def _tiles(self, model: nn.Module) -> list[nn.Module]:
+        """``max_unit_bytes``: this stage's large layers as tiles (stage 3's units)."""
+        if self.config.max_unit_bytes is None:
+            return []
+        made = tile_large_layers(model, self.stage_plan,
+                                 self.config.max_unit_bytes // self.master.itemsize)
+        self.vocab_bounds = made.head_bounds
+        self.names.refresh(self.stage)
+        return made.units
+
+    def _paths_in(self, modules: list[nn.Module]) -> tuple[str, ...]:
+        """The stage paths of ``modules``' parameters (units whatever their size)."""
+        ids = {id(p) for m in modules for p in m.parameters()}
+        return tuple(n for n, p in self.stage.named_parameters() if id(p) in ids)
 
     def _experts_side(self, experts: set[str]) -> Any:
         """The experts beside ZeRO: their own ZeRO over the ranks holding the same experts
@@ -205,12 +224,14 @@ class ParallelModel:
                         global_count=not_ignored(targets, self.config.ignore_index),
                         elements=targets.numel(),
                         replica_rows=targets.shape[0] // self.mesh.size("dp"),
+                        vocab_bounds=self.vocab_bounds,
                         pair_refusal=_PAIR_WITH_OFFLOAD if self.config.offload != "none" else "")
 
     def loss_fn(self, output: Any, targets: torch.Tensor) -> Any:
         """The plan's logits of ``output`` in fp32 or wider, given to this step's loss."""
         logits = self.plan.output(output) if self.plan.output is not None else output
-        if logits.is_floating_point():
+        chunked = self.vocab_bounds is not None and self.config.loss_fn is None
+        if logits.is_floating_point() and not chunked:  # chunks widen one at a time
             logits = widened(logits)
         assert self._loss is not None, "loss_fn is called inside a step"
         return self._loss(logits, targets)

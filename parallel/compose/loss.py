@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parallel.compose.chunked_loss import chunked_cross_entropy
 from parallel.tensor.layers import vocab_parallel_cross_entropy
 
 
@@ -64,6 +65,8 @@ class StepLoss:
         elements: the global batch's target elements.
         replica_rows: this replica's rows (a mean loss is weighted by its share of them).
         pair_refusal: why a (sum, count) pair cannot be taken (empty: it can).
+        vocab_bounds: a tiled head's vocabulary chunks, the cross-entropy's (None:
+            taken whole).
     """
 
     custom: Callable[[torch.Tensor, torch.Tensor], Any] | None
@@ -74,9 +77,13 @@ class StepLoss:
     elements: int
     replica_rows: int
     pair_refusal: str = ""
+    vocab_bounds: list[tuple[int, int]] | None = None
     counts: list[float] = field(default_factory=list)  # the (sum, count) form's counts
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.custom is None and self.vocab_bounds is not None:
+            total = chunked_cross_entropy(logits, targets, self.ignore_index, self.vocab_bounds)
+            return total * (self.replicas / max(self.global_count, 1))
         if self.custom is None:
             total = summed_cross_entropy(logits, targets, self.ignore_index, self.tp_group)
             return total * (self.replicas / max(self.global_count, 1))
