@@ -6,7 +6,7 @@ experts and combines their outputs (:func:`parallel.moe.dispatch.dispatch_combin
 The module's own code computes the local experts (HuggingFace's ``*Experts``: given rows,
 each row's local expert and weight 1), so its activation and layout are the model's. The
 parameters are marked ``expert_parallel`` (the data side reduces their gradients over the
-expert-data-parallel group) and carry their place in the whole tensor (``ep_slice``:
+expert-data-parallel group) and carry their place in the whole tensor (``row_slice``:
 checkpoints and pretrained weights read and write that slice).
 """
 
@@ -51,7 +51,7 @@ def split_experts(module: nn.Module, path: str, group: Any) -> None:
                 else whole.detach()[rank * per_rank:(rank + 1) * per_rank].clone())
         part = nn.Parameter(mine, requires_grad=whole.requires_grad)
         part.expert_parallel = True  # type: ignore[attr-defined]
-        part.ep_slice = (rank * per_rank, ep * per_rank)  # type: ignore[attr-defined]
+        part.row_slice = (rank * per_rank, ep * per_rank)  # type: ignore[attr-defined]
         setattr(module, name, part)
     module.num_experts = per_rank  # type: ignore[assignment]
     forward = module.forward

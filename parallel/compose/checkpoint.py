@@ -42,8 +42,8 @@ def _whole_shape(local: torch.Size, p: nn.Parameter, tp: int) -> torch.Size:
 
 
 def _shifted(chunk: Chunk, first: int) -> Chunk:
-    """A chunk of this rank's experts placed among all the experts (expert parallelism
-    keeps experts ``first`` on: ``ep_slice``)."""
+    """A chunk of a parameter holding rows ``first`` on of the whole tensor, placed in
+    it (``row_slice``: expert parallelism's experts, ZeRO-3's tiles)."""
     if not first:
         return chunk
     return Chunk((chunk.offsets[0] + first, *chunk.offsets[1:]), chunk.data)
@@ -65,10 +65,10 @@ def tensor_state(engine: Any, owned_only: bool = False
         if owned_only and stage_of.get(name, stage) != stage:
             continue
         whole = _whole_shape(local, p, tp)
-        first, experts = getattr(p, "ep_slice", (0, whole[0] if whole else 0))
+        first, rows = getattr(p, "row_slice", (0, whole[0] if whole else 0))
         for key, flat in [("model", values), *((f"optim.{k}", t) for k, t in tensors.items())]:
             target = state.setdefault(f"{key}/{name}", ChunkedTensor(
-                torch.Size([experts, *whole[1:]]) if whole else whole, flat.dtype, []))
+                torch.Size([rows, *whole[1:]]) if whole else whole, flat.dtype, []))
             target.chunks += [_shifted(c, first)
                               for c in chunks_of(whole, spec_of(p), tp, tp_rank, flat, start)]
         for key, value in scalar.items():

@@ -12,6 +12,7 @@ float32 sums.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -66,14 +67,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                           bounds: list[tuple[int, int]]) -> torch.Tensor:
     """The sum of the per-token cross-entropies of the targets that are not
-    ``ignore_index``, in float32 (or the logits' wider dtype), the vocabulary taken in ``bounds`` (``[start, stop)``
-    chunks covering it).
+    ``ignore_index``, in float32 (or the logits' wider dtype), the vocabulary taken in
+    ``bounds`` (``[start, stop)`` chunks covering it).
 
     Raises:
         ValueError: a target outside the vocabulary that is not ignored.
     """
     if bounds[0][0] != 0 or bounds[-1][1] != logits.shape[-1] or any(
-            a[1] != b[0] for a, b in zip(bounds, bounds[1:], strict=False)):
+            a[1] != b[0] for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"cross-entropy: chunks {bounds} do not cover the vocabulary of "
                          f"{logits.shape[-1]} in order")
     return _ChunkedCrossEntropy.apply(logits, targets, ignore_index, bounds)

@@ -41,9 +41,8 @@ def row_bounds(rows: int, per_row: int, max_numel: int) -> list[tuple[int, int]]
     return bounds
 
 
-def _rows_of(whole: nn.Parameter | None, start: int, stop: int) -> nn.Parameter | None:
-    if whole is None:
-        return None
+def _rows_of(whole: torch.Tensor, start: int, stop: int) -> nn.Parameter:
+    """Rows ``[start, stop)`` of ``whole``, a parameter that knows its place in it."""
     part = nn.Parameter(whole.detach()[start:stop].clone(), requires_grad=whole.requires_grad)
     part.row_slice = (start, whole.shape[0])  # type: ignore[attr-defined]
     return part
@@ -95,7 +94,7 @@ class LinearTile(nn.Module):
         super().__init__()
         self.start, self.stop = start, stop
         self.weight = _rows_of(whole.weight, start, stop)
-        self.bias = _rows_of(whole.bias, start, stop)
+        self.bias = None if whole.bias is None else _rows_of(whole.bias, start, stop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -117,7 +116,8 @@ class TiledLinear(nn.Module):
         return torch.cat([tile(x) for tile in self.tiles], dim=-1)
 
 
-def tiled(module: nn.Module, path: str, max_numel: int) -> nn.Module | None:
+def tiled(module: nn.Module, path: str, max_numel: int
+          ) -> TiledEmbedding | TiledLinear | None:
     """``module`` as tiles of at most ``max_numel`` elements each, or None where it is
     that small already.
 

@@ -40,6 +40,7 @@ class ActShape:
     sequence_parallel: bool
     dropout: float
     dtype_bytes: int = 4
+    loss_chunk: int = 0  # a tiled head: the loss's vocabulary chunk (0: the loss whole)
 
 
 def block_saved(m: ModelShape, a: ActShape) -> int:
@@ -77,15 +78,21 @@ def head_saved(m: ModelShape, a: ActShape) -> int:
     """The last stage's head: the final norm's and the LM head's inputs (sbh each), the
     logits and the cross-entropy's log-softmax (``rows x seq x vocab/t`` each). The loss
     is taken in fp32 (``parallel.precision.widened``): in bf16 or fp16 the logits are
-    kept in their dtype and the log-softmax of their fp32 copy in fp32."""
+    kept in their dtype and the log-softmax of their fp32 copy in fp32. A tiled head's
+    loss (``loss_chunk``) keeps only the logits, in their dtype."""
     sbh = a.rows * a.seq * m.hidden
     logits = a.rows * a.seq * m.vocab // a.tp
+    if a.loss_chunk:
+        return a.dtype_bytes * (2 * sbh + logits)
     return a.dtype_bytes * 2 * sbh + (a.dtype_bytes + FP32) * logits
 
 
 def head_working(m: ModelShape, a: ActShape) -> int:
     """The logits' gradient, alive while the head's backward runs: in fp32, and in bf16
-    or fp16 its copy in their dtype beside it."""
+    or fp16 its copy in their dtype beside it. A tiled head's loss writes the gradient
+    in the logits' dtype, one fp32 chunk (its softmax and the product) at a time."""
+    if a.loss_chunk:
+        return a.rows * a.seq * (a.dtype_bytes * m.vocab + 2 * FP32 * a.loss_chunk)
     low = a.dtype_bytes if a.dtype_bytes != FP32 else 0
     return (FP32 + low) * a.rows * a.seq * m.vocab // a.tp
 

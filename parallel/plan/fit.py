@@ -6,7 +6,10 @@ record in memory) and, where the gathered units' pool is what does not fit, a li
 budget (``--max-live-mb``) of the room the rest leaves it. The deepest read-ahead that
 fits is taken first (the step time falls with it:
 ``bench/results/offload/recipe-1b-overlap.md``), with the largest budget that fits
-beside it.
+beside it. At ZeRO-3 (offloaded or not, tp = 1), where a layer outside the blocks (an
+embedding, a head) is a larger unit than a block, splitting it into tiles no larger
+than a block (``--max-unit-mb``, :mod:`parallel.compose.tiles`) is tried too, before a
+budget.
 
 ``parallel.train --memory-gb`` without ``--plan auto`` checks the layout given this way
 before any rank starts (:func:`fit_memory`: refused with its predicted peak, term by
@@ -23,7 +26,7 @@ import dataclasses
 from typing import Any
 
 from parallel.plan.layouts import Layout
-from parallel.plan.memory import GIB, Job, Memory, job_of, predict
+from parallel.plan.memory import F32, GIB, Job, Memory, job_of, predict
 from parallel.plan.shapes import ModelShape, model_shape
 
 MIB = 1 << 20
@@ -45,14 +48,31 @@ def fitting_job(shape: ModelShape, layout: Layout, job: Job, want: int) -> Job |
     with ZeRO-3 offload the read-ahead and budget of the module docstring), or None."""
     if worst_rank(shape, layout, job).peak <= want:
         return job
-    if layout.offload == "none" or layout.zero != 3:
+    if layout.zero != 3:
         return None
-    for depth in range(job.prefetch, -1, -1):
+    offloaded = layout.offload != "none"
+    for depth in range(job.prefetch, -1, -1) if offloaded else [job.prefetch]:
         trial = dataclasses.replace(job, prefetch=depth)
-        for candidate in (trial, _budgeted(shape, layout, trial, want)):
+        tiled = _tiled(shape, layout, trial)
+        candidates = [trial, tiled]
+        if offloaded:
+            candidates += [_budgeted(shape, layout, trial, want),
+                           tiled and _budgeted(shape, layout, tiled, want)]
+        for candidate in candidates:
             if candidate is not None and worst_rank(shape, layout, candidate).peak <= want:
                 return candidate
     return None
+
+
+def _tiled(shape: ModelShape, layout: Layout, job: Job) -> Job | None:
+    """``job`` with the layers outside the blocks tiled to a block's size, where one is
+    larger (None where none is, at tp > 1, or with ``max_unit_bytes`` given)."""
+    blocks = [sum(p.numel for p in lay.params) for lay in shape.layers if lay.is_block]
+    others = [p.numel for lay in shape.layers if not lay.is_block for p in lay.params]
+    if layout.tp != 1 or job.max_unit_bytes or not blocks or max(others, default=0) <= max(
+            blocks):
+        return None
+    return dataclasses.replace(job, max_unit_bytes=F32 * max(blocks))
 
 
 def _budgeted(shape: ModelShape, layout: Layout, job: Job, want: int) -> Job | None:
@@ -68,8 +88,9 @@ def _budgeted(shape: ModelShape, layout: Layout, job: Job, want: int) -> Job | N
 
 
 def settings_of(job: Job) -> dict[str, float]:
-    """The trainer's settings for ``job``'s read-ahead and budget."""
-    return {"offload_prefetch": job.prefetch, "max_live_mb": job.max_live_bytes / MIB}
+    """The trainer's settings for ``job``'s read-ahead, budget and tiles."""
+    return {"offload_prefetch": job.prefetch, "max_live_mb": job.max_live_bytes / MIB,
+            "max_unit_mb": job.max_unit_bytes / MIB}
 
 
 def describe(mem: Memory) -> str:
@@ -103,9 +124,12 @@ def fit_memory(cfg: Any, limit_gib: float) -> tuple[Any, Memory]:
         return chosen, worst_rank(shape, layout, found)
     offloaded = layout.offload != "none" and layout.zero == 3
     least = dataclasses.replace(job, prefetch=0, max_live_bytes=MIB) if offloaded else job
+    least = _tiled(shape, layout, least) or least
     smallest = worst_rank(shape, layout, least)
     tried = (" (at every --offload-prefetch from the one given to 0, with the smallest "
              "--max-live-mb)") if offloaded else ""
+    if least.max_unit_bytes != job.max_unit_bytes:
+        tried += f" with --max-unit-mb {least.max_unit_bytes / MIB:g}"
     raise ValueError(f"train: {layout} is predicted to need {smallest.peak / GIB:.2f} GiB "
                      f"per rank{tried}, more than --memory-gb {limit_gib:g}: "
                      f"{describe(smallest)} (python -m parallel.plan with the same flags "

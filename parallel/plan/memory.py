@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from parallel.compose.recompute_units import OWN_UNIT_NUMEL
+from parallel.compose.tiles import row_bounds
 from parallel.plan import activations as act
 from parallel.plan.layouts import Layout
 from parallel.plan.shapes import ModelShape
@@ -76,6 +77,7 @@ class Job:
     clip: bool = False  # gradient clipping (offload: records keep the gradient too)
     max_live_bytes: int = 0  # ZeRO-3's live budget (0: none)
     compute_bytes: int = F32  # forward and backward's dtype (2: bf16 or fp16, at zero 3)
+    max_unit_bytes: int = 0  # ZeRO-3's largest unit: larger layers outside blocks tiled
 
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -86,7 +88,8 @@ def job_of(cfg: Any) -> Job:
     return Job(cfg.batch_size, cfg.bucket_mb, cfg.schedule, cfg.sequence_parallel,
                cfg.dropout, getattr(cfg, "offload_prefetch", 2), bool(cfg.max_grad_norm),
                int(getattr(cfg, "max_live_mb", 0.0) * MB),
-               COMPUTE_BYTES[getattr(cfg, "precision", "fp32")])
+               COMPUTE_BYTES[getattr(cfg, "precision", "fp32")],
+               int(getattr(cfg, "max_unit_mb", 0.0) * MB))
 
 
 @dataclass
@@ -129,7 +132,14 @@ def _flat(numels: list[int], world: int, bucket_mb: float, stage: int) -> ShardL
     return ShardLayout(_meta(numels), world, 0, cap, torch.float32)
 
 
-def _zero3_units(m: ModelShape, layout: Layout, stage: int) -> dict[str, list[list[int]]]:
+def _tiles(numel: int, rows: int, max_numel: int) -> list[list[int]]:
+    """A parameter's ZeRO-3 tiles (:func:`parallel.compose.tiles.row_bounds`), one unit each."""
+    rows = max(rows, 1)
+    return [[(b - a) * (numel // rows)] for a, b in row_bounds(rows, numel // rows, max_numel)]
+
+
+def _zero3_units(m: ModelShape, layout: Layout, stage: int, max_numel: int = 0
+                 ) -> dict[str, list[list[int]]]:
     """Stage 3's units on one rank of ``stage``, by kind, each a list of parameter
     sizes: a block's large parameters (``blocks``); the stage's other large ones, its
     own unit (``own``); a parameter tied across pipeline stages, a unit of its own on
@@ -139,12 +149,15 @@ def _zero3_units(m: ModelShape, layout: Layout, stage: int) -> dict[str, list[li
     Offloaded, nothing persists (the small parameters join their layer's unit) and a
     layer outside the blocks of ``OWN_UNIT_NUMEL`` parameters or more is a unit of its
     own (``own``, one each), as :func:`parallel.compose.recompute_units.zero3_units`
-    makes them."""
+    makes them. ``max_numel`` (``max_unit_bytes``): a parameter outside the blocks
+    holding more is split by rows into units of at most that many (``tiles``), as
+    :mod:`parallel.compose.apply_tiles` splits them (at tp = 1, where they run)."""
     offloaded = layout.offload != "none"
+    tiling = max_numel if layout.tp == 1 else 0
     threshold = 0 if offloaded else DEFAULT_PERSISTENCE_THRESHOLD
     elsewhere = {p.key for s in range(layout.pp) if s != stage
                  for lay in m.stage_layers(layout.pp, s) for p in lay.params}
-    out: dict[str, list[list[int]]] = {"own": [[]], "blocks": [], "ties": [],
+    out: dict[str, list[list[int]]] = {"own": [[]], "blocks": [], "ties": [], "tiles": [],
                                        "persistent": [[]], "sequence": []}
     seen: set[str] = set()
     for lay in m.stage_layers(layout.pp, stage):
@@ -157,6 +170,10 @@ def _zero3_units(m: ModelShape, layout: Layout, stage: int) -> dict[str, list[li
             if p.key in elsewhere:
                 out["ties"].append([n])
                 out["sequence"].append(out["ties"][-1])
+            elif tiling and not lay.is_block and n > tiling:
+                tiles = _tiles(n, p.rows, tiling)
+                out["tiles"] += tiles
+                out["sequence"] += tiles
             elif n < threshold:
                 out["persistent"][0].append(n)
             else:
@@ -185,8 +202,8 @@ def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, job: Job) -> 
     the persistent one) holds its parameters and up to two gradient buffers being
     reduce-scattered (``MAX_IN_FLIGHT``: one per micro-batch's backward); block units,
     which share one size, ``BLOCK_SLOTS`` (gathered, prefetched, gradients in flight)."""
-    kinds = _zero3_units(m, layout, stage)
-    groups = [u for k in ("own", "blocks", "ties", "persistent") for u in kinds[k]]
+    kinds = _zero3_units(m, layout, stage, job.max_unit_bytes // F32)
+    groups = [u for k in ("own", "blocks", "ties", "tiles", "persistent") for u in kinds[k]]
     numels = [n for g in groups for n in g]
     spans, index = [], 0
     for g in groups:
@@ -209,6 +226,10 @@ def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, job: Job) -> 
         # the unit in use and the one prefetched, its gradient and the one reducing
         pairs = BLOCK_SLOTS // 2 if len(kinds["blocks"]) > 1 else 1  # nothing to prefetch
         pool += pairs * (gathered + reducing) * max(sizes[id(u)] for u in kinds["blocks"])
+    # tiles as blocks, for each of their (at most two) sizes: the pool's free lists are
+    # per size
+    for size in {sizes[id(u)] for u in kinds["tiles"]}:
+        pool += (2 if len(kinds["tiles"]) > 1 else 1) * (gathered + reducing) * size
     if job.max_live_bytes:
         # the budget holds prefetch back and frees what it would keep beyond it, but the
         # unit in use is gathered whatever it says: its parameters, the gradient being
@@ -333,6 +354,14 @@ def _backward_grads(m: ModelShape, layout: Layout, stage: int, total: int) -> li
     return out
 
 
+def _loss_chunk(m: ModelShape, layout: Layout, job: Job) -> int:
+    """A tiled head's largest vocabulary chunk, the loss's (0: the head stays whole)."""
+    most = job.max_unit_bytes // F32
+    if layout.zero != 3 or layout.tp != 1 or not most or m.vocab * m.hidden <= most:
+        return 0
+    return max(b - a for a, b in row_bounds(m.vocab, m.hidden, most))
+
+
 def activation_peak(m: ModelShape, layout: Layout, job: Job, stage: int,
                     transient_grads: int = 0) -> tuple[int, int, int]:
     """(Bytes of activations at the peak, the checkpoint arena's, the pipeline's
@@ -341,7 +370,7 @@ def activation_peak(m: ModelShape, layout: Layout, job: Job, stage: int,
     backward (stages 1-2) beside them."""
     rows = job.batch // (layout.dp * layout.microbatches)
     a = act.ActShape(rows, m.seq, layout.tp, job.sequence_parallel, job.dropout,
-                     job.compute_bytes)
+                     job.compute_bytes, _loss_chunk(m, layout, job))
     flying = act.in_flight(job.schedule, layout.pp, stage, layout.microbatches)
     grads_before = _backward_grads(m, layout, stage, transient_grads)
     blocks = len(grads_before)

@@ -22,6 +22,7 @@ class Param:
     numel: int
     tp_split: bool  # divided over the tensor-parallel ranks
     expert: bool = False  # a fused experts tensor: split over ep (over tp where ep = 1)
+    rows: int = 0  # its first dimension (ZeRO-3 tiles split by rows; 0: one row)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,8 @@ def from_model(model: Any, plan: Plan, kind: str, cfg: Any,
             if under_any(owner, list(layer.paths)):
                 params.append(Param(canonical.get(name, name), p.numel(),
                                     _split(styles.get(owner, []), leaf),
-                                    expert=under_any(owner, experts)))
+                                    expert=under_any(owner, experts),
+                                    rows=p.shape[0] if p.dim() else 1))
         layers.append(LayerShape(layer.name, tuple(params), layer.is_block))
     heads, hidden, ffn, vocab = dims or (cfg.n_head, cfg.n_embd, 4 * cfg.n_embd, VOCAB)
     return ModelShape(kind, tuple(layers), heads, hidden, ffn, cfg.block_size, vocab,
@@ -148,7 +150,7 @@ def llama_shape(cfg: Any) -> ModelShape:
     final norm and the head (tied to the embedding with ``tie_embeddings``); q/k/v,
     gate/up column-parallel, o/down row-parallel, embedding and head vocab-parallel."""
     h, f = cfg.n_embd, 4 * cfg.n_embd
-    embed = Param("model.embed_tokens.weight", VOCAB * h, True)
+    embed = Param("model.embed_tokens.weight", VOCAB * h, True, rows=VOCAB)
     layers = [LayerShape("model.embed_tokens", (embed,), False)]
     for i in range(cfg.n_layer):
         pre = f"model.layers.{i}"
@@ -159,7 +161,8 @@ def llama_shape(cfg: Any) -> ModelShape:
                                                                   "post_attention_layernorm")]
         layers.append(LayerShape(pre, tuple(params), True))
     layers.append(LayerShape("model.norm", (Param("model.norm.weight", h, False),), False))
-    head = embed if cfg.tie_embeddings else Param("lm_head.weight", VOCAB * h, True)
+    head = embed if cfg.tie_embeddings else Param("lm_head.weight", VOCAB * h, True,
+                                                  rows=VOCAB)
     layers.append(LayerShape("lm_head", (head,), False))
     return ModelShape("llama", tuple(layers), cfg.n_head, h, f, cfg.block_size, VOCAB,
                       (("attention heads", cfg.n_head),))

@@ -46,7 +46,7 @@ def fitted(cfg: TrainConfig) -> TrainConfig:
 
     chosen, mem = fit_memory(cfg, cfg.memory_gb)
     changed = [f"--{f.replace('_', '-')} {getattr(chosen, f):g}"
-               for f in ("offload_prefetch", "max_live_mb")
+               for f in ("offload_prefetch", "max_live_mb", "max_unit_mb")
                if getattr(chosen, f) != getattr(cfg, f)]
     print(f"memory: predicted {mem.peak / GIB:.3f} GiB per rank of --memory-gb "
           f"{cfg.memory_gb:g}" + (f" at {' '.join(changed)}" if changed else ""),

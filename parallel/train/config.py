@@ -128,6 +128,9 @@ class TrainConfig:
                               "freed beyond it (0: none)")
     max_live_units: int = _opt("parallel", 0, "ZeRO-3's most units gathered at once by "
                                "prefetch (0: no bound)")
+    max_unit_mb: float = _opt("parallel", 0.0, "ZeRO-3's largest unit, MiB of masters: a "
+                              "larger embedding is split by rows and the head by vocabulary "
+                              "chunks (the loss taken in them), each tile a unit (0: whole)")
     plan: str = _opt("parallel", "", "auto: train the layout python -m parallel.plan ranks "
                      "first for nproc ranks (0: dp * tp * pp) within --memory-gb; it sets dp, "
                      "tp, pp, zero, recompute and partition_activations", ("", "auto"))
@@ -198,7 +201,7 @@ class TrainConfig:
         _check_data(self)
         _check_experts(self)
         for name in ("memory_gb", "plan_other_load", "log_every", "max_live_mb",
-                     "max_live_units"):
+                     "max_live_units", "max_unit_mb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train: {name} must be >= 0, got {getattr(self, name)}")
 

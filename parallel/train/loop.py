@@ -38,6 +38,7 @@ def parallel_config(cfg: TrainConfig) -> ParallelConfig:
         offload_prefetch=cfg.offload_prefetch,
         max_live_bytes=int(cfg.max_live_mb * 2**20) or None,
         max_live_units=cfg.max_live_units or None,
+        max_unit_bytes=int(cfg.max_unit_mb * 2**20) or None,
         capacity_factor=cfg.moe_capacity_factor or None, drop_policy=cfg.moe_drop_policy,
         lr_lambda=WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
 
