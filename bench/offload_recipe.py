@@ -19,7 +19,7 @@ Each run's exit, OOM kills, cgroup peak, largest per-rank peak RSS, step times a
 table to ``recipe-1b.md``.
 
 ``--fit G [G ...]``: instead, the offloaded run (2 steps) with ``--memory-gb G`` and no
-``--offload-prefetch`` or ``--max-live-mb`` of its own (the trainer picks them to fit,
+``--offload-prefetch``, ``--max-live-mb`` or ``--max-unit-mb`` of its own (the trainer picks them to fit,
 :mod:`parallel.plan.fit`), capped at what ``G`` promises: two ranks of ``G`` each plus
 three processes' runtime (two ranks and the launcher, measured here as the resident
 memory of a process that imported torch, transformers and pycomm) — and whether it
@@ -242,7 +242,7 @@ def _fit(work: str, config: str, name: str, limits: list[float]) -> None:
     write_report({"runtime_bytes": runtime, "rows": rows}, out)
     lines = ["TinyLlama-shaped HF Llama (1.1B), dp=2, ZeRO-3 offloaded to disk, bf16, "
              "clipping 1.0, 2 micro-batches, batch 4x64, 2 steps, with `--memory-gb G` and "
-             "no read-ahead or budget of its own; the whole tree capped at 2 G + 3 runtimes "
+             "no read-ahead, budget or tiles of its own; the whole tree capped at 2 G + 3 runtimes "
              f"(a process's runtime measured here: {runtime / GIB:.2f} GiB)", "",
              "| --memory-gb | cap GiB | the trainer said | exit | OOM kills | cgroup peak "
              "GiB | held at most GiB (both ranks and launcher) | largest rank peak RSS GiB "

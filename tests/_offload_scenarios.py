@@ -24,6 +24,7 @@ OTHER_OPTIMIZERS = {"sgd-momentum": (torch.optim.SGD, {"lr": 3e-2, "momentum": 0
 FP16_OVERFLOWING_SCALE = 2.0**40  # halved per overflow: the first steps are skipped
 SPLIT_NUMEL = 10_000  # the Llama's embedding and head (256 x 64) become units
 LIVE_BUDGET_BYTES = 200_000  # a block gathered in bf16 is 2 x 49,152 bytes
+TILE_BYTES = 64 * 64 * 4  # the Llama's embedding and head as 4 tiles of 64 rows each
 LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
              attn_implementation="sdpa")
@@ -103,6 +104,10 @@ def run_all(root: str) -> dict[Any, Any]:
         for offload in ("none", "disk"):
             out[(name, f"bf16 {offload}")] = train(name, offload, os.path.join(
                 root, f"bf16-{name}-{offload}"), precision="bf16")
+    for offload in ("none", "disk"):  # tiles: bf16, clipped, the loss in the head's chunks
+        out[("llama", f"tiles {offload}")] = train(
+            "llama", offload, os.path.join(root, f"tiles-{offload}"), clip=CLIP,
+            precision="bf16", max_unit_bytes=TILE_BYTES)
     for offload in ("none", "disk"):  # fp16: the first steps overflow and are skipped
         out[("gpt", f"fp16 {offload}")] = train(
             "gpt", offload, os.path.join(root, f"fp16-{offload}"), clip=CLIP, precision="fp16",

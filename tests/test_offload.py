@@ -45,6 +45,15 @@ def test_clipping_with_offload_steps_after_the_norm_bit_identical(ranks, model):
     _assert_identical(ranks, (model, "clip none"), (model, "clip disk"))
 
 
+def test_tiles_with_offload_bit_identical(ranks):
+    """The Llama's embedding and head as 4 tiles each (``max_unit_bytes``), bf16 and
+    clipped: each tile a unit with its own record, the same parameters as in memory."""
+    _assert_identical(ranks, ("llama", "tiles none"), ("llama", "tiles disk"))
+    for result in ranks:
+        assert result[("llama", "tiles disk")]["units"] == result[("llama", "clip disk")][
+            "units"] + 8  # the embedding and the head: 4 units each, out of the model's
+
+
 def test_micro_batches_accumulate_in_the_records_bit_identical(ranks):
     """microbatches=2 with offload (and clipping): each backward sums the unit's reduced
     gradient into its record, the units step after the last, as in memory."""

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from parallel.plan.fit import fit_memory, layout_of
+from parallel.plan.fit import PREDICTION_MARGIN, fit_memory, layout_of, usable
 from parallel.plan.fit import worst_rank as worst_of
 from parallel.plan.memory import Memory, job_of
 from parallel.plan.planner import GIB, evaluate
@@ -31,10 +31,22 @@ def _peak(cfg: TrainConfig) -> int:
     return worst_rank(cfg).peak
 
 
+def limit_for(peak: int) -> float:
+    """The ``--memory-gb`` whose usable part (the prediction's margin kept) is ``peak``."""
+    return peak / (1 - PREDICTION_MARGIN) / GIB
+
+
+def test_a_prediction_keeps_its_margin_free():
+    """Predicted 5% under a limit: refused (10% is kept for the prediction's error)."""
+    peak = _peak(dataclasses.replace(OFFLOADED, offload="none"))
+    with pytest.raises(ValueError, match=r"less 10% for the prediction's error"):
+        fit_memory(dataclasses.replace(OFFLOADED, offload="none"), peak * 1.05 / GIB)
+
+
 def test_a_layout_that_fits_is_kept_as_given():
-    limit = _peak(OFFLOADED) / GIB * 1.01
+    limit = limit_for(_peak(OFFLOADED)) * 1.01
     chosen, mem = fit_memory(OFFLOADED, limit)
-    assert chosen == OFFLOADED and mem.peak <= limit * GIB
+    assert chosen == OFFLOADED and mem.peak <= usable(int(limit * GIB))
 
 
 def test_offload_reads_ahead_less_then_budgets_the_pool_to_fit():
@@ -43,10 +55,10 @@ def test_offload_reads_ahead_less_then_budgets_the_pool_to_fit():
     full = _peak(OFFLOADED)
     shallow = _peak(dataclasses.replace(OFFLOADED, offload_prefetch=0))
     assert shallow < full
-    chosen, mem = fit_memory(OFFLOADED, (full - 1) / GIB)
+    chosen, mem = fit_memory(OFFLOADED, limit_for(full - 1))
     assert chosen.offload_prefetch < 2 or chosen.max_live_mb > 0
     assert mem.peak <= full - 1 and mem.peak == _peak(chosen)
-    tight, mem = fit_memory(OFFLOADED, (shallow - 1) / GIB)  # only a budget helps now
+    tight, mem = fit_memory(OFFLOADED, limit_for(shallow - 1))  # only a budget helps now
     assert tight.offload_prefetch == 0 and tight.max_live_mb > 0
     assert mem.peak <= shallow - 1 and mem.peak == _peak(tight)
 
@@ -118,7 +130,7 @@ def test_the_planner_fits_offloaded_layouts_with_the_settings_that_fit():
     """Its table (and --plan auto) predicts an offloaded ZeRO-3 layout with the
     read-ahead and budget that fit the memory given, and lists them."""
     full = _peak(OFFLOADED)
-    rows, _ = evaluate(OFFLOADED, 2, (full - 1) / GIB, offloads=("disk",))
+    rows, _ = evaluate(OFFLOADED, 2, limit_for(full - 1), offloads=("disk",))
     row = next(r for r in rows if str(r.layout) == "dp2 tp1 pp1 zero3 offload=disk")
     assert row.fits and row.peak <= full - 1 and row.settings
     assert str(row).startswith("dp2 tp1 pp1 zero3 offload=disk (")

@@ -249,15 +249,15 @@ def test_memory_gb_tiles_the_layers_larger_than_a_block_where_that_fits(tmp_path
     picks ``--max-unit-mb`` of a block's size; below the tiled peak it refuses, naming
     the tiles it tried."""
     pytest.importorskip("transformers", reason="no transformers (the [hf] extra)")
-    from parallel.plan.fit import fit_memory, layout_of, worst_rank
+    from parallel.plan.fit import PREDICTION_MARGIN, fit_memory, layout_of, worst_rank
     from parallel.plan.memory import GIB, job_of
     from parallel.plan.shapes import model_shape
 
     cfg = _wide_vocab(tmp_path)
     shape = model_shape(cfg)
     whole = worst_rank(shape, layout_of(cfg), job_of(cfg)).peak
-    chosen, mem = fit_memory(cfg, (whole - 1) / GIB)
+    chosen, mem = fit_memory(cfg, (whole - 1) / (1 - PREDICTION_MARGIN) / GIB)
     block = max(sum(p.numel for p in lay.params) for lay in shape.layers if lay.is_block)
     assert chosen.max_unit_mb * 2**20 == 4 * block and mem.peak < whole
     with pytest.raises(ValueError, match="with --max-unit-mb"):
-        fit_memory(cfg, (mem.peak - 1) / GIB)
+        fit_memory(cfg, (mem.peak - 1) / (1 - PREDICTION_MARGIN) / GIB)

@@ -3,8 +3,11 @@ holding more parameters than it allows is replaced by its tiles
 (:mod:`parallel.compose.tiles`), in the stage's modules and in the model, and the
 tiles become units of their own.
 
-A layer still on the meta device gets its weights first, whole (the one process's
-weights, so every layout starts from them), and is dropped once its tiles hold them.
+A layer still on the meta device is cut into tiles on the meta device, and each tile
+gets its weights when ZeRO-3 shards it (:class:`RowsSource`): the layer's weights are
+made whole when its first tile asks (the one process's weights, so every layout starts
+from them) and dropped once its last tile has taken its rows, so no rank holds more
+than one layer whole, as without tiles.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
-from parallel.compose.materialize import is_meta
+from parallel.compose.materialize import Materializer, is_meta
 from parallel.compose.plan import under_any
 from parallel.compose.tiles import TiledLinear, tiled
 
@@ -26,6 +30,39 @@ class Tiles:
 
     units: list[nn.Module] = field(default_factory=list)
     head_bounds: list[tuple[int, int]] | None = None
+
+
+class RowsSource:
+    """A meta-device layer its tiles take their rows from (see the module docstring)."""
+
+    def __init__(self, path: str, layer: nn.Module, tiles: list[nn.Module]):
+        self.path, self.layer, self.waiting = path, layer, len(tiles)
+        for tile in tiles:
+            tile.__dict__["materialize_rows"] = self._filler(tile)
+
+    def _filler(self, tile: nn.Module) -> Any:
+        return lambda materializer: self.fill(tile, materializer)
+
+    @torch.no_grad()
+    def fill(self, tile: Any, materializer: Materializer) -> None:
+        """``tile``'s parameters: its rows of the layer's, materialized if need be."""
+        if not any(p.is_meta for p in tile._parameters.values() if p is not None):
+            return  # filled already
+        if self.layer is None:
+            raise RuntimeError(f"ZeRO-3 tiles: {self.path}'s tiles were all materialized")
+        if is_meta(self.layer):
+            materializer(self.path, self.layer)
+        for name, meta in list(tile._parameters.items()):
+            if meta is None or not meta.is_meta:
+                continue
+            whole = getattr(self.layer, name)
+            made = nn.Parameter(whole[tile.start:tile.stop].clone(),
+                                requires_grad=meta.requires_grad)
+            made.__dict__.update(meta.__dict__)  # row_slice
+            tile._parameters[name] = made
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.layer = None  # its whole weights go
 
 
 def _refuse_tied(path: str, module: nn.Module, canonical: dict[str, str]) -> None:
@@ -78,10 +115,10 @@ def tile_large_layers(model: nn.Module, stage: Any, max_numel: int) -> Tiles:
                                              max_numel):
                 layer = mod.get_submodule(inner)
                 _refuse_tied(path, layer, stage.canonical)
-                if is_meta(layer):
-                    stage.materializer(path, layer)
                 new = tiled(layer, path, max_numel)
                 assert new is not None  # its own parameters exceed max_numel
+                if is_meta(layer):
+                    RowsSource(path, layer, list(new.tiles))
                 _replace(model, planned, k, path, inner, new)
                 made.units.extend(new.tiles)
                 last = index == len(stage.modules) - 1

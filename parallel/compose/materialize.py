@@ -80,7 +80,13 @@ class Materializer:
             self.module(sub_path, sub)
 
     def module(self, path: str, module: nn.Module) -> None:
-        """Materialize ``module``'s own (not its children's) meta parameters and buffers."""
+        """Materialize ``module``'s own (not its children's) meta parameters and buffers
+        (a module that takes its weights from elsewhere, a ZeRO-3 tile, by its own
+        ``materialize_rows``)."""
+        take = module.__dict__.get("materialize_rows")
+        if take is not None:
+            take(self)
+            return
         names = [n for n, p in module._parameters.items() if p is not None and p.is_meta]
         buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
         if not names and not buffers:

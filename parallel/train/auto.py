@@ -41,7 +41,7 @@ def planned(cfg: TrainConfig, world: int) -> TrainConfig:
 
 def fitted(cfg: TrainConfig) -> TrainConfig:
     """The layout given, checked against ``--memory-gb`` (its settings picked to fit)."""
-    from parallel.plan.fit import fit_memory
+    from parallel.plan.fit import PREDICTION_MARGIN, fit_memory
     from parallel.plan.planner import GIB
 
     chosen, mem = fit_memory(cfg, cfg.memory_gb)
@@ -49,7 +49,8 @@ def fitted(cfg: TrainConfig) -> TrainConfig:
                for f in ("offload_prefetch", "max_live_mb", "max_unit_mb")
                if getattr(chosen, f) != getattr(cfg, f)]
     print(f"memory: predicted {mem.peak / GIB:.3f} GiB per rank of --memory-gb "
-          f"{cfg.memory_gb:g}" + (f" at {' '.join(changed)}" if changed else ""),
+          f"{cfg.memory_gb:g} ({PREDICTION_MARGIN:.0%} kept)"
+          + (f" at {' '.join(changed)}" if changed else ""),
           file=sys.stderr)
     return chosen
 
