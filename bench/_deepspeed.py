@@ -21,7 +21,7 @@ import torch.distributed as dist
 from bench._timing import Buffers
 from parallel._optional import install_command, require
 
-INSTALL = install_command("deepspeed")  # pip install 'pycomm[deepspeed]' ...
+INSTALL = install_command("deepspeed")  # pip install 'pycomm-collectives[deepspeed]' ...
 SEGMENT = "/dev/shm/deepspeed_allreduce_buffer"  # + _{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}
 # dtype -> the shm kernels' vector level it needs: fp32 uses AVX2 (1), the 16-bit
 # kernels AVX-512BW (2). Other dtypes the op returns unreduced, without an error.

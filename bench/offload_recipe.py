@@ -19,10 +19,10 @@ Each run's exit, OOM kills, cgroup peak, largest per-rank peak RSS, step times a
 table to ``recipe-1b.md``.
 
 ``--fit G [G ...]``: instead, the offloaded run (2 steps) with ``--memory-gb G`` and no
-``--offload-prefetch``, ``--max-live-mb`` or ``--max-unit-mb`` of its own (the trainer picks them to fit,
-:mod:`parallel.plan.fit`), capped at what ``G`` promises: two ranks of ``G`` each plus
-three processes' runtime (two ranks and the launcher, measured here as the resident
-memory of a process that imported torch, transformers and pycomm) — and whether it
+``--offload-prefetch``, ``--max-live-mb`` or ``--max-unit-mb`` of its own (the trainer
+picks them to fit, :mod:`parallel.plan.fit`), capped at what ``G`` promises: two ranks
+of ``G`` each plus three processes' runtime (two ranks and the launcher, measured here
+as the resident memory of a process that imported torch, transformers and pycomm) — and whether it
 fits, or is refused before any rank starts (``recipe-1b-fit.{json,md}``).
 """
 

@@ -1,6 +1,6 @@
 """Optional dependencies: which extra of pycomm brings each, and the errors that say so.
 
-Every import of a module outside pycomm's requirements (torch, numpy) in pycomm/,
+Every import of a module outside pycomm's requirements (torch) in pycomm/,
 parallel/ and bench/ goes through here, so that a missing one names what needs it and
 the exact command that installs it, not a bare ``No module named 'zmq'``::
 
@@ -24,10 +24,15 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+# pip's name for this project (pyproject.toml's; pycomm._install.DISTRIBUTION too, kept
+# here so that this module imports nothing of pycomm): "pycomm" on PyPI is another's.
+DISTRIBUTION = "pycomm-collectives"
+
 # import name -> (pip name, the extra of pycomm that installs it; pyproject.toml's
 # [project.optional-dependencies] lists the pip name under that extra).
 EXTRAS: dict[str, tuple[str, str]] = {
     "zmq": ("pyzmq", "ps"),
+    "numpy": ("numpy", "ps"),
     "transformers": ("transformers", "hf"),
     "safetensors": ("safetensors", "hf"),
     "matplotlib": ("matplotlib", "bench"),
@@ -43,9 +48,9 @@ EXTRAS: dict[str, tuple[str, str]] = {
 
 
 def install_command(module: str) -> str:
-    """``pip install 'pycomm[EXTRA]', or pip install NAME`` for ``module``."""
+    """``pip install 'pycomm-collectives[EXTRA]', or pip install NAME`` for ``module``."""
     pip_name, extra = EXTRAS[module.partition(".")[0]]
-    return f"pip install 'pycomm[{extra}]', or pip install {pip_name}"
+    return f"pip install '{DISTRIBUTION}[{extra}]', or pip install {pip_name}"
 
 
 def missing(module: str, purpose: str, err: ImportError | None = None) -> ModuleNotFoundError:
@@ -77,6 +82,6 @@ def available(module: str) -> ModuleType | None:
 
 
 def note(module: str, left_out: str) -> str:
-    """"no plot: matplotlib is not installed (pip install 'pycomm[bench]', or ...)"."""
+    """"no plot: matplotlib is not installed (pip install 'pycomm-collectives[bench]', or ...)"."""
     pip_name = EXTRAS[module.partition(".")[0]][0]
     return f"no {left_out}: {pip_name} is not installed ({install_command(module)})"

@@ -51,7 +51,7 @@ def load_failure(exc: BaseException) -> str:
         lines += [f"This pycomm is an installed copy ({_install.PACKAGE_DIR}): reinstall it "
                   "so that it compiles against the running torch:",
                   "    pip install --no-build-isolation --force-reinstall --no-deps "
-                  "--no-binary pycomm pycomm"]
+                  f"--no-binary {_install.DISTRIBUTION} {_install.DISTRIBUTION}"]
     if built and built != running.partition("+")[0]:
         lines.append(f"or run the torch it was built against: pip install torch=={built}")
     return "\n".join(lines)

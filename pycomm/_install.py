@@ -19,6 +19,9 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+# The distribution (pip's name) that installs pycomm and parallel: "pycomm" on PyPI is
+# another project's.
+DISTRIBUTION = "pycomm-collectives"
 
 
 def checkout_root(package_dir: Path = PACKAGE_DIR) -> Path | None:
@@ -47,7 +50,7 @@ def describes(dist: metadata.Distribution, package_dir: Path = PACKAGE_DIR) -> b
 def distribution(package_dir: Path = PACKAGE_DIR) -> metadata.Distribution | None:
     """pycomm's installed metadata when it describes this copy, else None."""
     try:
-        dist = metadata.distribution("pycomm")
+        dist = metadata.distribution(DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return None
     return dist if describes(dist, package_dir) else None
@@ -68,6 +71,6 @@ def version() -> str:
     """pycomm's version: pyproject.toml's (the one source), read back from the installed
     metadata; "0+unknown" for a source tree that was never installed."""
     try:
-        return metadata.version("pycomm")
+        return metadata.version(DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return "0+unknown"

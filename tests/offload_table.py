@@ -36,6 +36,8 @@ STAGE3 = [  # (row, model, reference key, offloaded key, steps)
      ("gpt", "fp16 disk"), 10),
     ("bf16 under a live budget, embedding and head units", "llama", ("llama", "bf16 none"),
      "budget", 10),
+    ("tiles: embedding and head as 4 units each, bf16, clipping 0.3", "llama",
+     ("llama", "tiles none"), ("llama", "tiles disk"), 10),
     ("activation checkpointing", "gpt", ("recompute", "none"), ("recompute", "disk"), 4),
     ("SGD with momentum", "gpt", ("sgd-momentum", "none"), ("sgd-momentum", "disk"), 4),
     ("Adagrad", "gpt", ("adagrad", "none"), ("adagrad", "disk"), 4),

@@ -12,7 +12,8 @@ from bench.training import main
 def _assert_plot(out, text):
     """The PNG beside the JSON, or (matplotlib is optional) the line saying there is none."""
     if importlib.util.find_spec("matplotlib") is None:
-        assert "no plot: matplotlib is not installed (pip install 'pycomm[bench]'" in text
+        assert ("no plot: matplotlib is not installed (pip install "
+                "'pycomm-collectives[bench]'") in text
     else:
         assert out.with_suffix(".png").stat().st_size > 0
 

@@ -85,3 +85,19 @@ def test_float16_kernels_convert_with_f16c(function, instructions):
     code = _function_disassembly(function)
     missing = [i for i in instructions if not re.search(i, code)]
     assert not missing, f"{function} lacks {missing}"
+
+
+def test_the_extension_carries_no_debug_information():
+    """-g0 unless PYCOMM_DEBUG_INFO=1 (setup.py): a wheel's pycomm._C is a few MB, not
+    the ~70 MB that Python's -g made it (64 MB of DWARF)."""
+    import os
+
+    from pycomm import _C
+
+    sections = subprocess.run(["objdump", "-h", _C.__file__], check=True, capture_output=True,
+                              text=True).stdout
+    if os.environ.get("PYCOMM_DEBUG_INFO") == "1":  # a build asked to keep it
+        assert ".debug_info" in sections
+        return
+    assert ".debug_info" not in sections
+    assert os.path.getsize(_C.__file__) < 20 << 20

@@ -1,10 +1,10 @@
 """A missing optional dependency names what needs it and the extra that installs it.
 
-Every import site of a module outside pycomm's requirements (torch, numpy) in pycomm/,
+Every import site of a module outside pycomm's requirements (torch) in pycomm/,
 parallel/ and bench/ is a row of SITES; each runs in a subprocess in which that module
 cannot be imported (``sys.modules[name] = None``, what a missing package looks like to
 ``import``): a site that needs it must raise ModuleNotFoundError whose message names
-the extra (``pip install 'pycomm[ps]'``) and the pip name; one that only adds something
+the extra (``pip install 'pycomm-collectives[ps]'``) and the pip name; one that only adds something
 (a plot, a bar) must do without it. A scan of the sources finds every such site, so a new
 optional import without a row here (or not going through parallel/_optional.py) fails.
 """
@@ -28,7 +28,7 @@ else:  # pytest brings tomli to Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUIRED = {"torch", "numpy", "pycomm", "parallel", "bench"}
+REQUIRED = {"torch", "pycomm", "parallel", "bench"}
 SCANNED = ("pycomm", "parallel", "bench")
 
 # parallel.ps's modules one by one: a stand-in for the package (its __init__ imports the
@@ -54,6 +54,10 @@ SITES = [
     Site("parallel/ps/node.py", "zmq", _PS + "import parallel.ps.node"),
     Site("parallel/ps/scheduler.py", "zmq", _PS + "import parallel.ps.scheduler"),
     Site("parallel/ps/server.py", "zmq", _PS + "import parallel.ps.server"),
+    Site("parallel/ps/ring.py", "numpy", _PS + "import parallel.ps.ring"),
+    Site("parallel/ps/filters.py", "numpy", _PS + "import parallel.ps.filters"),
+    Site("parallel/ps/examples/ctr_data.py", "numpy",
+         _PS + "import parallel.ps.examples.ctr_data"),
     Site("parallel/compose/export.py", "transformers",
          "from parallel.compose.export import save_pretrained; save_pretrained('c', None, 'o')"),
     Site("parallel/compose/pretrained.py", "safetensors",
@@ -87,14 +91,14 @@ SITES = [
     Site("parallel/train/metrics.py", "matplotlib",  # the trainer's line when it drew no plot
          "from parallel.train.metrics import Metrics; "
          "Metrics(True, '', 'x.png', False, 1, 0).close('t')",
-         soft="no plot: matplotlib is not installed (pip install 'pycomm[bench]', or pip "
-              "install matplotlib)"),
+         soft="no plot: matplotlib is not installed (pip install "
+              "'pycomm-collectives[bench]', or pip install matplotlib)"),
     Site("bench/_dcp_runs.py", "transformers",
          "from bench._dcp_runs import exported_logits; exported_logits('llama', 'c', 'o')"),
     Site("bench/_deepspeed.py", "deepspeed",  # bench.collectives skips the peer, saying this
          "from bench._deepspeed import missing; print(missing())",
-         soft="deepspeed is not installed (pip install 'pycomm[deepspeed]', or pip install "
-              "deepspeed)"),
+         soft="deepspeed is not installed (pip install 'pycomm-collectives[deepspeed]', "
+              "or pip install deepspeed)"),
     Site("parallel/compose/export.py", "safetensors",
          "from parallel.compose.export import save_pretrained; save_pretrained('c', None, 'o')"),
     Site("bench/host_adam.py", "deepspeed",
@@ -115,8 +119,8 @@ SITES = [
          "from bench.collectives import _progress; print(_progress(3, False))", soft="None"),
     Site("bench/collectives.py", "matplotlib",  # its note when write_plot drew nothing
          "from parallel._optional import note; print(note('matplotlib', 'plot'))  # note",
-         soft="no plot: matplotlib is not installed (pip install 'pycomm[bench]', or pip "
-              "install matplotlib)"),
+         soft="no plot: matplotlib is not installed (pip install "
+              "'pycomm-collectives[bench]', or pip install matplotlib)"),
     Site("bench/headline.py", "matplotlib",
          "from bench.headline import plot; from pathlib import Path; "
          "print(plot({}, [], Path('x.png')))", soft="False"),
@@ -131,14 +135,14 @@ SITES = [
          "print(plot([], Path('x.png')))", soft="False"),
     Site("bench/training.py", "matplotlib",  # its note when plot() drew nothing
          "from parallel._optional import note; print(note('matplotlib', 'plot'))  # note",
-         soft="no plot: matplotlib is not installed (pip install 'pycomm[bench]', or pip "
-              "install matplotlib)"),
+         soft="no plot: matplotlib is not installed (pip install "
+              "'pycomm-collectives[bench]', or pip install matplotlib)"),
     Site("parallel/pathways/ray_launch.py", "ray", "import parallel.pathways.ray_launch"),
     Site("bench/ray_dispatch.py", "ray", "import bench.ray_dispatch"),
     Site("parallel/pathways/functions.py", "cloudpickle",  # a lambda: only by value
          "import pytest; from parallel.pathways.functions import sendable; "
          "e = pytest.raises(TypeError, sendable, lambda c: 1); "
-         "print('pycomm[pathways]' in str(e.value))", soft="True"),
+         "print('pycomm-collectives[pathways]' in str(e.value))", soft="True"),
 ]
 
 
@@ -163,7 +167,8 @@ def test_missing_optional_dependency_names_its_extra(site):
     assert proc.returncode != 0, f"ran without {site.module}:\n{proc.stdout}"
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ModuleNotFoundError: "), proc.stderr[-3000:]
-    assert f"pip install 'pycomm[{extra}]'" in last and f"pip install {pip_name}" in last, last
+    assert f"pip install 'pycomm-collectives[{extra}]'" in last, last
+    assert f"pip install {pip_name}" in last, last
     assert "which is not installed" in last, last
     # Chained from the original error (the traceback shows both).
     assert "The above exception was the direct cause" in proc.stderr
@@ -242,7 +247,8 @@ def test_every_extra_named_lists_the_package():
     for module, (pip_name, extra) in _optional.EXTRAS.items():
         names = {req.split(";")[0].split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip()
                  for req in extras.get(extra, [])}
-        assert pip_name in names, f"{module}: pycomm[{extra}] does not install {pip_name}"
+        assert pip_name in names, (f"{module}: pycomm-collectives[{extra}] does not install "
+                                   f"{pip_name}")
 
 
 def test_require_keeps_a_missing_module_inside_the_dependency_apart(monkeypatch):
@@ -251,6 +257,6 @@ def test_require_keeps_a_missing_module_inside_the_dependency_apart(monkeypatch)
     err = ModuleNotFoundError("No module named 'zmq.backend'", name="zmq.backend")
     message = str(_optional.missing("zmq", "parallel.ps", err))
     assert "cannot be imported (No module named 'zmq.backend')" in message
-    assert "pip install 'pycomm[ps]'" in message
+    assert "pip install 'pycomm-collectives[ps]'" in message
     with pytest.raises(KeyError):
         _optional.require("not_a_dependency_pycomm_knows", "x")

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
+DISTRIBUTION = PYPROJECT["project"]["name"]
 
 
 def _setup_module() -> ModuleType:
@@ -80,13 +81,13 @@ def sdist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     assert proc.returncode == 0, (
         "python -m build --sdist failed (the test extra installs `build`):\n"
         + proc.stdout[-3000:] + proc.stderr[-3000:])
-    (archive,) = out.glob("pycomm-*.tar.gz")
-    assert archive.name == f"pycomm-{VERSION}.tar.gz"
+    (archive,) = out.glob("pycomm_collectives-*.tar.gz")  # the distribution's name
+    assert archive.name == f"pycomm_collectives-{VERSION}.tar.gz"
     files: dict[str, bytes] = {}
     with tarfile.open(archive) as tar:
         for member in tar.getmembers():
             top, _, rel = member.name.partition("/")
-            assert top == f"pycomm-{VERSION}", member.name
+            assert top == f"pycomm_collectives-{VERSION}", member.name
             if member.isfile():
                 extracted = tar.extractfile(member)
                 assert extracted is not None
@@ -140,7 +141,7 @@ def test_sdist_holds_licence_and_metadata(setup_py, sdist):
     assert "\nRequires-Dist: torch>=2.9\n" in info, info
     assert "Requires-Dist: torch==" not in info
     (requires,) = [v for k, v in sdist.items() if k.endswith(".egg-info/requires.txt")]
-    assert requires.decode().splitlines()[:2] == ["torch>=2.9", "numpy"]
+    assert requires.decode().splitlines()[:2] == ["torch>=2.9", ""]  # then the extras
     assert "Operating System :: POSIX :: Linux" in info
 
 
@@ -149,7 +150,10 @@ def test_sdist_installs_pycomm_and_parallel_not_bench(sdist):
     assert set(top_level.decode().split()) == {"pycomm", "parallel"}
     assert not [f for f in sdist if f.startswith("bench/")]
     assert "pycomm/__init__.py" in sdist and "parallel/__init__.py" in sdist
-    assert "entry_points.txt" not in " ".join(sdist), "no console script (bench is not shipped)"
+    (entry_points,) = [v for k, v in sdist.items() if k.endswith(".egg-info/entry_points.txt")]
+    assert entry_points.decode().split() == [
+        "[console_scripts]", "pycomm-env", "=", "pycomm.env:main", "pycomm-plan", "=",
+        "parallel.plan.__main__:main", "pycomm-train", "=", "parallel.train.launch:main"]
 
 
 def test_pycomm_is_installed_and_imported_from_where_its_metadata_points():
@@ -158,7 +162,7 @@ def test_pycomm_is_installed_and_imported_from_where_its_metadata_points():
     editable install of this checkout, or files installed where it is), not another copy."""
     import pycomm
 
-    dist = importlib.metadata.distribution("pycomm")  # PackageNotFoundError: not installed
+    dist = importlib.metadata.distribution(DISTRIBUTION)  # PackageNotFoundError: not installed
     assert dist.version == VERSION
     assert pycomm.__version__ == VERSION
     package = Path(pycomm.__file__).resolve().parent
@@ -186,10 +190,11 @@ def _public(version: str) -> str:
 def test_installed_pycomm_pins_the_running_torch():
     """An editable install (as a wheel) requires exactly the torch it was built against;
     the tests run on that torch (a rebuild against another torch re-pins it)."""
-    requires = importlib.metadata.requires("pycomm") or []
+    requires = importlib.metadata.requires(DISTRIBUTION) or []
     torch_reqs = [r for r in requires if r.startswith("torch") and "extra ==" not in r]
     assert torch_reqs == [f"torch=={_public(torch.__version__)}"], requires
-    assert "numpy" in requires
+    assert "numpy" not in requires  # the ps extra's: the backend runs without it
+    assert 'numpy; extra == "ps"' in requires
     from pycomm import _install
 
     assert _install.built_against() == _public(torch.__version__)
@@ -204,10 +209,10 @@ def test_torch_requirement_pins_a_wheel_and_ranges_an_sdist(setup_py, monkeypatc
     assert setup_py.torch_requirement(building_sdist=True) == f"torch>={setup_py.TORCH_FLOOR}"
     # The argv that setuptools.build_meta gives setup.py for each hook.
     sdist = ["setup.py", "sdist", "--formats", "gztar", "--dist-dir", "/tmp/x"]
-    assert setup_py.install_requires(sdist) == ["torch>=2.9", "numpy"]
+    assert setup_py.install_requires(sdist) == ["torch>=2.9"]
     for command in ("egg_info", "dist_info", "bdist_wheel", "editable_wheel"):
         assert setup_py.install_requires(["setup.py", command, "--dist-dir", "/tmp/x"]) == [
-            pin, "numpy"], command
+            pin], command
 
 
 def test_dependencies_are_setup_pys():
@@ -236,7 +241,7 @@ def test_index_metadata_has_project_urls_and_classifiers():
     assert project["license"] == "BSD-3-Clause"
     assert not any(c.startswith("License ::") for c in classifiers)
     # The installed metadata (what a wheel carries) says the same.
-    meta = importlib.metadata.metadata("pycomm")
+    meta = importlib.metadata.metadata(DISTRIBUTION)
     assert f"Homepage, {REPO_URL}" in (meta.get_all("Project-URL") or [])
     assert "Programming Language :: Python :: 3.13" in (meta.get_all("Classifier") or [])
 
@@ -247,7 +252,7 @@ def test_index_metadata_has_project_urls_and_classifiers():
 def test_incremental_build_ext_builds_in_build_dir(setup_py, monkeypatch, tmp_path):
     from setuptools import Distribution
 
-    dist = Distribution({"name": "pycomm", "ext_modules": []})
+    dist = Distribution({"name": DISTRIBUTION, "ext_modules": []})
     monkeypatch.delenv("PYCOMM_BUILD_DIR", raising=False)
     cmd = setup_py.IncrementalBuildExt(dist)
     cmd.ensure_finalized()
@@ -292,10 +297,11 @@ def _import_pycomm(path: Path, **env: str) -> subprocess.CompletedProcess:
 
 def _fake_install(site: Path, torch_pin: str) -> None:
     """Installed metadata for the pycomm under ``site``, pinning ``torch_pin``."""
-    info = site / f"pycomm-{VERSION}.dist-info"
+    info = site / f"pycomm_collectives-{VERSION}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.4\nName: pycomm\nVersion: {VERSION}\n"
-                                   f"Requires-Dist: torch=={torch_pin}\nRequires-Dist: numpy\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.4\nName: {DISTRIBUTION}\n"
+                                   f"Version: {VERSION}\n"
+                                   f"Requires-Dist: torch=={torch_pin}\n")
     (info / "RECORD").write_text("pycomm/__init__.py,,\n")
 
 
@@ -321,8 +327,8 @@ def test_import_without_extension_in_an_installed_copy_says_how_to_reinstall(tmp
     assert "No module named 'pycomm._C'" in err
     assert f"torch {torch.__version__} is running; pycomm was built against torch 2.10.0" in err
     assert f"installed copy ({site / 'pycomm'})" in err
-    assert ("pip install --no-build-isolation --force-reinstall --no-deps --no-binary pycomm "
-            "pycomm") in err
+    assert ("pip install --no-build-isolation --force-reinstall --no-deps --no-binary "
+            f"{DISTRIBUTION} {DISTRIBUTION}") in err
     assert "pip install torch==2.10.0" in err
     assert "--no-build-isolation -e ." not in err
 
@@ -429,3 +435,45 @@ def test_the_build_checks_the_cxx_runtime_of_what_it_linked(setup_py):
     import inspect
 
     assert "cxx_runtime_problem" in inspect.getsource(setup_py.IncrementalBuildExt.build_extension)
+
+
+# --- the distribution's name: pip's "pycomm" is another project ---------------------------
+
+
+INSTALL = re.compile(r"pip install\s+([^\n`)]+)")
+
+
+def test_every_install_command_names_this_distribution():
+    """Every ``pip install`` in the docs, messages and scripts that names this project
+    names its own distribution (``pycomm-collectives``): PyPI's ``pycomm`` is a PLC
+    communication library (1.0.8, which also installs a top-level ``pycomm``)."""
+    wrong = []
+    for rel in _checkout_files():
+        if rel.startswith("bench/results/") or not rel.endswith((".md", ".py", ".toml", ".sh",
+                                                                 "run")):
+            continue
+        for line_no, line in enumerate((ROOT / rel).read_text(errors="replace").splitlines()):
+            for args in INSTALL.findall(line):
+                for token in args.split():
+                    name = re.match(r"[\"']?([A-Za-z0-9_.-]+)", token)
+                    if name is None or token.startswith(("-", ".", "/")):
+                        continue
+                    normal = re.sub(r"[-_.]+", "-", name.group(1)).lower()
+                    if normal.startswith("pycomm") and normal != DISTRIBUTION:
+                        wrong.append(f"{rel}:{line_no + 1}: {line.strip()}")
+    assert not wrong, "\n".join(wrong)
+    from parallel import _optional
+
+    assert _optional.DISTRIBUTION == DISTRIBUTION
+    assert f"'{DISTRIBUTION}[ps]'" in _optional.install_command("zmq")
+
+
+def test_the_planner_ships_its_collective_table(sdist):
+    """An installed planner reads the all-reduce table shipped with it (not the benchmark's
+    records, which are not installed); the table is the committed summaries' (refreshed
+    by ``python -m parallel.plan.refresh_comms bench/results/i30``)."""
+    from parallel.plan.comms import SHIPPED, CommModel
+
+    assert "parallel/plan/data/all_reduce.json" in sdist
+    assert sdist["parallel/plan/data/all_reduce.json"] == SHIPPED.read_bytes()
+    assert CommModel().tables == CommModel(ROOT / "bench" / "results" / "i30").tables

@@ -41,7 +41,7 @@ def ray_session():
     try:
         import ray
     except ModuleNotFoundError:
-        pytest.skip("no Ray: pip install 'pycomm[ray]'")
+        pytest.skip("no Ray: pip install 'pycomm-collectives[ray]'")
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": ENV})
     yield ray

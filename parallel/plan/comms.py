@@ -1,7 +1,10 @@
-"""Collective times from the collective benchmark's committed summaries: pycomm's
-measured all-reduce time per message size (``bench/results/i30/mpirun-{N}r-fp32-barrier
-.json``: ``best.best_us["all_reduce|pycomm|<bytes>"]``, the median over the jobs, in
-microseconds), interpolated between sizes.
+"""Collective times from the collective benchmark: pycomm's measured all-reduce time per
+message size, interpolated between sizes. The installed planner reads the table shipped
+with it (``parallel/plan/data/all_reduce.json``: seconds by ranks and bytes, and where
+they were measured); ``--comm-results FOLDER`` reads a benchmark's summaries instead
+(``mpirun-{N}r-fp32-barrier.json``: ``best.best_us["all_reduce|pycomm|<bytes>"]``, the
+median over the jobs, in microseconds), and ``python -m parallel.plan.comms FOLDER``
+refreshes the shipped table from them.
 
 The benchmark measured all-reduce only; the other collectives follow from the ring
 (Patarasuk and Yuan 2009): an all-reduce is a reduce-scatter then an all-gather, each
@@ -17,30 +20,47 @@ import json
 import math
 from pathlib import Path
 
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / "bench" / "results" / "i30"
+SHIPPED = Path(__file__).resolve().parent / "data" / "all_reduce.json"
 KEY = "all_reduce|pycomm|"
 
 
-class CommModel:
-    """All-reduce seconds by (ranks, bytes), from the summaries in ``folder``.
+def summary_tables(folder: str | Path) -> dict[int, list[tuple[int, float]]]:
+    """(bytes, seconds) of each ranks' all-reduce from a benchmark's summaries.
 
     Raises:
         FileNotFoundError: no ``mpirun-<N>r-fp32-barrier.json`` summary there.
     """
+    tables = {}
+    for path in sorted(Path(folder).glob("mpirun-*r-fp32-barrier.json")):
+        ranks = int(path.name.split("-")[1].rstrip("r"))
+        best = json.loads(path.read_text())["best"]["best_us"]
+        points = sorted((int(k[len(KEY):]), v[0] * 1e-6) for k, v in best.items()
+                        if k.startswith(KEY))
+        if points:
+            tables[ranks] = points
+    if not tables:
+        raise FileNotFoundError(f"plan: no collective benchmark summaries "
+                                f"(mpirun-<N>r-fp32-barrier.json) in {folder}")
+    return tables
+
+
+def shipped_tables(path: Path = SHIPPED) -> dict[int, list[tuple[int, float]]]:
+    """The table installed with the planner (see the module docstring)."""
+    data = json.loads(path.read_text())
+    return {int(ranks): [(int(n), float(s)) for n, s in points]
+            for ranks, points in data["seconds"].items()}
+
+
+class CommModel:
+    """All-reduce seconds by (ranks, bytes): the shipped table, or the summaries in
+    ``folder`` (see the module docstring).
+
+    Raises:
+        FileNotFoundError: ``folder`` holds no ``mpirun-<N>r-fp32-barrier.json`` summary.
+    """
 
     def __init__(self, folder: str | Path = ""):
-        folder = Path(folder) if folder else DEFAULT_DIR
-        self.tables: dict[int, list[tuple[int, float]]] = {}
-        for path in sorted(folder.glob("mpirun-*r-fp32-barrier.json")):
-            ranks = int(path.name.split("-")[1].rstrip("r"))
-            best = json.loads(path.read_text())["best"]["best_us"]
-            points = sorted((int(k[len(KEY):]), v[0] * 1e-6) for k, v in best.items()
-                            if k.startswith(KEY))
-            if points:
-                self.tables[ranks] = points
-        if not self.tables:
-            raise FileNotFoundError(f"plan: no collective benchmark summaries "
-                                    f"(mpirun-<N>r-fp32-barrier.json) in {folder}")
+        self.tables = summary_tables(folder) if folder else shipped_tables()
 
     def all_reduce(self, nbytes: float, ranks: int) -> float:
         """Seconds for one all-reduce of ``nbytes`` over ``ranks`` (0 for one rank)."""
@@ -73,3 +93,4 @@ def _interpolate(points: list[tuple[int, float]], nbytes: float) -> float:
     (s0, t0), (s1, t1) = points[i - 1], points[i]
     w = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
     return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+

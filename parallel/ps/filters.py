@@ -20,7 +20,12 @@ from __future__ import annotations
 import math
 from typing import Any, TypeAlias
 
-import numpy as np
+from parallel._optional import missing
+
+try:
+    import numpy as np
+except ModuleNotFoundError as err:
+    raise missing("numpy", "parallel.ps (the parameter server's codecs)", err) from err
 import torch
 
 Tensor = torch.Tensor

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
+from parallel._optional import missing
+
+try:
+    import numpy as np
+except ModuleNotFoundError as err:
+    raise missing("numpy", "parallel.ps (the parameter server's key ring)", err) from err
 import torch
 
 

@@ -1,6 +1,6 @@
 """``--tensorboard DIR``: rank 0's step and validation scalars as TensorBoard event files
 (``torch.utils.tensorboard.SummaryWriter``; tensorboard is the optional extra
-``pip install 'pycomm[tensorboard]'``), beside the JSON lines of ``--metrics``.
+``pip install 'pycomm-collectives[tensorboard]'``), beside the JSON lines of ``--metrics``.
 
 Tags: ``train/loss``, ``train/grad_norm``, ``train/lr``, ``train/tokens_per_s``,
 ``train/trained_tokens`` per step and ``eval/loss`` per validation, at the step number.

@@ -156,7 +156,7 @@ class TrainConfig:
     log_every: int = _opt("output", 10, "a line on the logger parallel.train every K "
                           "steps (0: off)")
     tensorboard: str = _opt("output", "", "TensorBoard event files in this folder (rank 0; "
-                            "pip install 'pycomm[tensorboard]')")
+                            "pip install 'pycomm-collectives[tensorboard]')")
 
     @property
     def layout(self) -> MeshShape:

@@ -38,7 +38,7 @@ from parallel.train.board import Board
 from parallel.train.logs import LOGGER, log_to_stderr, step_line
 from parallel.train.plot import loss_curve
 
-# optional (pip install 'pycomm[bench]'): without it, no bar, the lines still go out
+# optional (pip install 'pycomm-collectives[bench]'): without it, no bar, the lines still go out
 _tqdm = available("tqdm")
 tqdm = _tqdm.tqdm if _tqdm is not None else None
 

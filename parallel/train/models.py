@@ -2,7 +2,7 @@
 config (``llama``, ``qwen2``, ``mistral``, ``gpt2``, sized by the model flags;
 ``hf:CONFIG.json``: a config of the user's, as transformers reads it). The vocabulary is the
 data's: 256 for bytes, the tokenizer's with ``--tokenizer`` (the caller passes it).
-HuggingFace models need the optional extra ``pip install pycomm[hf]`` (transformers).
+HuggingFace models need the optional extra ``pip install pycomm-collectives[hf]`` (transformers).
 """
 
 from __future__ import annotations

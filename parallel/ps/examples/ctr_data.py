@@ -22,7 +22,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
+from parallel._optional import missing
+
+try:
+    import numpy as np
+except ModuleNotFoundError as err:
+    raise missing("numpy", "parallel.ps.examples (the CTR data)", err) from err
 import torch
 
 from parallel.train.data import derive_seed
