@@ -36,7 +36,8 @@ class RowsSource:
     """A meta-device layer its tiles take their rows from (see the module docstring)."""
 
     def __init__(self, path: str, layer: nn.Module, tiles: list[nn.Module]):
-        self.path, self.layer, self.waiting = path, layer, len(tiles)
+        self.path, self.waiting = path, len(tiles)
+        self.layer: nn.Module | None = layer
         for tile in tiles:
             tile.__dict__["materialize_rows"] = self._filler(tile)
 
