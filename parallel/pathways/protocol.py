@@ -18,7 +18,7 @@ import pickle
 import socket
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client as _connect
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -109,11 +109,6 @@ class SendOrder:
     dst: Where
     tag: int
     spec: Spec | None
-
-
-def listen(authkey: bytes, host: str = "127.0.0.1") -> Listener:
-    """A listener on a free port (port 0: the kernel picks it, no race for a number)."""
-    return Listener((host, 0), authkey=authkey)
 
 
 def connect(address: tuple[str, int], authkey: bytes) -> Connection:

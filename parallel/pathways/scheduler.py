@@ -33,7 +33,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from parallel.pathways.fair_share import FairShare
-from parallel.pathways.protocol import Lit, Node, listen, no_delay, put, take
+from parallel.pathways.gate import Gate, listen
+from parallel.pathways.protocol import Lit, Node, no_delay, put, take
 
 DEFAULT_COST_S = 1e-3  # a function's expected time before it was ever measured
 
@@ -67,6 +68,11 @@ def is_abort_echo(error: str) -> bool:
     return ABORT_ECHO.search(error) is not None
 
 
+def _ints(fields: list[Any]) -> bool:
+    """Two integers (a worker's rank and pid)."""
+    return len(fields) == 2 and all(isinstance(f, int) for f in fields)
+
+
 class IslandScheduler:
     """The scheduler of island ``island`` (``size`` workers), serving on a free port."""
 
@@ -77,7 +83,8 @@ class IslandScheduler:
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"scheduler window {window!r}: nodes in flight per worker, >= 1")
         self.island, self.size, self.policy, self.window = island, size, policy, window
-        self._listener = listen(authkey, host)
+        self._listener = listen(host)
+        self.gate = Gate(self._listener, authkey, self._admit)  # survives any caller
         self.address: tuple[str, int] = self._listener.address
         self._wake_r, self._wake_w = Pipe(duplex=False)
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -85,7 +92,7 @@ class IslandScheduler:
         self._reset_state()
         self._stopping = False
         self.epoch = 0
-        self._threads = [threading.Thread(target=self._accept, daemon=True, name="pw-accept"),
+        self._threads = [threading.Thread(target=self.gate.serve, daemon=True, name="pw-accept"),
                          threading.Thread(target=self._loop, daemon=True, name="pw-sched")]
         for t in self._threads:
             t.start()
@@ -130,14 +137,10 @@ class IslandScheduler:
             t.join(10.0)
 
     # -- the loop
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn = no_delay(self._listener.accept())
-            except OSError:
-                return
-            self._new.put(conn)
-            self._wake_w.send_bytes(b"!")
+    def _admit(self, conn: Connection) -> None:
+        """An authenticated connection (from the gate's thread): to the loop."""
+        self._new.put(no_delay(conn))
+        self._wake_w.send_bytes(b"!")
 
     def _loop(self) -> None:
         pending: list[Connection] = []  # connections not yet introduced
@@ -154,7 +157,9 @@ class IslandScheduler:
         self._listener.close()
 
     def _read(self, conn: Connection, pending: list[Connection]) -> None:
-        """Every message ``conn`` has ready (one wait() per burst, not per message)."""
+        """Every message ``conn`` has ready (one wait() per burst, not per message). A
+        frame that does not unpickle, or a first message that is no introduction, loses
+        that connection alone (with a line on stderr), never the loop."""
         try:
             while True:
                 message = take(conn)
@@ -167,6 +172,11 @@ class IslandScheduler:
                     return
         except (EOFError, OSError):
             self._lost(conn, pending)
+        except Exception as e:
+            print(f"pathways island {self.island} scheduler: closed a connection that sent "
+                  f"what it cannot read: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
+            self._lost(conn, pending)
+            conn.close()
 
     def _drain_wake(self, pending: list[Connection]) -> None:
         while self._wake_r.poll():
@@ -177,16 +187,27 @@ class IslandScheduler:
             self._calls.get()()
 
     def _introduce(self, conn: Connection, message: tuple[Any, ...]) -> None:
-        if message[0] == "hello":  # a worker
-            _, rank, pid = message
+        """A new connection's first message: a worker's hello or a client's.
+
+        Raises:
+            ValueError: anything else.
+        """
+        kind, *fields = message if isinstance(message, tuple) and message else (None,)
+        if kind == "hello" and _ints(fields) and 0 <= fields[0] < self.size:
+            rank, pid = fields  # a worker
+            if rank in self.workers:
+                raise ValueError(f"a second worker says it is rank {rank}")
             self.workers[rank], self.pids[rank] = conn, pid
             if len(self.workers) == self.size:
                 self._ready.set()
-        elif message[0] == "client":
-            _, client, weight = message
+        elif kind == "client" and len(fields) == 2 and isinstance(fields[0], int) \
+                and isinstance(fields[1], (int, float)) and fields[1] > 0:
+            client, weight = fields
             self.clients[client] = _Client(conn)
             self.queues.add_client(client, float(weight))
             put(conn, ("welcome", self.island, self.size, self.epoch, self.policy))
+        else:
+            raise ValueError(f"a first message {str(message)[:60]} is no introduction")
 
     def _dispatch(self, conn: Connection, message: tuple[Any, ...]) -> None:
         """One message to its handler; a message that is not understood is dropped with
