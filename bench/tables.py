@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from bench import _best
@@ -139,6 +140,15 @@ def _loadavg(prov: dict) -> str:
                                    else str(la))
 
 
+def is_summary(path: Path) -> bool:
+    """Whether ``path`` is a ``--jobs`` summary (what the tables are made from)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "best" in data
+
+
 def render(path: Path) -> list[str]:
     return render_summary(json.loads(Path(path).read_text()), Path(path).stem)
 
@@ -187,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     sections = {}
     for path in args.summaries:
+        if not is_summary(path):  # a glob over a results folder meets each job's file too
+            print(f"bench.tables: skipped {path}: not a --jobs summary (no 'best'; a job's "
+                  "own results are summarized by the summary that lists it)", file=sys.stderr)
+            continue
         if args.rebuild:
             from bench._summary import resummarize
 

@@ -309,11 +309,15 @@ def test_a_worker_failing_before_the_start_ends_the_job(tmp_path):
 
 
 def _example(tmp_path: Path, name: str, *flags: str) -> list[dict]:
-    metrics = tmp_path / f"{name}.jsonl"
+    """The example's metrics lines (written into a folder that does not exist yet, as
+    ``runs/`` on a fresh checkout); with ``--check`` it also prints the check."""
+    metrics = tmp_path / "runs" / f"{name}.jsonl"
     done = subprocess.run([sys.executable, "-m", f"parallel.ps.examples.{name}", *flags,
                            "--metrics", str(metrics)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
+    if "--check" in flags:
+        assert "check: " in done.stdout and "against one process" in done.stdout, done.stdout
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 

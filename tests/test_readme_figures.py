@@ -78,3 +78,20 @@ def test_write_readme_replaces_only_the_named_sections():
     assert block.index(f"#### {first}\n\nnew\n") < block.index("#### brand-new")
     assert block.endswith("#### brand-new\n\nx\n\n")
     assert changed.split(tables.END, 1)[1] == text.split(tables.END, 1)[1]
+
+
+def test_tables_over_a_results_folder_skip_what_is_no_summary(capsys):
+    """``python -m bench.tables bench/results/i30/*.json`` (the documented form) meets each
+    job's own results beside the summaries: it renders the summaries and names what it
+    skipped, rather than failing on the first job file."""
+    from pathlib import Path
+
+    from bench import tables
+
+    folder = Path(__file__).resolve().parent.parent / "bench" / "results" / "i30"
+    summary = folder / "mpirun-2r-fp32-barrier.json"
+    job = folder / "mpirun-2r-fp32-barrier.job1.json"
+    tables.main([str(job), str(summary)])
+    out, err = capsys.readouterr()
+    assert "#### mpirun-2r-fp32-barrier" in out and "| 1 KB | " in out
+    assert f"skipped {job}: not a --jobs summary" in err

@@ -179,14 +179,16 @@ class KVWorker:
                 for name, t in named.items()]
 
     def pull_dense(self, named: dict[str, torch.Tensor]) -> None:
-        """Pull every tensor of ``named`` into it (in place)."""
+        """Pull every tensor of ``named`` into it (in place; a model's own parameters,
+        which require grad, included: the copy is not part of any graph)."""
         waits = []
         for name, t in named.items():
             keys, blocks = self._blocks(name, t)
             waits.append((self.pull(keys, out=blocks, table=name), name, t, blocks))
         for ts, _, t, blocks in waits:
             self.wait(ts)
-            t.view(-1).copy_(blocks.view(-1)[: t.numel()])
+            with torch.no_grad():
+                t.copy_(blocks.view(-1)[: t.numel()].view(t.shape))
 
     def _blocks(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dim = self._dim(name)

@@ -75,6 +75,8 @@ class Metrics:
 
     def __init__(self, path: str):
         self.path, self.start = path, time.perf_counter()
+        if path:  # runs/x.jsonl on a fresh checkout: its folder is made
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     def write(self, **fields: Any) -> None:
         if not self.path:

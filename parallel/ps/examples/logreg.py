@@ -93,6 +93,8 @@ def report(kv: KVWorker, data: ClickData, args: argparse.Namespace, metrics: Met
         diff = max(float((got - want_w).abs().max()), float((b - want_b).abs().max()))
         scale = max(float(want_w.abs().max()), 1e-30)
         metrics.write(check_diff=diff, check_scale=scale, worker=0)
+        print(f"check: weights against one process trained alike: largest |difference| "
+              f"{diff:.3g} (largest weight {scale:.3g})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
