@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,7 +162,7 @@ class KVWorker:
 
     # -- dense tensors by name ------------------------------------------------------------
 
-    def declare_dense(self, named: dict[str, torch.Tensor], updater: str | dict[str, Any] = "sgd",
+    def declare_dense(self, named: Mapping[str, torch.Tensor], updater: str | dict[str, Any] = "sgd",
                       block: int = DENSE_BLOCK) -> None:
         """One table per tensor (its name), cut into blocks of ``block`` elements (a key
         each, spread over the servers); worker 0 sets the initial values, every worker
@@ -173,12 +174,12 @@ class KVWorker:
                 self.wait(ts)
         self.barrier()
 
-    def push_dense(self, named: dict[str, torch.Tensor], codec: str = "none") -> list[int]:
+    def push_dense(self, named: Mapping[str, torch.Tensor], codec: str = "none") -> list[int]:
         """Push every tensor of ``named`` (its table: its name); returns the timestamps."""
         return [self.push(*self._blocks(name, t), table=name, codec=codec)
                 for name, t in named.items()]
 
-    def pull_dense(self, named: dict[str, torch.Tensor]) -> None:
+    def pull_dense(self, named: Mapping[str, torch.Tensor]) -> None:
         """Pull every tensor of ``named`` into it (in place; a model's own parameters,
         which require grad, included: the copy is not part of any graph)."""
         waits = []
