@@ -162,8 +162,8 @@ class KVWorker:
 
     # -- dense tensors by name ------------------------------------------------------------
 
-    def declare_dense(self, named: Mapping[str, torch.Tensor], updater: str | dict[str, Any] = "sgd",
-                      block: int = DENSE_BLOCK) -> None:
+    def declare_dense(self, named: Mapping[str, torch.Tensor],
+                      updater: str | dict[str, Any] = "sgd", block: int = DENSE_BLOCK) -> None:
         """One table per tensor (its name), cut into blocks of ``block`` elements (a key
         each, spread over the servers); worker 0 sets the initial values, every worker
         waits for them."""
