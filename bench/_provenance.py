@@ -33,8 +33,11 @@ def now() -> str:
 
 def versions() -> dict[str, str]:
     """Python, torch, pycomm and every peer library that is installed."""
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist_name in ("pycomm", "mpi4py", "deepspeed"):
+    from pycomm._install import version  # this copy's (PyPI's "pycomm" is another project)
+
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "pycomm": version()}
+    for dist_name in ("mpi4py", "deepspeed"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[dist_name] = importlib.metadata.version(dist_name)
     if "mpi4py" in out:
