@@ -441,12 +441,15 @@ def test_the_build_checks_the_cxx_runtime_of_what_it_linked(setup_py):
 
 
 INSTALL = re.compile(r"pip install\s+([^\n`)]+)")
+# an installed-metadata lookup by the name that is not this project's
+LOOKUP = re.compile(r"(?:version|distribution|requires|metadata|files)\(\s*[\"']pycomm[\"']")
 
 
 def test_every_install_command_names_this_distribution():
     """Every ``pip install`` in the docs, messages and scripts that names this project
-    names its own distribution (``pycomm-collectives``): PyPI's ``pycomm`` is a PLC
-    communication library (1.0.8, which also installs a top-level ``pycomm``)."""
+    names its own distribution (``pycomm-collectives``), and no code looks up installed
+    metadata by the name ``pycomm``: PyPI's ``pycomm`` is a PLC communication library
+    (1.0.8, which also installs a top-level ``pycomm``)."""
     wrong = []
     for rel in _checkout_files():
         if rel.startswith("bench/results/") or not rel.endswith((".md", ".py", ".toml", ".sh",
@@ -461,6 +464,8 @@ def test_every_install_command_names_this_distribution():
                     normal = re.sub(r"[-_.]+", "-", name.group(1)).lower()
                     if normal.startswith("pycomm") and normal != DISTRIBUTION:
                         wrong.append(f"{rel}:{line_no + 1}: {line.strip()}")
+            if LOOKUP.search(line):
+                wrong.append(f"{rel}:{line_no + 1}: {line.strip()}")
     assert not wrong, "\n".join(wrong)
     from parallel import _optional
 
