@@ -101,10 +101,14 @@ def weighted_share(cluster: pw.Cluster, island: int = 1, calls: int = 120,
             min(max(e for _, e in c.timings(fs)) for c, fs in work.items()))
     busy = {c: sum(max(0.0, min(e, both[1]) - max(s, both[0])) for s, e in c.timings(fs))
             for c, fs in work.items()}
+    # each call's own time in the window, to size the noise of the ratio (a loaded
+    # machine stretches calls unevenly)
+    inside = {c: [e - s for s, e in c.timings(fs) if s >= both[0] and e <= both[1]]
+              for c, fs in work.items()}
     light.close()
     heavy.close()
     return {"ratio": busy[heavy] / busy[light], "busy_s": [busy[light], busy[heavy]],
-            "window_s": both[1] - both[0]}
+            "window_s": both[1] - both[0], "calls_s": [inside[light], inside[heavy]]}
 
 
 def killed_worker(cluster: pw.Cluster, client: pw.Client) -> dict[str, Any]:

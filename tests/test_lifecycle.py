@@ -237,7 +237,10 @@ def _killed_mid_collective(victim: int, arena: bool) -> dict:
             work.wait()
         raise AssertionError(f"victim rank {rank}: {QUEUE} all_reduces of {one:.3f} s each "
                              f"ended before the kill at {delay:.3f} s")
-    works = [dist.all_reduce(x, async_op=True) for _ in range(QUEUE)]
+    # Twice the victim's: those past its QUEUE cannot finish without it, so even a kill
+    # that a loaded machine delays past the victim's last all_reduce fails every survivor
+    # (between two ops then, where it is normally inside one).
+    works = [dist.all_reduce(x, async_op=True) for _ in range(2 * QUEUE)]
     start = time.monotonic()
     failed: tuple[int, float, str] | None = None
     for i, work in enumerate(works):
@@ -247,8 +250,8 @@ def _killed_mid_collective(victim: int, arena: bool) -> dict:
             failed = (i, time.monotonic() - start, str(exc))
             break
     if failed is None:
-        raise AssertionError(f"rank {rank}: all {QUEUE} all_reduces succeeded although rank "
-                             f"{victim} was killed during them")
+        raise AssertionError(f"rank {rank}: all {2 * QUEUE} all_reduces succeeded although "
+                             f"rank {victim} was killed during them")
     failed_op, elapsed, message = failed
     assert elapsed <= delay + PG_TIMEOUT_S + SLACK_S, (
         f"rank {rank}: took {elapsed:.1f} s to fail (kill at {delay:.2f} s): {message}")
