@@ -1,6 +1,7 @@
 // What `python -m pycomm.env` reports about this build, and the logger for Python's lines.
 #include <torch/csrc/utils/pybind.h>
 
+#include <cstddef>
 #include <string>
 
 #include "core/kernels/f16c.h"
@@ -81,6 +82,22 @@ py::dict segment_bytes(int world) {
   return d;
 }
 
+size_t control_word(int world, int rank, const std::string& name) {
+  TORCH_CHECK_VALUE(world >= 1 && rank >= 0 && rank < world, "control_word: rank ", rank, " of ",
+                    world);
+  pycomm::Config cfg = pycomm_torch::translated([] { return pycomm::Config::from_env(); });
+  pycomm::Layout layout(world, pycomm::group_settings(cfg, world));
+  size_t field = 0;
+  if (name == "stage") {
+    field = offsetof(pycomm::RankControl, stage);
+  } else if (name == "completed_seq") {
+    field = offsetof(pycomm::RankControl, completed_seq);
+  } else {
+    TORCH_CHECK_VALUE(false, "control_word: ", name, " is not stage or completed_seq");
+  }
+  return layout.controls_offset() + rank * sizeof(pycomm::RankControl) + field;
+}
+
 pycomm::LogLevel level_of(const std::string& name) {
   if (name == "WARN") return pycomm::LogLevel::WARN;
   if (name == "INFO") return pycomm::LogLevel::INFO;
@@ -152,6 +169,9 @@ void register_env_info(py::module_& m) {
       },
       "The core's defaults of its numeric PYCOMM_* settings (the documented ones are "
       "checked against these).");
+  m.def("_control_word", &control_word, py::arg("world"), py::arg("rank"), py::arg("name"),
+        "Byte offset in a group's segment (this process's settings) of rank's control "
+        "word `name` (stage, completed_seq): for tests that play a hostile writer.");
   m.def("_segment_bytes", &segment_bytes, py::arg("world"),
         "Bytes of a group's segment with this process's settings: eager (at creation), "
         "channel (one), channels (how many), total (every channel in use).");

@@ -164,7 +164,10 @@ void Transport::wait_for_peers(const OpCall& op, Behind behind) {
 // they have finished that op.
 void Transport::wait_parity_free(const OpCall& op) {
   uint64_t seq = op.desc.seq;
-  if (seq > 2) wait_for_peers(op, [&](int r) { return !peer_finished(r, seq - 2); });
+  if (seq <= 2) return;
+  int bad = -1;  // reported after the wait, not thrown from inside it
+  wait_for_peers(op, [&](int r) { return !peer_finished(r, seq - 2, op, &bad); });
+  if (bad >= 0) implausible(bad, op, "completed_seq", bad_count_, seq + kMostLead);
 }
 
 void* Transport::direct_buffer(const OpCall& op) {
@@ -186,11 +189,31 @@ const char* Transport::peer_stage_area(int peer, const OpCall& op) const {
 }
 
 // Whether `peer` has finished collective `seq`. What this rank has seen of it answers
-// without touching the peer's counters in the common case (see wait_direct).
-bool Transport::peer_finished(int peer, uint64_t seq) {
+// without touching the peer's counters in the common case (see wait_direct). A peer
+// leads this rank (in op) by at most the ops its channels buffer (PYCOMM_SLOTS <= 64):
+// a larger count is no peer's progress, and taking it would reuse areas it still reads.
+bool Transport::peer_finished(int peer, uint64_t seq, const OpCall& op, int* bad) {
   uint64_t& known = finished_[peer];
-  if (known < seq) known = shared_.control(peer)->completed_seq.load(std::memory_order_acquire);
+  if (known < seq) {
+    const uint64_t read = shared_.control(peer)->completed_seq.load(std::memory_order_acquire);
+    if (read > op.desc.seq + kMostLead) {
+      if (*bad < 0) *bad = peer;
+      bad_count_ = read;
+      return true;
+    }
+    known = read;
+  }
   return known >= seq;
+}
+
+void Transport::implausible(int peer, const OpCall& op, const char* counter, uint64_t value,
+                            uint64_t bound) {
+  waiter_.fail("pycomm: " + describe(op.desc) + " (seq " + std::to_string(op.desc.seq) +
+               "): rank " + std::to_string(peer) + "'s " + counter + " reads " +
+               std::to_string(value) + ", beyond what a peer of this op can publish (" +
+               std::to_string(bound) +
+               "): the group's shared segment was written by "
+               "something other than pycomm");
 }
 
 void Transport::post_direct(const OpCall& op) {
@@ -225,8 +248,19 @@ void Transport::post_stage(const OpCall& op, uint64_t k) {
 
 void Transport::wait_stage(const OpCall& op, uint64_t k) {
   const uint64_t want = op.desc.seq * kStagesPerOp + k;
-  wait_for_peers(
-      op, [&](int r) { return shared_.control(r)->stage.load(std::memory_order_acquire) < want; });
+  // A peer runs ahead of this rank by the ops its channels buffer at most (as with
+  // completed_seq: kMostLead); a counter beyond is no peer's progress, and following it
+  // would read a stage area the peer has not filled. It is reported after the wait (not
+  // thrown from inside it), which it ends: the waiting stops at the first such read.
+  const uint64_t beyond = (op.desc.seq + kMostLead) * kStagesPerOp;
+  int bad = -1;
+  uint64_t seen = 0;
+  wait_for_peers(op, [&](int r) {
+    const uint64_t s = shared_.control(r)->stage.load(std::memory_order_acquire);
+    if (s >= beyond && bad < 0) bad = r, seen = s;
+    return bad < 0 && s < want;
+  });
+  if (bad >= 0) implausible(bad, op, "stage", seen, beyond - 1);
 }
 
 }  // namespace pycomm

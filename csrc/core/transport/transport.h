@@ -65,6 +65,9 @@ class Transport {
   // Announces that this rank finished step `k` (1 .. 2^20 - 1) of op; wait_stage()
   // returns once every other rank has too.
   static constexpr uint64_t kStagesPerOp = 1ull << 20;
+  // How many collectives a peer can have finished beyond the one this rank runs: its
+  // channels buffer PYCOMM_SLOTS (<= 64) ops at most; anything near this is corruption.
+  static constexpr uint64_t kMostLead = 1ull << 16;
   void post_stage(const OpCall& op, uint64_t k);
   void wait_stage(const OpCall& op, uint64_t k);
 
@@ -72,7 +75,13 @@ class Transport {
   // Waits until behind(r) is false for every other rank r.
   template <class Behind>
   void wait_for_peers(const OpCall& op, Behind behind);
-  bool peer_finished(int peer, uint64_t seq);
+  // Whether `peer` finished collective `seq`; sets *bad to `peer` (and answers true, to
+  // end a wait) where its counter is beyond what a peer of op could publish.
+  bool peer_finished(int peer, uint64_t seq, const OpCall& op, int* bad);
+  // A peer's counter that no peer running this op could have published (the segment
+  // was written by something other than pycomm): fails the job naming it.
+  [[noreturn]] void implausible(int peer, const OpCall& op, const char* counter, uint64_t value,
+                                uint64_t bound);
   // Waits until every peer has finished the op before the last one that used this
   // rank's areas of op's parity (seq - 2).
   void wait_parity_free(const OpCall& op);
@@ -104,6 +113,7 @@ class Transport {
   std::vector<uint64_t> received_;  // messages released from each peer (our copy of tail)
   std::vector<Outbox> out_;         // our channel to each peer
   std::vector<uint64_t> finished_;  // the last collective each peer is known to have finished
+  uint64_t bad_count_ = 0;          // the implausible counter peer_finished last read
 };
 
 }  // namespace pycomm

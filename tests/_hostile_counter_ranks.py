@@ -1,0 +1,83 @@
+"""Rank functions for tests/test_hostile_counters.py: rank 0 writes 2**62 into a peer's
+control word in the group's shared segment (a stray write, or a process of the same
+user) and the ranks run two-shot all_reduces (3 ranks, 300_001 floats)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+import torch.distributed as dist
+
+N = 300_001  # the two-shot at 3 ranks: steps synchronised through the stage counters
+HUGE = 1 << 62
+
+
+def _segment_base() -> int:
+    """Where this process (rank 0, which made the group's segment and named it after
+    its pid) maps that segment: its name is unlinked once every rank has attached."""
+    mine = f"/dev/shm/pycomm-{os.getpid()}-"
+    with open("/proc/self/maps") as maps:
+        found = [line.split() for line in maps if mine in line]
+    starts = [int(f[0].split("-")[0], 16) for f in found if int(f[2], 16) == 0]
+    assert len(starts) == 1, found
+    return starts[0]
+
+
+def _scribble(victim: int, counter: str) -> None:
+    from pycomm import _C
+
+    offset = _C._control_word(dist.get_world_size(), victim, counter)
+    ctypes.c_uint64.from_address(_segment_base() + offset).value = HUGE
+
+
+def _all_reduce() -> bool:
+    """One all_reduce of N floats; whether every element is the right sum."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    y = torch.full((N,), float(rank + 1))
+    dist.all_reduce(y)
+    return bool(torch.all(y == float(world * (world + 1) // 2)))
+
+
+def stage_scribbled(victim: int, ops: int = 30) -> list[bool | str]:
+    """Rank 0 keeps writing 2**62 into the victim's stage counter (a thread, until the
+    ops end) while every rank runs ``ops`` all_reduces: each is right, or the job fails
+    naming the counter (never a sum read from a stage area the victim has not filled)."""
+    import threading
+
+    assert _all_reduce()  # the segment and the stage areas exist
+    dist.barrier()
+    stop = threading.Event()
+    writer = threading.Thread(target=lambda: [_scribble(victim, "stage") for _ in iter(
+        lambda: stop.wait(0.00002), True)])
+    if dist.get_rank() == 0:
+        writer.start()
+    out: list[bool | str] = []
+    try:
+        for _ in range(ops):
+            out.append(_all_reduce())
+    except dist.DistBackendError as e:
+        out.append(str(e))
+    finally:
+        stop.set()
+        if writer.is_alive():
+            writer.join()
+    return out
+
+
+def completed_scribbled(victim: int, ops: int = 20) -> list[bool | str]:
+    """Every rank runs ``ops`` all_reduces after rank 0 scribbled the victim's
+    completed_seq: each is right, or the job fails naming the counter (never a wrong
+    sum)."""
+    assert _all_reduce()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _scribble(victim, "completed_seq")
+    out: list[bool | str] = []
+    try:
+        for _ in range(ops):
+            out.append(_all_reduce())
+    except dist.DistBackendError as e:
+        out.append(str(e))
+    return out

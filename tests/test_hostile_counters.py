@@ -1,0 +1,41 @@
+"""Counters a peer publishes in the group's shared segment are not trusted: 2**62 written
+into a peer's two-shot stage counter (or its count of finished collectives) while 3 ranks
+run checked all_reduces gives an error naming the rank and the counter, never a wrong
+sum (before: 28 / 20 / 19 wrong results on ranks 0/1/2, every rank exiting 0)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pycomm.testing import run_ranks
+
+pytestmark = pytest.mark.usefixtures("require_pycomm")
+
+ENV = {"PYCOMM_STRIPES": "1"}  # one segment for the group: the one rank 0 made
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_a_stage_counter_beyond_any_peers_is_named_not_followed(victim):
+    from _hostile_counter_ranks import stage_scribbled
+
+    results = run_ranks(stage_scribbled, 3, victim, env=ENV, pg_timeout_s=30.0,
+                        timeout_s=120.0)
+    named = []
+    for rank, outcomes in enumerate(results):
+        assert False not in outcomes, f"rank {rank}: a wrong sum while the counter was bad"
+        named += [o for o in outcomes if isinstance(o, str) and "'s stage reads" in o]
+    assert named, f"no rank read the scribbled counter in 30 all_reduces: {results}"
+    assert f"rank {victim}'s stage reads {1 << 62}" in named[0], named[0]
+    assert "written by something other than pycomm" in named[0], named[0]
+
+
+def test_a_finished_count_beyond_any_peers_never_gives_a_wrong_sum():
+    from _hostile_counter_ranks import completed_scribbled
+
+    results = run_ranks(completed_scribbled, 3, 1, env=ENV, pg_timeout_s=30.0,
+                        timeout_s=120.0)
+    for rank, outcomes in enumerate(results):
+        assert False not in outcomes, f"rank {rank}: a wrong sum after the scribble"
+        errors = [o for o in outcomes if isinstance(o, str)]
+        for message in errors:  # where a rank read the count, it names it
+            assert "pycomm" in message, message
