@@ -81,3 +81,24 @@ def completed_scribbled(victim: int, ops: int = 20) -> list[bool | str]:
     except dist.DistBackendError as e:
         out.append(str(e))
     return out
+
+
+def failure_record_scribbled(word: int) -> str:
+    """Rank 0 writes ``word`` into the group's failure record (the segment's header)
+    while the others wait in an all_reduce it never joins: what they are told."""
+    from pycomm import _C
+
+    assert _all_reduce()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        offset = _C._control_word(dist.get_world_size(), 0, "abort_flag")
+        ctypes.c_uint32.from_address(_segment_base() + offset).value = word
+        dist.distributed_c10d._get_default_store().wait(["told/1", "told/2"])
+        return ""
+    try:
+        _all_reduce()
+        message = "no error"
+    except dist.DistBackendError as e:
+        message = str(e)
+    dist.distributed_c10d._get_default_store().set(f"told/{dist.get_rank()}", "1")
+    return message

@@ -39,3 +39,17 @@ def test_a_finished_count_beyond_any_peers_never_gives_a_wrong_sum():
         errors = [o for o in outcomes if isinstance(o, str)]
         for message in errors:  # where a rank read the count, it names it
             assert "pycomm" in message, message
+
+
+@pytest.mark.parametrize("word", [0x3A5F_9C17, 0xFFFF_FFFF, (7 << 2) | 2])
+def test_a_failure_record_naming_no_rank_is_said_to_be_that(word):
+    """Random bytes in the group's failure record: every rank stops, and is told the
+    record names no rank of the group (before: "rank 241993508 failed, and exited before
+    it could say why")."""
+    from _hostile_counter_ranks import failure_record_scribbled
+
+    results = run_ranks(failure_record_scribbled, 3, word, env=ENV, pg_timeout_s=30.0,
+                        timeout_s=120.0)
+    for message in results[1:]:
+        assert f"the group's failure record reads {word}, which names no rank of the 3" in (
+            message), message

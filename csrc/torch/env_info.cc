@@ -88,12 +88,15 @@ size_t control_word(int world, int rank, const std::string& name) {
   pycomm::Config cfg = pycomm_torch::translated([] { return pycomm::Config::from_env(); });
   pycomm::Layout layout(world, pycomm::group_settings(cfg, world));
   size_t field = 0;
+  if (name == "abort_flag") {  // the group's, in its header
+    return offsetof(pycomm::SegmentHeader, abort_flag);
+  }
   if (name == "stage") {
     field = offsetof(pycomm::RankControl, stage);
   } else if (name == "completed_seq") {
     field = offsetof(pycomm::RankControl, completed_seq);
   } else {
-    TORCH_CHECK_VALUE(false, "control_word: ", name, " is not stage or completed_seq");
+    TORCH_CHECK_VALUE(false, "control_word: ", name, " is not stage, completed_seq or abort_flag");
   }
   return layout.controls_offset() + rank * sizeof(pycomm::RankControl) + field;
 }
@@ -171,7 +174,8 @@ void register_env_info(py::module_& m) {
       "checked against these).");
   m.def("_control_word", &control_word, py::arg("world"), py::arg("rank"), py::arg("name"),
         "Byte offset in a group's segment (this process's settings) of rank's control "
-        "word `name` (stage, completed_seq): for tests that play a hostile writer.");
+        "word `name` (stage, completed_seq; abort_flag: the group's): for tests that play "
+        "a hostile writer.");
   m.def("_segment_bytes", &segment_bytes, py::arg("world"),
         "Bytes of a group's segment with this process's settings: eager (at creation), "
         "channel (one), channels (how many), total (every channel in use).");

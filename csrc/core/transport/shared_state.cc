@@ -93,9 +93,23 @@ std::string Shared::abort_message() const {
     std::this_thread::sleep_for(std::chrono::microseconds(500));
     flag = h->abort_flag.load(std::memory_order_acquire);
   }
-  if ((flag & 3) == kPublished)
-    return std::string(h->abort_msg, strnlen(h->abort_msg, sizeof(h->abort_msg)));
-  return "rank " + std::to_string((flag >> 2) - 1) + " failed, and exited before it could say why";
+  // The word and the message are in the segment any process of this user may write:
+  // a word that names no rank of the group is said to be that, not decoded as one.
+  const int64_t claimed = static_cast<int64_t>(flag >> 2) - 1;
+  if (claimed < 0 || claimed >= world_ || ((flag & 3) != kClaimed && (flag & 3) != kPublished)) {
+    return "the group's failure record reads " + std::to_string(flag) +
+           ", which names no rank of the " + std::to_string(world_) +
+           ": the shared segment was written by something other than pycomm";
+  }
+  if ((flag & 3) == kPublished) {
+    std::string msg(h->abort_msg, strnlen(h->abort_msg, sizeof(h->abort_msg)));
+    for (char& c : msg) {  // pycomm writes ASCII: other bytes are not its message
+      const auto u = static_cast<unsigned char>(c);
+      if ((u < 0x20 && c != '\n' && c != '\t') || u >= 0x7f) c = '?';
+    }
+    return msg;
+  }
+  return "rank " + std::to_string(claimed) + " failed, and exited before it could say why";
 }
 
 void Shared::set_abort(const std::string& msg) const {
