@@ -58,6 +58,7 @@ KNOWN_VARIABLES: dict[str, str] = {
     "PYCOMM_CUDA_ARCH": "80;90+PTX (build time; else TORCH_CUDA_ARCH_LIST)",
     "PYCOMM_NO_CUDA": "unset (build time: 1 builds CPU-only)",
     "PYCOMM_PTXAS_VERBOSE": "unset (build time)",
+    "PYCOMM_DEBUG_INFO": "unset (build time: 1 keeps debug information)",
     "PYCOMM_BUILD_DIR": "build/temp.<platform>-py<ver>-torch<ver> (build time: objects kept)",
     "PYCOMM_ALLOW_NO_EXTENSION": "unset (1: import pycomm without a loadable pycomm._C)",
     "PYCOMM_TEST_THREADS": "1 (torch threads in each rank pycomm.testing starts)",
