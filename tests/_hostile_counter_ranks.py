@@ -40,6 +40,18 @@ def _all_reduce() -> bool:
     return bool(torch.all(y == float(world * (world + 1) // 2)))
 
 
+def _outcomes(ops: int) -> list[bool | str]:
+    """Whether each of ``ops`` all_reduces was right, ending with the error that stopped
+    them, if one did."""
+    out: list[bool | str] = []
+    try:
+        for _ in range(ops):
+            out.append(_all_reduce())
+    except dist.DistBackendError as e:
+        out.append(str(e))
+    return out
+
+
 def stage_scribbled(victim: int, ops: int = 30) -> list[bool | str]:
     """Rank 0 keeps writing 2**62 into the victim's stage counter (a thread, until the
     ops end) while every rank runs ``ops`` all_reduces: each is right, or the job fails
@@ -49,21 +61,20 @@ def stage_scribbled(victim: int, ops: int = 30) -> list[bool | str]:
     assert _all_reduce()  # the segment and the stage areas exist
     dist.barrier()
     stop = threading.Event()
-    writer = threading.Thread(target=lambda: [_scribble(victim, "stage") for _ in iter(
-        lambda: stop.wait(0.00002), True)])
+
+    def keep_writing() -> None:
+        while not stop.wait(0.00002):
+            _scribble(victim, "stage")
+
+    writer = threading.Thread(target=keep_writing)
     if dist.get_rank() == 0:
         writer.start()
-    out: list[bool | str] = []
     try:
-        for _ in range(ops):
-            out.append(_all_reduce())
-    except dist.DistBackendError as e:
-        out.append(str(e))
+        return _outcomes(ops)
     finally:
         stop.set()
         if writer.is_alive():
             writer.join()
-    return out
 
 
 def completed_scribbled(victim: int, ops: int = 20) -> list[bool | str]:
@@ -74,13 +85,7 @@ def completed_scribbled(victim: int, ops: int = 20) -> list[bool | str]:
     dist.barrier()
     if dist.get_rank() == 0:
         _scribble(victim, "completed_seq")
-    out: list[bool | str] = []
-    try:
-        for _ in range(ops):
-            out.append(_all_reduce())
-    except dist.DistBackendError as e:
-        out.append(str(e))
-    return out
+    return _outcomes(ops)
 
 
 def failure_record_scribbled(word: int) -> str:

@@ -230,10 +230,9 @@ class ParallelModel:
     def loss_fn(self, output: Any, targets: torch.Tensor) -> Any:
         """The plan's logits of ``output`` in fp32 or wider, given to this step's loss."""
         logits = self.plan.output(output) if self.plan.output is not None else output
-        chunked = self.vocab_bounds is not None and self.config.loss_fn is None
-        if logits.is_floating_point() and not chunked:  # chunks widen one at a time
-            logits = widened(logits)
         assert self._loss is not None, "loss_fn is called inside a step"
+        if logits.is_floating_point() and not self._loss.chunked:  # chunks widen one at a time
+            logits = widened(logits)
         return self._loss(logits, targets)
 
     def _use_inputs(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -81,7 +81,8 @@ class StepLoss:
     counts: list[float] = field(default_factory=list)  # the (sum, count) form's counts
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.custom is None and self.vocab_bounds is not None:
+        if self.chunked:
+            assert self.vocab_bounds is not None
             total = chunked_cross_entropy(logits, targets, self.ignore_index, self.vocab_bounds)
             return total * (self.replicas / max(self.global_count, 1))
         if self.custom is None:
@@ -95,6 +96,11 @@ class StepLoss:
             self.counts.append(count)
             return total * (self.replicas / max(self.elements, 1))
         return out * (targets.shape[0] / self.replica_rows)
+
+    @property
+    def chunked(self) -> bool:
+        """The default loss over a tiled head: taken in its vocabulary chunks."""
+        return self.custom is None and self.vocab_bounds is not None
 
     def finish(self, is_counter: bool) -> tuple[float, int]:
         """After every micro-batch: the factor the shares still need (``elements /
