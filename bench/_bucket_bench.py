@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.models import GPT, GPTConfig
 from pycomm import Arena, Bucketer, plan_buckets
+from pycomm.parallel.models import GPT, GPTConfig
 
 
 def _one_by_one(grads: list[torch.Tensor], group: Any) -> None:

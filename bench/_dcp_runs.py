@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from bench import _model_zoo as zoo
-from parallel._optional import require
+from pycomm.parallel._optional import require
 
 
 def rss_bytes() -> int:
@@ -48,8 +48,8 @@ class PeakRSS:
 
 def _engine(name: str, dp: int, tp: int, pp: int, recipe: zoo.Recipe, zero: int,
             size: zoo.Size) -> Any:
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     torch.set_num_threads(1)
     model = zoo.build(name, size=size)
@@ -74,7 +74,7 @@ def save_then_train(name: str, lay: tuple[int, int, int], zero: int, recipe: zoo
             added = peak.added
             logits = engine.logits(zoo.batch(name, 0, size=size)[0])
     mesh.destroy()
-    from parallel.compose.dcp_chunks import payload_by_file
+    from pycomm.parallel.compose.dcp_chunks import payload_by_file
 
     mine = f"__{dist.get_rank()}_"
     payload = sum(n for f, n in payload_by_file(path).items() if f.startswith(mine))
@@ -95,7 +95,7 @@ def resume(name: str, lay: tuple[int, int, int], zero: int, recipe: zoo.Recipe,
 def exported_logits(name: str, path: str, out: str, size: zoo.Size = zoo.TINY) -> torch.Tensor:
     """The HuggingFace export of checkpoint ``path``, reloaded by ``from_pretrained``:
     its logits of the first batch (one process)."""
-    from parallel.compose.export import save_pretrained
+    from pycomm.parallel.compose.export import save_pretrained
 
     transformers = require("transformers", "bench's HuggingFace export check")
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bench._timing import Buffers
-from parallel._optional import install_command, require
+from pycomm.parallel._optional import install_command, require
 
 INSTALL = install_command("deepspeed")  # pip install 'pycomm-collectives[deepspeed]' ...
 SEGMENT = "/dev/shm/deepspeed_allreduce_buffer"  # + _{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROLES = ("params", "grads", "state", "other")  # a storage with several roles: the first
 _SCALARS = (str, bytes, int, float, bool, complex, type(None))
-_WALKED = ("parallel", "pycomm", "torch", "bench", "tests")  # whose objects are walked
+_WALKED = ("pycomm", "torch", "bench", "tests")  # whose objects are walked (pycomm.parallel too)
 
 
 class _MallInfo2(ctypes.Structure):

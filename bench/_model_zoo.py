@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel._optional import require
-from parallel.compose.plan import ContextRequest, Layer, Plan
-from parallel.models import GPT, GPTConfig
+from pycomm.parallel._optional import require
+from pycomm.parallel.compose.plan import ContextRequest, Layer, Plan
+from pycomm.parallel.models import GPT, GPTConfig
 
 ROWS = 8
 HF = ("llama", "qwen2", "mistral", "gpt2")
@@ -175,6 +175,6 @@ class Recipe:
     warmup: int = 3
 
     def lr_lambda(self) -> Callable[[int], float]:
-        from parallel.train.schedule import WarmupCosine
+        from pycomm.parallel.train.schedule import WarmupCosine
 
         return WarmupCosine(self.steps, self.warmup, 0.1)

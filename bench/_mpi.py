@@ -17,7 +17,7 @@ import torch
 
 from bench import _ports
 from bench._timing import REDUCING, ROOT, Buffers
-from parallel._optional import require
+from pycomm.parallel._optional import require
 
 INSTALL = "apt-get install -y openmpi-bin libopenmpi-dev && pip install mpi4py"
 # Besides PYCOMM_*: what every rank needs to behave as a spawned rank would.

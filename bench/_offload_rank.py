@@ -33,7 +33,7 @@ def param_count(spec: dict[str, Any]) -> int:
 
 
 def _model(spec: dict[str, Any]) -> torch.nn.Module:
-    from parallel.models import GPT, GPTConfig
+    from pycomm.parallel.models import GPT, GPTConfig
 
     return GPT(GPTConfig(vocab_size=spec["vocab"], block_size=spec["seq"],
                          n_layer=spec["n_layer"], n_head=spec["n_head"],
@@ -46,8 +46,8 @@ def train_rank(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from bench._memcap import join
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     torch.set_num_threads(spec.get("threads", 1))
     join()  # under a memory cap from here on: the model, its state, its buffers

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from bench import _pathways_steps as fns
-from parallel import pathways as pw
+from pycomm.parallel import pathways as pw
 
 F64 = torch.float64
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ V8 = pw.spec((8,), F64)
 
 def gpipe_batches(micro: int, steps: int, rows: int) -> list[tuple[list, list]]:
     """Each step's micro-batches (inputs, targets) of the GPT, from fixed seeds."""
-    from parallel.models.gpt import synthetic_batch
+    from pycomm.parallel.models.gpt import synthetic_batch
 
     batches = []
     for s in range(steps):
@@ -53,7 +53,7 @@ def gpipe_on_two_islands(client: pw.Client, micro: int, steps: int, lr: float = 
                          rows: int = 2) -> tuple[list[list[float]], list[list[float]]]:
     """Per micro-batch losses of GPipe with stages on islands 0 and 1 (every step
     dispatched at once), and of one process."""
-    from parallel.pathways.pipeline import IslandPipeline
+    from pycomm.parallel.pathways.pipeline import IslandPipeline
 
     batches = gpipe_batches(micro, steps, rows)
     act = pw.spec((rows, fns.GPT_CFG.block_size, fns.GPT_CFG.n_embd))
@@ -133,9 +133,9 @@ def killed_worker(cluster: pw.Cluster, client: pw.Client) -> dict[str, Any]:
 def trainer_against_parallel_train(four: pw.Cluster, folder: Path, steps: int,
                                    env: dict[str, str]) -> tuple[list[dict], list[dict]]:
     """The project's GPT on a dp2 x tp2 mesh of one island, each step one call: its step
-    records, and those of the same layout under ``python -m parallel.train``."""
-    from parallel.pathways.train import pw_train
-    from parallel.train.config import parse
+    records, and those of the same layout under ``python -m pycomm.parallel.train``."""
+    from pycomm.parallel.pathways.train import pw_train
+    from pycomm.parallel.train.config import parse
 
     corpus = folder / "corpus"
     corpus.mkdir()
@@ -146,11 +146,11 @@ def trainer_against_parallel_train(four: pw.Cluster, folder: Path, steps: int,
              "--no-progress", "--dp", "2", "--tp", "2", "--data", str(corpus),
              "--eval-every", "0"]
     metrics = folder / "m.jsonl"
-    done = subprocess.run([sys.executable, "-m", "parallel.train", *flags, "--metrics",
+    done = subprocess.run([sys.executable, "-m", "pycomm.parallel.train", *flags, "--metrics",
                            str(metrics)], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env, "PYCOMM_TIMEOUT_S": "120"}, timeout=300)
     if done.returncode != 0:
-        raise RuntimeError(f"python -m parallel.train: exit {done.returncode}\n"
+        raise RuntimeError(f"python -m pycomm.parallel.train: exit {done.returncode}\n"
                            + done.stdout[-3000:] + done.stderr[-3000:])
     want = [r for r in map(json.loads, metrics.read_text().splitlines())
             if r["kind"] == "train"]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.models.gpt import GPT, GPTConfig, lm_loss
+from pycomm.parallel.models.gpt import GPT, GPTConfig, lm_loss
 
 
 def compute(seconds: float, kind: str) -> None:

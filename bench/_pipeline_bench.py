@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.pipeline import ActivationMeter, Pipeline, idle_fractions, plot_timeline
+from pycomm.parallel.pipeline import ActivationMeter, Pipeline, idle_fractions, plot_timeline
 
 BUBBLE_ROWS = 16
 PIPE_STRATEGIES = [f"{impl}-{sched}-{group}" for group in ("pycomm", "gloo")

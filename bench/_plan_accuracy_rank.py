@@ -1,5 +1,5 @@
 """Rank side of ``bench.plan_accuracy``: every layout of one model built by the trainer's
-own code (``parallel.train.loop.build``) on one pool of ranks, and measured.
+own code (``pycomm.parallel.train.loop.build``) on one pool of ranks, and measured.
 
 Per layout, on every rank: the bytes in use (malloc plus pycomm's shared-memory arena,
 bench._memory_probe) just before the engine is built are the baseline; a first step
@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from bench._memory_probe import PeakSampler, ProcessMeter, held_bytes, in_use, proc_status
-from parallel.recompute.arena import CheckpointArena
+from pycomm.parallel.recompute.arena import CheckpointArena
 
-# the module (``parallel.recompute.checkpoint`` the attribute is the function)
-checkpoint_module = importlib.import_module("parallel.recompute.checkpoint")
+# the module (``pycomm.parallel.recompute.checkpoint`` the attribute is the function)
+checkpoint_module = importlib.import_module("pycomm.parallel.recompute.checkpoint")
 
 
 def _batch(cfg: Any, step: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ def _step(engine: Any, cfg: Any, step: int) -> None:
 
 def measure(cfg: Any, steps: int) -> dict[str, Any]:
     """One layout on this rank (every rank calls it with the same ``cfg``)."""
-    from parallel.train.loop import build
+    from pycomm.parallel.train.loop import build
 
     torch.set_num_threads(cfg.threads)
     # The checkpointed inputs' arena is one per process and keeps its largest size: a
@@ -91,7 +91,7 @@ def _timed_steps(engine: Any, cfg: Any, steps: range) -> list[float]:
 def measure_time(cfg: Any, steps: int) -> dict[str, Any]:
     """One layout's step times alone (no sampling): a first step, then ``steps`` timed
     between barriers. Their minimum is the step least disturbed by other load."""
-    from parallel.train.loop import build
+    from pycomm.parallel.train.loop import build
 
     torch.set_num_threads(cfg.threads)
     checkpoint_module._DEFAULT_ARENA = CheckpointArena()

@@ -9,13 +9,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from parallel.plan.calibrate import Calibration
-from parallel.plan.comms import CommModel
-from parallel.plan.layouts import Layout
-from parallel.plan.planner import GIB, Row, evaluate, job_of
-from parallel.plan.shapes import model_shape
-from parallel.plan.timing import predict_time
-from parallel.train.config import parse
+from pycomm.parallel.plan.calibrate import Calibration
+from pycomm.parallel.plan.comms import CommModel
+from pycomm.parallel.plan.layouts import Layout
+from pycomm.parallel.plan.planner import GIB, Row, evaluate, job_of
+from pycomm.parallel.plan.shapes import model_shape
+from pycomm.parallel.plan.timing import predict_time
+from pycomm.parallel.train.config import parse
 
 MIB = 1 << 20
 

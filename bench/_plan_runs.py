@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import _model_zoo as zoo
-from parallel.compose.optim_groups import param_groups
+from pycomm.parallel.compose.optim_groups import param_groups
 
 Curve = list[tuple[float, float, bool]]  # (loss, grad norm, step skipped) per step
 _LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -30,9 +30,9 @@ def one_process(name: str, recipe: zoo.Recipe, precision: str = "fp32",
                 meta: bool = False, loss_scale: float = 2.0**16) -> Curve:
     """The reference run (see the module docstring). Under bf16/fp16 the model computes
     in that dtype and AdamW steps fp32 masters; fp16 scales the loss as the engine does."""
-    from parallel.compose.loss_scale import LossScaler
-    from parallel.compose.materialize import materialize
-    from parallel.compose.parallelize import plan_for
+    from pycomm.parallel.compose.loss_scale import LossScaler
+    from pycomm.parallel.compose.materialize import materialize
+    from pycomm.parallel.compose.parallelize import plan_for
 
     model = _built(name, meta)
     plan = zoo.plan_of(name, model) or plan_for(model)
@@ -88,8 +88,8 @@ def layout(name: str, dp: int, tp: int, pp: int, config: dict[str, Any],
            recipe: zoo.Recipe, meta: bool = False) -> Curve | str:
     """The engine on a (dp, tp, pp) mesh of this pool's world: its curve, or the error
     (as text: a layout the engine refuses is a row of the table, not a crash)."""
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     mesh = None
     try:

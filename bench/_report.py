@@ -5,7 +5,7 @@ import statistics
 from pathlib import Path
 
 from bench._timing import REDUCING, busbw_factor
-from parallel._optional import available
+from pycomm.parallel._optional import available
 
 GB = 1e9
 

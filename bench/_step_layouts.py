@@ -3,7 +3,7 @@ groups, as the step function a user would time.
 
 Every layout gets its own copy of the model (the same seed, so the same weights) and
 AdamW. Torch's layouts (DDP, FSDP2) are what a user writes by hand; the trainer's
-layouts (dp, ZeRO-3, tp, pp) are ``parallel.parallelize`` on a mesh whose groups all
+layouts (dp, ZeRO-3, tp, pp) are ``pycomm.parallel.parallelize`` on a mesh whose groups all
 belong to the cell's backend, so the same ranks can hold gloo, pycomm and fake engines
 side by side and take turns.
 """
@@ -22,8 +22,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench import _model_zoo as zoo
-from parallel.compose.mesh import DIMS, MeshShape, ParallelMesh
-from parallel.compose.parallelize import ParallelConfig, parallelize
+from pycomm.parallel.compose.mesh import DIMS, MeshShape, ParallelMesh
+from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
 # -arena: the torch layout built and stepped in pycomm.use_arena(), so the buffers it
 # allocates (DDP's buckets, with gradients as bucket views; FSDP2's all-gather and

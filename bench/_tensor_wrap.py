@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from pycomm.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
 
 def _heads_per_rank(net: Any, tp: int) -> None:
@@ -73,7 +73,7 @@ def dtensor_tp(net: nn.Module, group: dist.ProcessGroup | None, sp: bool) -> nn.
 
 
 def parallel_tp(net: nn.Module, group: dist.ProcessGroup | None, sp: bool) -> nn.Module:
-    """``parallel.tensor``; the loss is the vocab-parallel one (no logits gather)."""
+    """``pycomm.parallel.tensor``; the loss is the vocab-parallel one (no logits gather)."""
     apply_tensor_parallel(net, group, sequence_parallel=sp)
     net.__dict__["loss_fn"] = lambda logits, y: vocab_parallel_cross_entropy(logits, y,
                                                                              group).mean()

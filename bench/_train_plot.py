@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from parallel._optional import available
+from pycomm.parallel._optional import available
 
 
 def plot(what: str, results: dict[str, Any], path: Path) -> bool:

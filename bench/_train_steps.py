@@ -21,8 +21,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench._tensor_wrap import local_numel
-from parallel.data import DataParallel
-from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
+from pycomm.parallel.data import DataParallel
+from pycomm.parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
 
 # name: (how the model is wrapped, the optimizer, which group it talks over)
 STRATEGIES = {
@@ -88,7 +88,7 @@ def _wrap(kind: str, group: dist.ProcessGroup | None, net: nn.Module, cap_mb: fl
     if kind.startswith("fsdp2"):
         return _fully_shard(net, group, bf16=kind.endswith("bf16"))
     if kind == "zero3":
-        from parallel.zero import shard_model
+        from pycomm.parallel.zero import shard_model
 
         return shard_model(net, group)
     if kind.startswith(("dtensor", "tp")):
@@ -113,7 +113,7 @@ def _fully_shard(net: nn.Module, group: dist.ProcessGroup | None, bf16: bool) ->
 
 
 def _optimizer(kind: str, net: nn.Module, group: Any, cap_mb: float) -> Any:
-    from parallel.zero import ZeroOptimizer
+    from pycomm.parallel.zero import ZeroOptimizer
 
     if kind == "sgd":
         return torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)

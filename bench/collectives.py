@@ -44,7 +44,7 @@ from bench._timing import (
     time_dispatch_floor,
     total_count,
 )
-from parallel._optional import available, note
+from pycomm.parallel._optional import available, note
 
 DEEPSPEED = ("deepspeed", "deepspeed-api")
 

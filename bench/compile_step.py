@@ -27,7 +27,7 @@ COMMON = ["--n-layer", "4", "--n-embd", "128", "--block-size", "128", "--batch-s
 def run(args: list[str], steps: int, compiled: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
-        cmd = [sys.executable, "-m", "parallel.train", *COMMON, *args, "--steps", str(steps),
+        cmd = [sys.executable, "-m", "pycomm.parallel.train", *COMMON, *args, "--steps", str(steps),
                "--metrics", str(metrics), "--compile" if compiled else "--no-compile"]
         subprocess.run(cmd, check=True, capture_output=True)
         lines = [json.loads(x) for x in metrics.read_text().splitlines()]

@@ -20,7 +20,7 @@ from pathlib import Path
 from bench import _best
 from bench._report import LATENCY_MAX
 from bench._timing import busbw_gbs
-from parallel._optional import available, note
+from pycomm.parallel._optional import available, note
 
 DEFAULT_JSON = Path("bench/results/collectives.json")
 DEFAULT_OUT = Path("docs/headline.png")

@@ -4,7 +4,7 @@
 implementation on the same tensors): one AdamW step over ``--numel`` fp32 elements (a
 TinyLlama block's shard at dp=2 by default: 22.1M), as ``torch.optim.AdamW`` with its
 per-tensor loop (``foreach=False``), ``foreach=True`` and ``fused=True``; the offloaded
-unit's step (:func:`parallel.zero.offload_step.unit_stepper`, the inner optimizer run
+unit's step (:func:`pycomm.parallel.zero.offload_step.unit_stepper`, the inner optimizer run
 on pieces pointed into a record) with the default and the fused optimizer; and
 DeepSpeed's ``DeepSpeedCPUAdam`` where it builds. ``fused (A/A)`` times the fused step
 a second time in the same job: the spread between equal things. Each cell is the
@@ -62,10 +62,10 @@ def _torch_step(params: list[torch.Tensor], grad: torch.Tensor,
 
 def _unit_step(params: list[torch.Tensor], grad: torch.Tensor,
                **flags: Any) -> Callable[[], None]:
-    from parallel.zero.offload import ADAM_STATE
-    from parallel.zero.offload_step import unit_stepper
-    from parallel.zero.param_groups import Piece
-    from parallel.zero.unit_store import Record, RecordLayout
+    from pycomm.parallel.zero.offload import ADAM_STATE
+    from pycomm.parallel.zero.offload_step import unit_stepper
+    from pycomm.parallel.zero.param_groups import Piece
+    from pycomm.parallel.zero.unit_store import Record, RecordLayout
 
     numel = sum(p.numel() for p in params)
     pieces, at = [], 0
@@ -84,7 +84,7 @@ def _unit_step(params: list[torch.Tensor], grad: torch.Tensor,
 
 
 def _deepspeed_step(params: list[torch.Tensor], grad: torch.Tensor) -> Callable[[], None]:
-    from parallel._optional import require
+    from pycomm.parallel._optional import require
 
     cpu_adam = require("deepspeed.ops.adam", "bench.host_adam's DeepSpeed peer").DeepSpeedCPUAdam
 

@@ -1,6 +1,6 @@
 """``python -m bench.layouts``: the trainer on many layouts and ZeRO stages, against one process.
 
-Each run is ``parallel.train.launch`` itself (the trainer's code path, spawning its own
+Each run is ``pycomm.parallel.train.launch`` itself (the trainer's code path, spawning its own
 ranks), with dropout 0, the same seed, model and batches, writing its metrics lines; the
 table then compares them. Layouts are written ``DPxTPxPP``, (dp, tp, pp) order, as the
 trainer's flags: ``2x1x2`` is dp=2, tp=1, pp=2. By default: the one-process 1x1x1, every
@@ -28,9 +28,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from parallel.train.config import TrainConfig, parse
-from parallel.train.launch import launch
-from parallel.train.metrics import read_lines
+from pycomm.parallel.train.config import TrainConfig, parse
+from pycomm.parallel.train.launch import launch
+from pycomm.parallel.train.metrics import read_lines
 
 DEFAULT_LAYOUTS = "4x1x1,2x2x1,2x1x2,1x2x2,1x1x4,2x2x2"
 # The trainer's settings unless given: small enough for a few CPU cores, and every
@@ -103,8 +103,8 @@ def table(rows: list[tuple[tuple[int, ...], dict[str, float] | str]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.layouts", description=__doc__.split("\n")[0],
-                                epilog="Other flags go to the trainer (python -m parallel.train "
-                                "--help); dropout is always 0.")
+                                epilog="Other flags go to the trainer (python -m "
+                                "pycomm.parallel.train --help); dropout is always 0.")
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="DPxTPxPP,... ((dp, tp, pp) order)")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages for layouts with dp > 1")
     p.add_argument("--out", type=Path, default=Path("bench/results/layouts.md"))

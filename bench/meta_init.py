@@ -26,9 +26,9 @@ WIDTH, LAYERS, HEADS, SEQ = 768, 8, 12, 128
 
 
 def build_and_step(init: str) -> dict[str, Any]:
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
-    from parallel.models import GPT, GPTConfig
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.models import GPT, GPTConfig
 
     torch.set_num_threads(1)
     cfg = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=LAYERS, n_head=HEADS,

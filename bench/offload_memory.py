@@ -2,13 +2,13 @@
 
 ``python -m bench.offload_memory`` (about 5 minutes): the trainer's GPT (width 512, 8
 blocks, vocabulary 8192; buckets of 4 MB, so ZeRO-1/2 have some 30 to hold one at a
-time) at dp=2, each run a fresh ``python -m parallel.train`` with its
+time) at dp=2, each run a fresh ``python -m pycomm.parallel.train`` with its
 process tree in one uncapped cgroup (bench._memcap), 3 steps, clipping 1.0:
 
 - ``budget``: ZeRO-3 offloaded to disk without a live budget and at three
   ``--max-live-mb`` settings: the pool's peak (rank 0), the records held at most, the
   cgroup's peak and the largest rank's peak RSS, beside the planner's prediction of the
-  pool and of the rank's peak (``parallel.plan``, the same settings);
+  pool and of the rank's peak (``pycomm.parallel.plan``, the same settings);
 - ``zero-offload``: ZeRO-1 and ZeRO-2 in memory and with ``--offload disk`` (the
   optimizer state in the store): the same measures, and the planner's optimizer bytes.
 
@@ -51,7 +51,7 @@ def _flags(zero: int, offload: bool, live_mb: int, work: str) -> list[str]:
 
 def _measure(flags: list[str], work: str) -> dict[str, Any]:
     metrics = os.path.join(work, "m.jsonl")
-    cmd = [sys.executable, "-m", "parallel.train", *flags, "--metrics", metrics]
+    cmd = [sys.executable, "-m", "pycomm.parallel.train", *flags, "--metrics", metrics]
     run = run_capped(cmd, NO_CAP, 900.0, cwd=ROOT, whole_tree=True)
     if run.returncode != 0:
         raise SystemExit(f"bench.offload_memory: {' '.join(flags)} failed:\n"
@@ -67,10 +67,10 @@ def _measure(flags: list[str], work: str) -> dict[str, Any]:
 
 def _predict(flags: list[str]) -> dict[str, int]:
     """The planner's memory for exactly this layout and settings (its rank peak)."""
-    from parallel.plan.fit import layout_of, worst_rank
-    from parallel.plan.memory import job_of
-    from parallel.plan.shapes import model_shape
-    from parallel.train.config import parse
+    from pycomm.parallel.plan.fit import layout_of, worst_rank
+    from pycomm.parallel.plan.memory import job_of
+    from pycomm.parallel.plan.shapes import model_shape
+    from pycomm.parallel.train.config import parse
 
     cfg = parse(flags)
     mem = worst_rank(model_shape(cfg), layout_of(cfg), job_of(cfg))

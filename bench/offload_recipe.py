@@ -3,7 +3,7 @@
 ``python -m bench.offload_recipe`` (needs root for the cgroup, ~25 minutes, ~60 GB of
 free disk under ``--dir``): a Llama of TinyLlama-1.1B's shape (hidden 2048, 22 layers,
 vocabulary 32000, untied head; 16.4 GiB of fp32 Adam state), built on the meta device
-from its config, through ``python -m parallel.train`` with the whole process tree
+from its config, through ``python -m pycomm.parallel.train`` with the whole process tree
 (launcher included) in one cgroup capped at ``--cap-gib``:
 
 1. ``offload``: dp=2, ZeRO-3 offloaded to disk, bf16, clipping 1.0, 2 micro-batches, a
@@ -20,7 +20,7 @@ table to ``recipe-1b.md``.
 
 ``--fit G [G ...]``: instead, the offloaded run (2 steps) with ``--memory-gb G`` and no
 ``--offload-prefetch``, ``--max-live-mb`` or ``--max-unit-mb`` of its own (the trainer
-picks them to fit, :mod:`parallel.plan.fit`), capped at what ``G`` promises: two ranks
+picks them to fit, :mod:`pycomm.parallel.plan.fit`), capped at what ``G`` promises: two ranks
 of ``G`` each plus three processes' runtime (two ranks and the launcher, measured here
 as the resident memory of a process that imported torch, transformers and pycomm) — and whether it
 fits, or is refused before any rank starts (``recipe-1b-fit.{json,md}``).
@@ -39,7 +39,7 @@ from typing import Any
 
 from bench._memcap import available, run_capped
 from bench._provenance import write_report
-from parallel._optional import require
+from pycomm.parallel._optional import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results", "offload")
@@ -59,7 +59,8 @@ LIVE_MB = "700"  # ZeRO-3's budget per rank: about four blocks' bf16 gathers
 
 
 def _trainer(config: str, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "parallel.train", "--model", f"hf:{config}", *RECIPE, *args]
+    return [sys.executable, "-m", "pycomm.parallel.train", "--model", f"hf:{config}", *RECIPE,
+            *args]
 
 
 def _run(name: str, cmd: list[str], cap: int, metrics: str, timeout_s: float) -> dict[str, Any]:
@@ -106,8 +107,8 @@ def _logits_check(work: str, export: str) -> dict[str, Any]:
 def _engine_logits(work: str) -> Any:
     import torch
 
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     transformers = require("transformers", "bench.offload_recipe")
     config = transformers.AutoConfig.from_pretrained(work)
@@ -216,7 +217,7 @@ def _overlap(work: str, config: str, name: str) -> None:
 
 def _runtime_bytes() -> int:
     """Resident bytes of a fresh process that imported what a rank imports."""
-    code = ("import torch, transformers, pycomm, parallel.train.loop, re; print(re.search("
+    code = ("import torch, transformers, pycomm, pycomm.parallel.train.loop, re; print(re.search("
             "r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout

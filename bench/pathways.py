@@ -84,7 +84,7 @@ def spmd(a: argparse.Namespace) -> dict[str, list[float]]:
 def controller(a: argparse.Namespace, cluster: Any) -> dict[str, dict[str, list[float]]]:
     """µs per step through the controller, per dispatch mode and compute length."""
     from bench._pathways_steps import pw_step
-    from parallel import pathways as pw
+    from pycomm.parallel import pathways as pw
 
     spec = pw.spec((8,), torch.float64)
     results: dict[str, dict[str, list[float]]] = {m: {} for m in MODES}
@@ -143,7 +143,7 @@ def ray_peer(a: argparse.Namespace) -> dict[str, float]:
 
 
 def one_job(a: argparse.Namespace) -> dict:
-    from parallel import pathways as pw
+    from pycomm.parallel import pathways as pw
 
     before = _c2c.reading()
     load = os.getloadavg()

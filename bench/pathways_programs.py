@@ -3,7 +3,7 @@
 1. GPipe with its two stages on two islands (micro-batches as futures) against one
    process training the same layers on the same micro-batches;
 2. the project's GPT on a dp2 x tp2 mesh through the controller against the same layout
-   under ``python -m parallel.train``;
+   under ``python -m pycomm.parallel.train``;
 3. two clients on one island: with the scheduler off (they deadlock until the watchdog's
    timeout names it) and on (both finish, exact), and a 1:2 share by weight;
 4. a worker killed mid-program: the error, how soon, and the other island's program.
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench import _pathways_programs as programs
-from parallel import pathways as pw
+from pycomm.parallel import pathways as pw
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -93,7 +93,7 @@ def main() -> None:
     for i, (x, y) in enumerate(zip(g["pathways"], g["one_process"], strict=True)):
         print(f"  step {i + 1}: {x:.7f} | {y:.7f}")
     print(f"  max |diff| {g['max_abs_diff']:.2e}")
-    print("GPT dp2 x tp2: step loss through the controller | python -m parallel.train")
+    print("GPT dp2 x tp2: step loss through the controller | python -m pycomm.parallel.train")
     for i, (x, y) in enumerate(zip(t["pathways"], t["parallel_train"], strict=True)):
         print(f"  step {i + 1}: {x:.7f} | {y:.7f}")
     print(f"  max |diff| {t['max_abs_diff']:.2e}")

@@ -1,7 +1,7 @@
 """Consistency models of parallel.ps side by side: BSP, SSP (tau 2, 8) and async.
 
 ``python -m bench.ps_consistency`` runs the sparse logistic-regression example
-(``parallel.ps.examples.logreg``: 1e6 features, density 1e-4, 4 workers, 2 servers) once
+(``pycomm.parallel.ps.examples.logreg``: 1e6 features, density 1e-4, 4 workers, 2 servers) once
 per model, one worker slowed by ``--slow-ms`` after each step (the straggler bounded
 delay is for), and reads each job's metrics lines. It writes a Markdown table (final
 held-out loss, its difference from BSP's, the time to finish, worker steps per second),
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parallel._optional import available
+from pycomm.parallel._optional import available
 
 Row = dict[str, Any]
 MODELS = {"bsp": ("bsp", 0), "ssp tau=2": ("ssp", 2), "ssp tau=8": ("ssp", 8),
@@ -58,7 +58,7 @@ def run_logreg(flags: list[str], metrics: Path, timeout_s: float = 600.0) -> flo
     """One job of the example with ``flags`` writing ``metrics``; returns its wall seconds
     (launch to exit, startup included). Raises on a failing job."""
     metrics.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "parallel.ps.examples.logreg", *flags,
+    cmd = [sys.executable, "-m", "pycomm.parallel.ps.examples.logreg", *flags,
            "--metrics", str(metrics)]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)

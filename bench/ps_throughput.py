@@ -1,7 +1,7 @@
 """parallel.ps request throughput, and a dense GPT step through it against torch DDP.
 
 ``python -m bench.ps_throughput`` starts one job per (servers, workers) cell with
-``python -m parallel.ps.launch --consistency async``; every worker (this module with
+``python -m pycomm.parallel.ps.launch --consistency async``; every worker (this module with
 ``--worker``) pushes and then pulls the same K keys x dim values, waits for both, and
 counts rounds for ``--seconds`` after a barrier. Reported: pushes + pulls per second,
 summed over workers; median of ``--repeats`` jobs per cell with their range, the cells
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.ps_consistency import load
-from parallel._optional import available
+from pycomm.parallel._optional import available
 
 Row = dict[str, Any]
 KEY_SPACE = 10**6
@@ -77,7 +77,7 @@ def append(path: str, row: Row) -> None:
 def push_pull_worker(args: argparse.Namespace) -> None:
     import torch
 
-    from parallel.ps import KVWorker
+    from pycomm.parallel.ps import KVWorker
 
     torch.set_num_threads(1)
     with KVWorker() as kv:
@@ -109,13 +109,13 @@ def _round(kv: Any, keys: Any, values: Any, out: Any) -> None:
 
 
 def gpt_config() -> Any:
-    from parallel.models import GPTConfig
+    from pycomm.parallel.models import GPTConfig
 
     return GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
 
 
 def gpt_size() -> dict[str, int]:
-    from parallel.models import GPT
+    from pycomm.parallel.models import GPT
 
     params = list(GPT(gpt_config()).parameters())
     return {"params": sum(p.numel() for p in params), "tensors": len(params)}
@@ -124,15 +124,15 @@ def gpt_size() -> dict[str, int]:
 def gpt_ps_worker(args: argparse.Namespace) -> None:
     import torch
 
-    from parallel.models import lm_loss
-    from parallel.ps import KVWorker
-    from parallel.ps.examples.dense_model import (
+    from pycomm.parallel.models import lm_loss
+    from pycomm.parallel.ps import KVWorker
+    from pycomm.parallel.ps.examples.dense_model import (
         flat_named_grads,
         flat_named_parameters,
         gpt_batch,
         init_gpt,
     )
-    from parallel.ps.examples.logreg_model import worker_push_scale
+    from pycomm.parallel.ps.examples.logreg_model import worker_push_scale
 
     torch.set_num_threads(1)
     cfg = gpt_config()
@@ -166,8 +166,8 @@ def ddp_rank(rank: int, world: int, args: argparse.Namespace, result: str) -> No
 
     import pycomm  # noqa: F401  (registers the "pycomm" backend)
     from bench._ports import init_default_group
-    from parallel.models import lm_loss
-    from parallel.ps.examples.dense_model import gpt_batch, init_gpt
+    from pycomm.parallel.models import lm_loss
+    from pycomm.parallel.ps.examples.dense_model import gpt_batch, init_gpt
 
     torch.set_num_threads(1)
     init_default_group("pycomm", rank, world)
@@ -194,8 +194,8 @@ def ddp_rank(rank: int, world: int, args: argparse.Namespace, result: str) -> No
 
 
 def launch(servers: int, workers: int, consistency: str, worker_flags: list[str]) -> None:
-    cmd = [sys.executable, "-m", "parallel.ps.launch", "--servers", str(servers), "--workers",
-           str(workers), "--consistency", consistency, "--", sys.executable, "-m",
+    cmd = [sys.executable, "-m", "pycomm.parallel.ps.launch", "--servers", str(servers),
+           "--workers", str(workers), "--consistency", consistency, "--", sys.executable, "-m",
            "bench.ps_throughput", *worker_flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode:

@@ -1,6 +1,6 @@
 """What parallel.ps sends: bytes per worker step for sparse logistic regression.
 
-``python -m bench.ps_traffic`` runs ``parallel.ps.examples.logreg`` (BSP, 4 workers,
+``python -m bench.ps_traffic`` runs ``pycomm.parallel.ps.examples.logreg`` (BSP, 4 workers,
 2 servers) and reads the pushed and pulled bytes each worker step reports.
 
 1. Sparsity: at a few densities, bytes per step against the rows the step touched
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.ps_consistency import final_loss, load, read_lines, run_logreg, steps_of
-from parallel._optional import available
+from pycomm.parallel._optional import available
 
 Row = dict[str, Any]
 
@@ -61,7 +61,7 @@ def job(args: argparse.Namespace, name: str, density: float, steps: int,
 
 def touched_rows(args: argparse.Namespace, density: float, steps: list[Row]) -> list[int]:
     """Each step line's distinct features (the rows it pulled and pushed), from the data."""
-    from parallel.ps.examples.ctr_data import ClickData
+    from pycomm.parallel.ps.examples.ctr_data import ClickData
 
     data = ClickData(num_features=args.features, density=density, seed=0)
     return [len(data.batch(r["worker"], r["step"], args.batch_size).keys) for r in steps]

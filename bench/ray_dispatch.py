@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from parallel._optional import require
+from pycomm.parallel._optional import require
 
 _PURPOSE = "bench.ray_dispatch (Ray's dispatch overhead, the controller's peer)"
 ray = require("ray", _PURPOSE)

@@ -28,10 +28,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
-from parallel.pipeline import ActivationMeter
-from parallel.recompute import CheckpointArena, apply_activation_checkpointing, apply_fused_kernels
-from parallel.tensor import apply_tensor_parallel, model_parallel_seed, vocab_parallel_cross_entropy
+from pycomm.parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
+from pycomm.parallel.pipeline import ActivationMeter
+from pycomm.parallel.recompute import (
+    CheckpointArena,
+    apply_activation_checkpointing,
+    apply_fused_kernels,
+)
+from pycomm.parallel.tensor import (
+    apply_tensor_parallel,
+    model_parallel_seed,
+    vocab_parallel_cross_entropy,
+)
 from pycomm.testing import run_ranks
 
 MODES = ("plain", "checkpoint", "checkpoint+P_a")
@@ -211,7 +219,7 @@ def kernel_table(shapes: list[tuple[int, ...]], repeats: int = 20) -> list[dict[
     """Forward + backward time and saved bytes, fused against unfused, one process."""
     import torch.nn.functional as F
 
-    from parallel.recompute import fused_bias_dropout_add, fused_bias_gelu
+    from pycomm.parallel.recompute import fused_bias_dropout_add, fused_bias_gelu
 
     ops = {
         "bias+gelu": (lambda x, b, r: F.gelu(x + b), lambda x, b, r: fused_bias_gelu(x, b)),

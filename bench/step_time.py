@@ -2,7 +2,7 @@
 
 For 2 ranks, each model (the project's GPT; HuggingFace's LlamaForCausalLM from a
 LlamaConfig, built in-process, no download) under each layout (torch DDP; torch FSDP2,
-``fully_shard`` per block and root; the trainer's ``parallel.parallelize`` as dp=2,
+``fully_shard`` per block and root; the trainer's ``pycomm.parallel.parallelize`` as dp=2,
 dp=2 ZeRO-3, tp=2 and pp=2), over each backend (gloo; pycomm; torch's ``fake``, whose
 collectives return at once: the same per-rank compute without communication), with
 1 intra-op thread per rank and with torch's default count (compute threads competing

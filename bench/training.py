@@ -4,7 +4,7 @@
 bench``: ~20M parameters in 101 tensors, 2 sequences of 64 tokens per rank) for: the
 same step without communication (``local``), torch DDP on gloo, torch DDP on pycomm (as
 it is, and built and stepped in ``pycomm.use_arena()``: ``ddp-pycomm-arena``, its buckets
-in the arena), and ``parallel.data`` on pycomm (and on gloo), interleaved in rounds on the
+in the arena), and ``pycomm.parallel.data`` on pycomm (and on gloo), interleaved in rounds on the
 same ranks.
 Exposed communication = step time - local step time. Peak RSS comes from a fresh set of
 ranks per strategy (and PSS after 3 steps, which counts shared memory once rather than
@@ -12,7 +12,7 @@ on every rank that maps it). The model is sized so communication matters: 80 MB 
 per step against a small per-rank batch, as in data parallelism at scale where the
 per-rank batch shrinks as ranks are added.
 
-``python -m bench.training zero`` times ZeRO stages 1, 2 and 3 (``parallel.zero``) against
+``python -m bench.training zero`` times ZeRO stages 1, 2 and 3 (``pycomm.parallel.zero``) against
 DDP, torch's ``ZeroRedundancyOptimizer`` (stage 1 peer) and FSDP2 ``fully_shard`` (stage 3
 peer, per block and root) with AdamW, on pycomm and on gloo, with each ZeroOptimizer's
 own accounting of parameter, gradient, state and bucket bytes; peak PSS is sampled
@@ -45,8 +45,8 @@ from bench._train_steps import (
     peak_memory,
     time_strategies,
 )
-from parallel._optional import note
-from parallel.models import GPTConfig
+from pycomm.parallel._optional import note
+from pycomm.parallel.models import GPTConfig
 from pycomm.testing import run_ranks
 
 MODELS = {

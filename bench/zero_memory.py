@@ -54,7 +54,7 @@ ALLOWANCE = {
 
 
 def _model() -> Any:
-    from parallel.models import GPT, GPTConfig
+    from pycomm.parallel.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig(**MODEL))
@@ -62,8 +62,8 @@ def _model() -> Any:
 
 def measure(zero: int, bucket_mb: float) -> dict[str, Any]:
     """On every rank: build the engine, train two steps, measure the second."""
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     torch.set_num_threads(1)
     dist.barrier()  # pycomm drops finished ops' tensors at the next op
@@ -110,7 +110,7 @@ def formula(stage: int, psi: int, n: int) -> float:
 def allowance(stage: int, model: Any) -> float:
     """Bytes of the buffers each stage states beside the formula, between steps (the
     composed engine reduces after backward, where stage 2 streams at every cap)."""
-    from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD
+    from pycomm.parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD
 
     if stage == 3:
         unit = max(sum(p.numel() for p in block.parameters()) for block in model.blocks)

@@ -4,14 +4,14 @@ Every import of a module outside pycomm's requirements (torch) in pycomm/,
 parallel/ and bench/ goes through here, so that a missing one names what needs it and
 the exact command that installs it, not a bare ``No module named 'zmq'``::
 
-    zmq = require("zmq", "parallel.ps (the parameter server's transport)")
+    zmq = require("zmq", "pycomm.parallel.ps (the parameter server's transport)")
 
 or, where the module's types are used at module level::
 
     try:
         import zmq
     except ModuleNotFoundError as err:
-        raise missing("zmq", "parallel.ps (...)", err) from err
+        raise missing("zmq", "pycomm.parallel.ps (...)", err) from err
 
 ``available()`` is for the few that only add something (a plot, a progress bar): None
 without them, and ``note()`` says what was left out and how to get it. (It lives in

@@ -10,7 +10,7 @@ streams (``"replicated"``, seeded alike on the TP ranks of a stage, and
 one of them. A stream is a CPU generator state and, once CUDA is initialized, one per
 CUDA device; a fork swaps both the CPU generator and the current device's.
 
-Every recomputation (:func:`parallel.recompute.checkpoint`, ``Pipeline``'s
+Every recomputation (:func:`pycomm.parallel.recompute.checkpoint`, ``Pipeline``'s
 rematerialization through :meth:`RNGTracker.checkpoint_context`) takes a
 :meth:`RNGTracker.snapshot` of *all* generators before the forward and
 :meth:`RNGTracker.replay`\\ s it around the recomputation, so backward draws the forward's
@@ -129,8 +129,8 @@ class RNGTracker:
             return
         if name not in self.streams:
             raise KeyError(f"RNG stream {name!r} is not seeded: call "
-                           "parallel.rng.model_parallel_seed(seed, tp_group, pp_rank) before "
-                           f"training with dropout (seeded: {sorted(self.streams)})")
+                           "pycomm.parallel.rng.model_parallel_seed(seed, tp_group, pp_rank) "
+                           f"before training with dropout (seeded: {sorted(self.streams)})")
         stream, device = self.streams[name], _cuda_device()
         outside_cpu = torch.get_rng_state()
         torch.set_rng_state(stream.cpu)

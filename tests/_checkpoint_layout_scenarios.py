@@ -22,7 +22,7 @@ MODELS = ("gpt", "llama")
 def build(name: str, tied: bool) -> nn.Module:
     torch.manual_seed(0)
     if name == "gpt":
-        from parallel.models import GPT, GPTConfig
+        from pycomm.parallel.models import GPT, GPTConfig
 
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=rb.SEQ, n_layer=2, n_head=4,
                              n_embd=32, tie_embeddings=tied))
@@ -35,8 +35,8 @@ def build(name: str, tied: bool) -> nn.Module:
 
 
 def _engine(layout: str, name: str, tied: bool) -> tuple[Any, Any]:
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     dp, tp, pp, config = rb.LAYOUTS[layout]
     if tied:  # a tied layer is refused by tiles (tests/test_zero3_tiles.py): kept whole

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
+from pycomm.parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 LR = 0.5
@@ -101,12 +101,12 @@ def zero_over_tp_sp(stage: int, mixed: bool) -> dict[str, float]:
     dense model stepped on both replicas' rows (absolute; and in bf16 rounding units,
     see ``_bf16_error``), and between the TP ranks' copies of a replicated LayerNorm
     weight."""
-    from parallel.tensor import (
+    from pycomm.parallel.tensor import (
         apply_tensor_parallel,
         gather_tensor_parallel_state_dict,
         vocab_parallel_cross_entropy,
     )
-    from parallel.zero import ZeroOptimizer, shard_model
+    from pycomm.parallel.zero import ZeroOptimizer, shard_model
 
     rank = dist.get_rank()
     tp, dp = _tp_dp_groups()
@@ -140,8 +140,8 @@ def data_parallel_stage(schedule: str) -> dict[str, float]:
     [2,3], replicas [0,2] and [1,3]). Returns the largest difference between the two
     replicas' gradients, and from the gradient one process computes on both replicas'
     rows."""
-    from parallel.data import DataParallel
-    from parallel.pipeline import Pipeline
+    from pycomm.parallel.data import DataParallel
+    from pycomm.parallel.pipeline import Pipeline
 
     rank = dist.get_rank()
     pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -175,8 +175,8 @@ def stage3_tp_state_dict() -> dict[str, Any]:
     """Defect 6: gather_tensor_parallel_state_dict of a TP model under ZeRO stage 3
     (4 ranks: TP 2 x DP 2, the ZeRO group two ranks, checked sharded): no empty tensors,
     and the dense model's values."""
-    from parallel.tensor import apply_tensor_parallel, gather_tensor_parallel_state_dict
-    from parallel.zero import shard_model
+    from pycomm.parallel.tensor import apply_tensor_parallel, gather_tensor_parallel_state_dict
+    from pycomm.parallel.zero import shard_model
 
     tp, dp = _tp_dp_groups()
     torch.manual_seed(0)
@@ -197,12 +197,12 @@ def zero_tp_clip_and_checkpoint(stage: int, path: str) -> dict[str, Any]:
     the clip norm's relative error against one process on both replicas' rows, the
     largest parameter difference after the step, the TP copies' difference of a
     replicated LayerNorm weight, and (rank 0) how far the consolidated checkpoint is."""
-    from parallel.tensor import (
+    from pycomm.parallel.tensor import (
         apply_tensor_parallel,
         gather_tensor_parallel_state_dict,
         vocab_parallel_cross_entropy,
     )
-    from parallel.zero import ZeroOptimizer, consolidate, save_sharded, shard_model
+    from pycomm.parallel.zero import ZeroOptimizer, consolidate, save_sharded, shard_model
 
     rank = dist.get_rank()
     tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -244,8 +244,8 @@ def zero_tp_clip_and_checkpoint(stage: int, path: str) -> dict[str, Any]:
 def _zero_net(stage: int, tp: Any, dp: Any, seed: int) -> tuple[nn.Module, Any]:
     """GPT(CFG) from ``seed``, tensor-parallel over ``tp`` (None: plain), ZeRO over
     ``dp`` with SGD and momentum (state to carry across layouts)."""
-    from parallel.tensor import apply_tensor_parallel
-    from parallel.zero import ZeroOptimizer, shard_model
+    from pycomm.parallel.tensor import apply_tensor_parallel
+    from pycomm.parallel.zero import ZeroOptimizer, shard_model
 
     torch.manual_seed(seed)
     net: nn.Module = GPT(CFG)
@@ -261,7 +261,7 @@ def _zero_net(stage: int, tp: Any, dp: Any, seed: int) -> tuple[nn.Module, Any]:
 def _sgd_step(net: nn.Module, opt: Any, tp: Any, step: int) -> None:
     """Step ``step`` on the same 4 rows in every layout: TP 2 x DP 2 replica ``d`` (TP
     group ``d``) takes rows ``2d, 2d + 1``; TP 1 x DP 4 rank ``r`` takes row ``r``."""
-    from parallel.tensor import vocab_parallel_cross_entropy
+    from pycomm.parallel.tensor import vocab_parallel_cross_entropy
 
     x, y = synthetic_batch(CFG, 4, seed=30 + step)
     opt.zero_grad()
@@ -276,7 +276,7 @@ def _sgd_step(net: nn.Module, opt: Any, tp: Any, step: int) -> None:
 
 def _saved_whole(net: nn.Module, opt: Any, path: str) -> dict[str, torch.Tensor]:
     """``net``'s parameters whole, through ``save_sharded`` and ``consolidate``."""
-    from parallel.zero import consolidate, save_sharded
+    from pycomm.parallel.zero import consolidate, save_sharded
 
     save_sharded(path, net, opt)
     return consolidate(path)
@@ -288,7 +288,7 @@ def zero_checkpoint_across_tp_sizes(stage: int, root: str) -> dict[str, float]:
     is loaded back at TP 2 x DP 2: each resumed step must be the saving job's own
     (parameters and momentum resharded across TP sizes). Returns the largest
     differences of the whole parameters after steps 2 and 3."""
-    from parallel.zero import load_sharded
+    from pycomm.parallel.zero import load_sharded
 
     rank = dist.get_rank()
     tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -323,8 +323,8 @@ def pipeline_recompute_tp_dropout(schedule: str) -> dict[str, float]:
     so backward must draw the TP dropout streams' masks forward drew."""
     from dataclasses import replace
 
-    from parallel.pipeline import Pipeline
-    from parallel.tensor import apply_tensor_parallel, model_parallel_seed
+    from pycomm.parallel.pipeline import Pipeline
+    from pycomm.parallel.tensor import apply_tensor_parallel, model_parallel_seed
 
     rank = dist.get_rank()
     tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -352,8 +352,8 @@ def partitioned_activations_with_sp() -> dict[str, Any]:
     error naming sequence parallelism, or the gradients of the unpartitioned run."""
     from dataclasses import replace
 
-    from parallel.recompute import checkpoint
-    from parallel.tensor import apply_tensor_parallel
+    from pycomm.parallel.recompute import checkpoint
+    from pycomm.parallel.tensor import apply_tensor_parallel
 
     cfg = replace(CFG, dropout=0.0)
     gen = torch.Generator().manual_seed(3 + dist.get_rank())  # this rank's sequence shard
@@ -378,7 +378,7 @@ def zero_optimizer_contract() -> dict[str, Any]:
     on matrices only) against torch's AdamW, a LambdaLR scheduler, and state_dict
     round trips; and weights loaded into the model after a mixed-precision stage-1 step
     must survive the next step. Each check reports what went wrong instead of raising."""
-    from parallel.zero import ZeroOptimizer
+    from pycomm.parallel.zero import ZeroOptimizer
 
     out: dict[str, Any] = {}
     torch.manual_seed(0)

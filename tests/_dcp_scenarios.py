@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.compose.dcp_chunks import Chunk, ChunkedTensor, chunks_of, load, save
-from parallel.tensor.sharding import TPSpec
+from pycomm.parallel.compose.dcp_chunks import Chunk, ChunkedTensor, chunks_of, load, save
+from pycomm.parallel.tensor.sharding import TPSpec
 
 TENSORS = {  # name -> (global shape, split)
     "w_row": ((8, 6), TPSpec(0)),

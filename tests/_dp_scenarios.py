@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.data import DataParallel
-from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
+from pycomm.parallel.data import DataParallel
+from pycomm.parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32)
 ROWS_PER_RANK = 2

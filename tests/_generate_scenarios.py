@@ -41,7 +41,7 @@ def trained(name: str) -> Any:
 def one_process(name: str, sampled: bool) -> dict[str, torch.Tensor]:
     """The reference tokens: HuggingFace's greedy ``generate`` where there is one, else the
     engine's sampling function on the one-process model's logits."""
-    from parallel.compose.generate import Sampling, next_tokens, positions_of
+    from pycomm.parallel.compose.generate import Sampling, next_tokens, positions_of
 
     model = trained(name)
     tokens, mask = prompts()
@@ -69,12 +69,12 @@ def one_process(name: str, sampled: bool) -> dict[str, torch.Tensor]:
 
 def layout(layout: str, name: str, sampled: bool) -> dict[str, torch.Tensor]:
     """The engine's tokens in ``layout`` (this pool's world)."""
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import parallelize
 
     dp, tp, pp, config = rb.LAYOUTS[layout]
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)
-    from parallel.compose.config import ParallelConfig
+    from pycomm.parallel.compose.config import ParallelConfig
 
     engine = parallelize(trained(name), mesh, ParallelConfig(**config))
     tokens, mask = prompts()

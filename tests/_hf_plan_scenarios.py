@@ -80,8 +80,8 @@ def gpt2(**overrides: Any) -> nn.Module:
 
 
 def plan_for(model_type: str, model: nn.Module) -> Any:
-    from parallel.models.gpt2_plan import gpt2_plan
-    from parallel.models.hf import hf_causal_lm_plan
+    from pycomm.parallel.models.gpt2_plan import gpt2_plan
+    from pycomm.parallel.models.hf import hf_causal_lm_plan
 
     return gpt2_plan(model) if model_type == "gpt2" else hf_causal_lm_plan(model)
 
@@ -89,8 +89,8 @@ def plan_for(model_type: str, model: nn.Module) -> Any:
 def apply_tp(model: nn.Module, plan: Any, group: Any, world: int) -> list[str]:
     """Every tp style of ``plan`` on the modules its pattern matches (a module replaced
     is set on its parent); returns the paths changed, in order."""
-    from parallel.compose.plan import matching
-    from parallel.compose.styles import TPContext, style_of
+    from pycomm.parallel.compose.plan import matching
+    from pycomm.parallel.compose.styles import TPContext, style_of
 
     done = []
     for pattern, spec in plan.tp.items():
@@ -109,8 +109,8 @@ def apply_tp(model: nn.Module, plan: Any, group: Any, world: int) -> list[str]:
 def tp_difference(model_type: str, overrides: dict[str, Any]) -> float:
     """This rank's largest difference between the one-process logits and those of the
     model split by its plan's tp styles over the world group (tp = world size)."""
-    from parallel.compose.layers import sequential_forward
-    from parallel.rng import model_parallel_seed
+    from pycomm.parallel.compose.layers import sequential_forward
+    from pycomm.parallel.rng import model_parallel_seed
 
     model = gpt2(**overrides) if model_type == "gpt2" else build(model_type, **overrides)
     plan = plan_for(model_type, model)

@@ -24,7 +24,7 @@ COEF = 0.02
 
 def build(name: str) -> nn.Module:
     if name == "gpt":
-        from parallel.models import GPT, GPTConfig
+        from pycomm.parallel.models import GPT, GPTConfig
 
         torch.manual_seed(0)
         return GPT(GPTConfig(vocab_size=rb.VOCAB, block_size=rb.SEQ, n_layer=2, n_head=4,
@@ -47,7 +47,7 @@ def build(name: str) -> nn.Module:
 
 def one_process(name: str, case: str, steps: int, model: nn.Module | None = None
                 ) -> list[tuple[float, float]]:
-    from parallel.compose.optim_groups import param_groups
+    from pycomm.parallel.compose.optim_groups import param_groups
 
     model = model if model is not None else build(name)
     opt = torch.optim.AdamW(param_groups(list(model.parameters()), rb.DECAY), lr=rb.LR)
@@ -120,8 +120,8 @@ def engine_in(layout: str, model: nn.Module, precision: str | None = None
               ) -> tuple[Any, Any]:
     """``model`` parallelized in ``layout`` with the tests' AdamW recipe (computing in
     ``precision``, fp32 masters); (engine, mesh)."""
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     dp, tp, pp, ep, config = layout_of(layout)
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
@@ -148,8 +148,8 @@ def curves(layout: str, steps: int, pairs: list[tuple[str, str]] | None = None,
 def refusal(shape: dict[str, int], config: dict[str, Any], name: str = "mixtral") -> str:
     """The error ``parallelize`` raises for ``name`` (one of ours, or of the real-batch
     models: no experts) in this layout, or ""."""
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     mesh = ParallelMesh(**shape)
     try:
@@ -189,7 +189,7 @@ def export_reloads(layout: str, root: str) -> float:
     import torch.distributed as dist
     import transformers
 
-    from parallel.compose.export import save_pretrained
+    from pycomm.parallel.compose.export import save_pretrained
 
     model = build("mixtral")
     engine, mesh = engine_in(layout, model)
@@ -225,7 +225,7 @@ def _router_logits(model: nn.Module, tokens: torch.Tensor, inputs: dict[str, Any
                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The logits and every layer's router logits ``(rows * seq, E)``."""
     if hasattr(model, "forward_with_aux"):  # the project's GPT
-        from parallel.models.gpt_moe import router_logits
+        from pycomm.parallel.models.gpt_moe import router_logits
 
         with router_logits(model) as found:
             out = model(tokens, inputs.get("attention_mask"), inputs.get("position_ids"))
@@ -237,7 +237,7 @@ def _router_logits(model: nn.Module, tokens: torch.Tensor, inputs: dict[str, Any
 def _aux(model: nn.Module, layers: list[torch.Tensor], mask: torch.Tensor | None
          ) -> torch.Tensor:
     if hasattr(model, "forward_with_aux"):
-        from parallel.models.gpt_moe import load_balancing_loss
+        from pycomm.parallel.models.gpt_moe import load_balancing_loss
 
         return load_balancing_loss(layers, 4, 2, mask)
     import importlib
@@ -248,14 +248,14 @@ def _aux(model: nn.Module, layers: list[torch.Tensor], mask: torch.Tensor | None
 
 def one_process_capacity(name: str, case: str, steps: int, chunks: int,
                          policy: str = "probs") -> list[tuple[float, float, int]]:
-    """One process with the capacity (``parallel.moe.capacity``'s drop on each experts
+    """One process with the capacity (``pycomm.parallel.moe.capacity``'s drop on each experts
     module): the global batch's rows in ``chunks`` forwards, each its own capacity, one
     objective over all of them (the cross-entropy over the global count, the aux loss over
     every chunk's routing); per step (loss, gradient norm, dropped assignments)."""
-    from parallel.compose.optim_groups import param_groups
-    from parallel.compose.parallelize import plan_for
-    from parallel.compose.plan import matching
-    from parallel.moe.capacity import DropCounter, limit_capacity
+    from pycomm.parallel.compose.optim_groups import param_groups
+    from pycomm.parallel.compose.parallelize import plan_for
+    from pycomm.parallel.compose.plan import matching
+    from pycomm.parallel.moe.capacity import DropCounter, limit_capacity
 
     model = build(name)
     counter = DropCounter(counts=True)
@@ -292,8 +292,8 @@ def capacity_curves(layout: str, steps: int, pairs: list[tuple[str, str]],
                     policy: str = "probs"
                     ) -> dict[tuple[str, str], list[tuple[float, float, int]]]:
     """``curves`` with the capacity: (loss, gradient norm, dropped) per step."""
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     dp, tp, pp, ep, config = layout_of(layout)
     out = {}
@@ -317,7 +317,7 @@ def meta_curves(layout: str, steps: int, name: str
     """``name`` built on the meta device and parallelized in ``layout`` (each rank
     materializing what it holds; under ep only its experts): (loss, grad norm) per step,
     and the most experts this rank ever initialised in one experts module."""
-    from parallel.compose.materialize import Materializer
+    from pycomm.parallel.compose.materialize import Materializer
 
     made: list[int] = []
     init_experts = Materializer._init_experts
@@ -344,8 +344,8 @@ def meta_curves(layout: str, steps: int, name: str
 
 def one_process_meta(name: str, steps: int) -> list[tuple[float, float]]:
     """``one_process`` from the weights a meta-device build gets in one process."""
-    from parallel.compose.materialize import materialize
-    from parallel.compose.parallelize import plan_for
+    from pycomm.parallel.compose.materialize import materialize
+    from pycomm.parallel.compose.parallelize import plan_for
 
     with torch.device("meta"):
         model = build(name)

@@ -16,8 +16,8 @@ RESUMES = (("disk", "none"), ("none", "disk"), ("disk", "disk"), ("cpu", "disk")
 
 
 def _engine(offload: str, directory: str, dp: int = 2, precision: str = "bf16") -> Any:
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     mesh = ParallelMesh(pp=1, dp=dp, tp=1)
     return parallelize(build("llama"), mesh, ParallelConfig(
@@ -71,7 +71,7 @@ def exported(root: str) -> dict[str, Any]:
     """An fp32 offloaded run's HF export: its logits beside the engine's."""
     import torch.distributed as dist
 
-    from parallel.compose.export import save_pretrained
+    from pycomm.parallel.compose.export import save_pretrained
 
     engine = _train(_engine("disk", os.path.join(root, "x"), precision="fp32"), range(2))
     tokens = batch(9)[0]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.models import GPT, GPTConfig
+from pycomm.parallel.models import GPT, GPTConfig
 
 STEPS = 10
 CLIP = 0.3  # below the norms of these runs (0.5 to 3): every step is clipped
@@ -57,8 +57,8 @@ def train(name: str, offload: str, directory: str, steps: int = STEPS,
     """``steps`` steps of ``name`` at dp=2, ZeRO-3 (``offload`` none, cpu or disk),
     clipping the gradient norm to ``clip``, over ``microbatches`` backwards a step
     (``config``: more of ``ParallelConfig``)."""
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     model = build(name, n_layer)
     mesh = ParallelMesh(pp=1, dp=2, tp=1)
@@ -126,7 +126,7 @@ def run_all(root: str) -> dict[Any, Any]:
 def budget_run(directory: str) -> dict[str, Any]:
     """The Llama offloaded in bf16 under a live budget of about two of its blocks, its
     embedding and head (over ``OWN_UNIT_NUMEL`` here) units of their own."""
-    import parallel.compose.recompute_units as units
+    import pycomm.parallel.compose.recompute_units as units
 
     units.OWN_UNIT_NUMEL = SPLIT_NUMEL
     try:
@@ -138,8 +138,8 @@ def budget_run(directory: str) -> dict[str, Any]:
 
 def refused(root: str) -> list[str]:
     """The messages of every combination offload refuses (on one rank's mesh of 2)."""
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     cases = [dict(zero=0), dict(optimizer=torch.optim.LBFGS), dict(offload_dir="")]
     messages = []

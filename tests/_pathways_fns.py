@@ -16,7 +16,7 @@ from bench._pathways_steps import (  # noqa: F401  (the tests' and the benchmark
     spin,
     summed,
 )
-from parallel import pathways as pw
+from pycomm.parallel import pathways as pw
 
 F64 = torch.float64
 

@@ -17,7 +17,7 @@ def measured(cfg: Any) -> dict[str, Any]:
 
 def refused_everywhere(cfg: Any) -> str:
     """What ``planned_everywhere`` raises on this rank ("" if it returned)."""
-    from parallel.train.auto import planned_everywhere
+    from pycomm.parallel.train.auto import planned_everywhere
 
     try:
         planned_everywhere(cfg)

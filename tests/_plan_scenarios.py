@@ -13,8 +13,8 @@ from bench import _model_zoo as zoo
 
 def _plan(kind: str | None, name: str, model: Any) -> Any:
     """A plan by the name a test gives it (plans hold closures: they are made here)."""
-    from parallel.compose.plan import Plan
-    from parallel.models.gpt_plan import gpt_plan
+    from pycomm.parallel.compose.plan import Plan
+    from pycomm.parallel.models.gpt_plan import gpt_plan
 
     if kind == "zoo":
         return zoo.plan_of(name, model)
@@ -36,8 +36,8 @@ def _plan(kind: str | None, name: str, model: Any) -> Any:
 
 def _engine(name: str, dp: int, tp: int, pp: int, plan: str | None = "zoo",
             **config: Any) -> Any:
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
 
     model = zoo.build(name)
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)
@@ -83,7 +83,7 @@ def tie_copies(name: str, dp: int, tp: int, pp: int, steps: int = 3) -> dict[str
 def checkpointed_bytes(name: str, recompute: bool) -> int:
     """Bytes the default checkpoint arena holds at the end of the forward (the kept block
     inputs): 0 when nothing is checkpointed."""
-    from parallel.recompute.checkpoint import default_arena
+    from pycomm.parallel.recompute.checkpoint import default_arena
 
     engine, mesh = _engine(name, 4, 1, 1, recompute=recompute)
     seen: dict[str, int] = {}

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from _errors import error_message as _error
 from torch import nn
 
-from parallel.pipeline import Pipeline
+from pycomm.parallel.pipeline import Pipeline
 
 WIDTH, LAYERS, ROWS = 16, 12, 10  # 10 rows: 4 and 8 micro-batches split it unevenly
 MICRO = (1, 2, 4, 8)

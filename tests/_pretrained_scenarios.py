@@ -43,9 +43,9 @@ def save(tied: bool, directory: str) -> torch.Tensor:
 def load(layout: str, tied: bool, directory: str) -> tuple[torch.Tensor, int, int]:
     """The engine's logits after ``load_pretrained``, the elements this rank read, and
     the model's parameter count."""
-    from parallel.compose.config import ParallelConfig
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import parallelize
+    from pycomm.parallel.compose.config import ParallelConfig
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import parallelize
 
     dp, tp, pp, config = rb.LAYOUTS[layout]
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)

@@ -1,4 +1,4 @@
-"""Worker programs for tests/test_ps.py, run under ``python -m parallel.ps.launch``:
+"""Worker programs for tests/test_ps.py, run under ``python -m pycomm.parallel.ps.launch``:
 ``python tests/_ps_jobs.py SCENARIO OUT_DIR``. Each worker writes ``OUT_DIR/rankR.json``.
 
 The data of every step is a function of (worker, step) alone, so worker 0 can compute
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from parallel.ps import KVWorker, PSError
-from parallel.ps.updaters import make_updater
+from pycomm.parallel.ps import KVWorker, PSError
+from pycomm.parallel.ps.updaters import make_updater
 
 DIM, STEPS, SPAN = 4, 10, 40
 

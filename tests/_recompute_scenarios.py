@@ -7,9 +7,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
-from parallel.recompute import CheckpointArena, apply_activation_checkpointing
-from parallel.tensor import apply_tensor_parallel, gather_tensor_parallel_state_dict
+from pycomm.parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
+from pycomm.parallel.recompute import CheckpointArena, apply_activation_checkpointing
+from pycomm.parallel.tensor import apply_tensor_parallel, gather_tensor_parallel_state_dict
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=4, n_embd=32, dropout=0.0)
 ROWS = 4

@@ -15,16 +15,22 @@ import torch.distributed as dist
 from _errors import error_message
 from torch import nn
 
-from parallel.models import GPT, GPTConfig, synthetic_batch
-from parallel.pipeline import Pipeline
-from parallel.recompute import (
+from pycomm.parallel.models import GPT, GPTConfig, synthetic_batch
+from pycomm.parallel.pipeline import Pipeline
+from pycomm.parallel.recompute import (
     CheckpointArena,
     apply_activation_checkpointing,
     checkpoint,
     checkpoint_module,
 )
-from parallel.rng import REPLICATED, TENSOR_PARALLEL, TRACKER, model_parallel_seed, seed_from_mesh
-from parallel.tensor import (
+from pycomm.parallel.rng import (
+    REPLICATED,
+    TENSOR_PARALLEL,
+    TRACKER,
+    model_parallel_seed,
+    seed_from_mesh,
+)
+from pycomm.parallel.tensor import (
     apply_tensor_parallel,
     gather_tensor_parallel_state_dict,
     vocab_parallel_cross_entropy,

@@ -18,9 +18,9 @@ TOKENS = rb.batch("packed", 9).tokens
 
 def _engine(tiles: bool, device: str = "cpu", tied: bool = False, zero: int = 3,
             tp: int = 1) -> Any:
-    from parallel.compose.config import ParallelConfig
-    from parallel.compose.mesh import ParallelMesh
-    from parallel.compose.parallelize import parallelize
+    from pycomm.parallel.compose.config import ParallelConfig
+    from pycomm.parallel.compose.mesh import ParallelMesh
+    from pycomm.parallel.compose.parallelize import parallelize
 
     mesh = ParallelMesh(pp=1, dp=2 // tp, tp=tp)
     return parallelize(pretrained.llama(tied, device), mesh, ParallelConfig(
@@ -70,7 +70,7 @@ def run_all(root: str) -> dict[str, Any]:
     if dist.get_rank() == 0:
         from transformers import AutoConfig
 
-        from parallel.compose.export import save_pretrained
+        from pycomm.parallel.compose.export import save_pretrained
 
         save_pretrained(os.path.join(root, "tiled"), AutoConfig.for_model(
             **pretrained.llama(False, "meta").config.to_dict()), os.path.join(root, "hf"))
@@ -98,7 +98,7 @@ WIDE_VOCAB = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
 
 def pool_of(cfg: Any) -> dict[str, Any]:
     """Two steps of the trainer's engine for ``cfg``: its ZeRO-3 counters, the loss."""
-    from parallel.train.loop import build
+    from pycomm.parallel.train.loop import build
 
     engine, _params, _name = build(cfg)
     for step in range(2):

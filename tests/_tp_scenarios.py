@@ -10,8 +10,8 @@ import torch.distributed as dist
 from _errors import error_message
 from torch import nn
 
-from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
-from parallel.tensor import (
+from pycomm.parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
+from pycomm.parallel.tensor import (
     TRACKER,
     ColumnParallelLinear,
     ParallelMLP,
@@ -24,8 +24,8 @@ from parallel.tensor import (
     model_parallel_seed,
     vocab_parallel_cross_entropy,
 )
-from parallel.tensor import comms as tp_comms
-from parallel.tensor.random import REPLICATED, TENSOR_PARALLEL
+from pycomm.parallel.tensor import comms as tp_comms
+from pycomm.parallel.tensor.random import REPLICATED, TENSOR_PARALLEL
 
 # Every size divisible by 2, 3 and 4: heads, hidden, 3 x hidden, 4 x hidden, vocabulary
 # and sequence (sequence parallelism splits it).

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
-from parallel.models import lm_loss
+from pycomm.parallel.models import lm_loss
 
 # Small enough that the tiny models fill several buckets, each above the direct size
 # (4 KiB) so that each all-reduce takes zero-copy or its fallback.

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from bench._memory_probe import PeakSampler, held_bytes, in_use
-from parallel.data import DataParallel
-from parallel.models import GPT, GPTConfig, lm_loss
-from parallel.zero import ZeroOptimizer, shard_model
+from pycomm.parallel.data import DataParallel
+from pycomm.parallel.models import GPT, GPTConfig, lm_loss
+from pycomm.parallel.zero import ZeroOptimizer, shard_model
 
 CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=5, n_head=4, n_embd=128)
 # One parameter (the tied embedding and head) is ~95% of this one: no bucket cap splits

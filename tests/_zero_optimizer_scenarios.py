@@ -16,8 +16,8 @@ from _errors import error_message
 from _zero_scenarios import PERSIST_BELOW, full_params
 from torch import nn
 
-from parallel.models import lm_loss
-from parallel.zero import ZeroOptimizer, shard_model
+from pycomm.parallel.models import lm_loss
+from pycomm.parallel.zero import ZeroOptimizer, shard_model
 
 STAGES = (1, 2, 3)
 CAP_MB = 24 / 1024  # float64: 10 buckets, the first holding both groups

@@ -11,8 +11,8 @@ from _dp_scenarios import batch, model
 from _errors import error_message as _error
 from torch import nn
 
-from parallel.models import lm_loss
-from parallel.zero import ZeroOptimizer, consolidate, load_sharded, save_sharded, shard_model
+from pycomm.parallel.models import lm_loss
+from pycomm.parallel.zero import ZeroOptimizer, consolidate, load_sharded, save_sharded, shard_model
 
 STEPS = 20
 STAGES = (1, 2, 3)
@@ -180,7 +180,7 @@ def memory_only(world: int) -> dict[Any, Any]:
 
 
 def bad_input(group: Any) -> dict[str, str]:
-    from parallel.models import GPT
+    from pycomm.parallel.models import GPT
 
     net = model()
     tied = model()
@@ -235,7 +235,7 @@ def checkpoints(group: Any, stage: int, root: str, load_from: str | None) -> dic
         load_sharded(source, fresh, fresh_opt)
         resumed[name] = _steps(fresh, fresh_opt, group, range(10, STEPS))
     try:
-        from parallel.models import GPT, GPTConfig
+        from pycomm.parallel.models import GPT, GPTConfig
 
         other = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32))
         other, other_opt = build(group, stage, "adamw", net=other)

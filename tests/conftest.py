@@ -125,7 +125,7 @@ def _pool_pids() -> set[int]:
         from pycomm.testing import live_rank_pids
     except ImportError:
         return set()
-    from parallel.pathways.cluster import live_worker_pids
+    from pycomm.parallel.pathways.cluster import live_worker_pids
 
     return live_rank_pids() | live_worker_pids() | _ray_pids()
 

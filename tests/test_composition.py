@@ -6,8 +6,8 @@ before its fix): ZeRO over a tensor-parallel model with sequence parallelism (1)
 gradient clipping (2) and checkpoint files (7) under tensor parallelism, a data-parallel
 pipeline stage (3), pipeline recompute of TP dropout (4), P_a with sequence parallelism
 (5), a ZeRO-3 model's tensor-parallel state dict (6), ZeroOptimizer as a torch
-Optimizer (8). The composed engine
-(``parallel.compose.parallelize``) is tested against one process in tests/test_parallelize.py.
+Optimizer (8). The composed engine (``pycomm.parallel.compose.parallelize``)
+is tested against one process in tests/test_parallelize.py.
 """
 
 from __future__ import annotations

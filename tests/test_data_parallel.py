@@ -1,4 +1,4 @@
-"""parallel.data.DataParallel over 2, 3 and 4 ranks, on pycomm and on gloo.
+"""pycomm.parallel.data.DataParallel over 2, 3 and 4 ranks, on pycomm and on gloo.
 
 One spawn per world size runs every scenario (``_dp_scenarios.run_all``) on both an
 explicit pycomm group and an explicit gloo group; the tests below check the results

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel.compose.dcp_chunks import (
+from pycomm.parallel.compose.dcp_chunks import (
     Chunk,
     ChunkedTensor,
     chunks_of,
@@ -23,7 +23,7 @@ from parallel.compose.dcp_chunks import (
     save,
     saved_keys,
 )
-from parallel.tensor.sharding import TPSpec
+from pycomm.parallel.tensor.sharding import TPSpec
 from pycomm.testing import RankPool, run_ranks
 from tests import _dcp_scenarios as sc
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.recompute import fused_bias_dropout_add, fused_bias_gelu
+from pycomm.parallel.recompute import fused_bias_dropout_add, fused_bias_gelu
 
 SHAPES = [(3, 5), (2, 7, 33), (1, 1), (4, 64, 1536)]  # odd sizes; the last uses threads
 
@@ -88,9 +88,9 @@ def test_bad_inputs_are_named():
 
 
 def _gpt_step(fused, dropout):
-    from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
-    from parallel.pipeline import ActivationMeter
-    from parallel.recompute import apply_fused_kernels
+    from pycomm.parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
+    from pycomm.parallel.pipeline import ActivationMeter
+    from pycomm.parallel.recompute import apply_fused_kernels
 
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32,
                     dropout=dropout)
@@ -117,7 +117,7 @@ def test_fused_gpt_blocks_match_the_plain_ones_and_keep_no_dropout_masks():
 
 
 def test_fused_blocks_refuse_models_without_such_blocks():
-    from parallel.recompute import apply_fused_kernels
+    from pycomm.parallel.recompute import apply_fused_kernels
 
     with pytest.raises(ValueError, match="no block with ln_1, attn, ln_2"):
         apply_fused_kernels(torch.nn.Sequential(torch.nn.Linear(2, 2)))

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.recompute import fused_bias_dropout_add, fused_bias_gelu
+from pycomm.parallel.recompute import fused_bias_dropout_add, fused_bias_gelu
 
 
 def _cuda_missing() -> str | None:
@@ -211,8 +211,8 @@ def test_bad_inputs_name_both_sides():
 
 
 def _gpt_step(fused: bool, device: str):
-    from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
-    from parallel.recompute import apply_fused_kernels
+    from pycomm.parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
+    from pycomm.parallel.recompute import apply_fused_kernels
 
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
     torch.manual_seed(0)

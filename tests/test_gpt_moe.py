@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.models import GPT, GPTConfig
-from parallel.models.gpt_moe import SparseMoE, load_balancing_loss, router_logits
+from pycomm.parallel.models import GPT, GPTConfig
+from pycomm.parallel.models.gpt_moe import SparseMoE, load_balancing_loss, router_logits
 
 SMALL = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
@@ -133,7 +133,7 @@ def test_a_model_built_on_meta_is_initialised_by_its_plan():
     (["--moe-experts", "4", "--pp", "2"], "1f1b schedule .* give --schedule gpipe"),
 ])
 def test_the_trainers_expert_flags_are_checked_before_any_rank_starts(flags, message):
-    from parallel.train.config import parse
+    from pycomm.parallel.train.config import parse
 
     with pytest.raises(ValueError, match=message):
         parse(flags)

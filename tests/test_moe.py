@@ -157,8 +157,8 @@ def test_a_capacity_drops_the_same_assignments_as_one_process(world):
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_kept_assignments_are_each_experts_first_by_the_policy(policy):
-    """parallel.moe.capacity.kept against a loop over the experts."""
-    from parallel.moe.capacity import capacity_of, kept
+    """pycomm.parallel.moe.capacity.kept against a loop over the experts."""
+    from pycomm.parallel.moe.capacity import capacity_of, kept
 
     gen = torch.Generator().manual_seed(3)
     for tokens, k, experts, factor in [(16, 2, 4, 1.0), (33, 1, 8, 0.5), (20, 3, 5, 1.3)]:

@@ -1,4 +1,4 @@
-"""ZeRO-3 offload (parallel.zero.offload): 10 steps of the project's GPT and of a tiny
+"""ZeRO-3 offload (pycomm.parallel.zero.offload): 10 steps of the project's GPT and of a tiny
 HuggingFace Llama at dp=2 give bit-identical parameters offloaded to files, offloaded to
 host memory and in memory (and with activation checkpointing, 4 steps); the records held
 do not grow with the depth; what offload cannot run with is refused by name."""

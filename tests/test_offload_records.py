@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parallel.zero.offload_step import unit_stepper
-from parallel.zero.param_groups import Piece
-from parallel.zero.unit_store import FileUnitStore, HostUnitStore, Record, RecordLayout
+from pycomm.parallel.zero.offload_step import unit_stepper
+from pycomm.parallel.zero.param_groups import Piece
+from pycomm.parallel.zero.unit_store import FileUnitStore, HostUnitStore, Record, RecordLayout
 
 FIELDS = ("master", "exp_avg", "exp_avg_sq")
 NUMEL = 1000  # not a whole 4 KiB block: the padding is exercised
@@ -65,7 +65,7 @@ OPTIMIZERS = {  # name -> (class, options): per-element state of every kind
 def test_unit_step_matches_the_optimizer_in_memory(name, device):
     """The record holds the state the optimizer keeps (found by a probe step); 4 unit
     steps give the values and state of the same optimizer on the pieces in memory."""
-    from parallel.zero.offload_step import optimizer_state_layout
+    from pycomm.parallel.zero.offload_step import optimizer_state_layout
 
     cls, options = OPTIMIZERS[name]
     fields, _ = optimizer_state_layout(cls, options)
@@ -107,7 +107,7 @@ def test_unit_step_matches_the_optimizer_in_memory(name, device):
 
 
 def test_refuses_optimizers_whose_state_it_cannot_hold():
-    from parallel.zero.offload_step import optimizer_state_layout
+    from pycomm.parallel.zero.offload_step import optimizer_state_layout
 
     with pytest.raises(ValueError, match=r"LBFGS.*cannot step one parameter alone"):
         optimizer_state_layout(torch.optim.LBFGS, {"lr": 1.0})  # it needs a closure
@@ -136,7 +136,7 @@ def test_the_ram_case_is_the_shallowest_over_3x_the_ram(tmp_path, monkeypatch):
 
 
 def test_fields_are_read_and_written_in_runs_of_neighbours():
-    from parallel.zero.offload import field_spans
+    from pycomm.parallel.zero.offload import field_spans
 
     layout = RecordLayout(NUMEL, torch.float32, (*FIELDS, "grad"))
     assert field_spans(layout, ("master",)) == [(0, 1)]

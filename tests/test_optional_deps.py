@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel import _optional
+from pycomm.parallel import _optional
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 REQUIRED = {"torch", "pycomm", "parallel", "bench"}
 SCANNED = ("pycomm", "parallel", "bench")
 
-# parallel.ps's modules one by one: a stand-in for the package (its __init__ imports the
+# pycomm.parallel.ps's modules one by one: a stand-in for the package (its __init__ imports the
 # worker, whose own error would come first) lets each module's import site be reached.
-_PS = "import types; ps = types.ModuleType('parallel.ps'); ps.__path__ = ['parallel/ps']; " \
-      "sys.modules['parallel.ps'] = ps; "
+_PS = "import types; ps = types.ModuleType('pycomm.parallel.ps'); ps.__path__ = ['parallel/ps']; " \
+      "sys.modules['pycomm.parallel.ps'] = ps; "
 
 
 @dataclass(frozen=True)
@@ -50,46 +50,49 @@ class Site:
 
 
 SITES = [
-    Site("parallel/ps/worker.py", "zmq", "import parallel.ps"),  # what a user imports
-    Site("parallel/ps/node.py", "zmq", _PS + "import parallel.ps.node"),
-    Site("parallel/ps/scheduler.py", "zmq", _PS + "import parallel.ps.scheduler"),
-    Site("parallel/ps/server.py", "zmq", _PS + "import parallel.ps.server"),
-    Site("parallel/ps/ring.py", "numpy", _PS + "import parallel.ps.ring"),
-    Site("parallel/ps/filters.py", "numpy", _PS + "import parallel.ps.filters"),
+    Site("parallel/ps/worker.py", "zmq", "import pycomm.parallel.ps"),  # what a user imports
+    Site("parallel/ps/node.py", "zmq", _PS + "import pycomm.parallel.ps.node"),
+    Site("parallel/ps/scheduler.py", "zmq", _PS + "import pycomm.parallel.ps.scheduler"),
+    Site("parallel/ps/server.py", "zmq", _PS + "import pycomm.parallel.ps.server"),
+    Site("parallel/ps/ring.py", "numpy", _PS + "import pycomm.parallel.ps.ring"),
+    Site("parallel/ps/filters.py", "numpy", _PS + "import pycomm.parallel.ps.filters"),
     Site("parallel/ps/examples/ctr_data.py", "numpy",
-         _PS + "import parallel.ps.examples.ctr_data"),
+         _PS + "import pycomm.parallel.ps.examples.ctr_data"),
     Site("parallel/compose/export.py", "transformers",
-         "from parallel.compose.export import save_pretrained; save_pretrained('c', None, 'o')"),
+         "from pycomm.parallel.compose.export import save_pretrained; "
+         "save_pretrained('c', None, 'o')"),
     Site("parallel/compose/pretrained.py", "safetensors",
-         "from parallel.compose.pretrained import load_pretrained; load_pretrained(None, 'x')"),
+         "from pycomm.parallel.compose.pretrained import load_pretrained; "
+         "load_pretrained(None, 'x')"),
     Site("parallel/models/hf.py", "transformers",
-         "from parallel.models.hf import attention_mask; "
+         "from pycomm.parallel.models.hf import attention_mask; "
          "attention_mask('full_attention', None, None)"),
     Site("parallel/train/models.py", "transformers",
-         "from parallel.train.models import _transformers; _transformers()"),
+         "from pycomm.parallel.train.models import _transformers; _transformers()"),
     Site("parallel/train/tokenizer.py", "transformers",
-         "from parallel.train.tokenizer import load_tokenizer; load_tokenizer('t', True)"),
+         "from pycomm.parallel.train.tokenizer import load_tokenizer; load_tokenizer('t', True)"),
     Site("parallel/train/hf_data.py", "datasets",
-         "from parallel.train.hf_data import _load; from pathlib import Path; "
+         "from pycomm.parallel.train.hf_data import _load; from pathlib import Path; "
          "_load(Path('x.txt'), 'line')"),
     Site("parallel/train/board.py", "tensorboard",
-         "from parallel.train.board import Board; Board('runs', 0)"),
+         "from pycomm.parallel.train.board import Board; Board('runs', 0)"),
     Site("parallel/train/logs.py", "tqdm",  # the lines go out plainly, not through a bar
-         "import parallel.train.logs as m; print(m._tqdm)", soft="None"),
+         "import pycomm.parallel.train.logs as m; print(m._tqdm)", soft="None"),
     Site("parallel/plan/shapes.py", "transformers",  # a Llama is then counted by hand
-         "from parallel.plan.shapes import model_shape; "
-         "from parallel.train.config import TrainConfig; "
+         "from pycomm.parallel.plan.shapes import model_shape; "
+         "from pycomm.parallel.train.config import TrainConfig; "
          "print(type(model_shape(TrainConfig(model='llama'))).__name__)", soft="ModelShape"),
     Site("parallel/pipeline/timeline.py", "matplotlib",
-         "from parallel.pipeline.timeline import plot_timeline; print(plot_timeline([], 'x.png'))",
+         "from pycomm.parallel.pipeline.timeline import plot_timeline; "
+         "print(plot_timeline([], 'x.png'))",
          soft="False"),
     Site("parallel/train/plot.py", "matplotlib",
-         "from parallel.train.plot import loss_curve; from pathlib import Path; "
+         "from pycomm.parallel.train.plot import loss_curve; from pathlib import Path; "
          "print(loss_curve([], Path('x.png'), 't'))", soft="False"),
     Site("parallel/train/metrics.py", "tqdm",
-         "import parallel.train.metrics as m; print(m.tqdm)", soft="None"),
+         "import pycomm.parallel.train.metrics as m; print(m.tqdm)", soft="None"),
     Site("parallel/train/metrics.py", "matplotlib",  # the trainer's line when it drew no plot
-         "from parallel.train.metrics import Metrics; "
+         "from pycomm.parallel.train.metrics import Metrics; "
          "Metrics(True, '', 'x.png', False, 1, 0).close('t')",
          soft="no plot: matplotlib is not installed (pip install "
               "'pycomm-collectives[bench]', or pip install matplotlib)"),
@@ -100,7 +103,8 @@ SITES = [
          soft="deepspeed is not installed (pip install 'pycomm-collectives[deepspeed]', "
               "or pip install deepspeed)"),
     Site("parallel/compose/export.py", "safetensors",
-         "from parallel.compose.export import save_pretrained; save_pretrained('c', None, 'o')"),
+         "from pycomm.parallel.compose.export import save_pretrained; "
+         "save_pretrained('c', None, 'o')"),
     Site("bench/host_adam.py", "deepspeed",
          "from bench.host_adam import _deepspeed_step; _deepspeed_step([], None)"),
     Site("bench/offload_recipe.py", "transformers",
@@ -118,7 +122,7 @@ SITES = [
          "import torch.distributed as dist; dist.get_rank = lambda *a, **k: 0; "
          "from bench.collectives import _progress; print(_progress(3, False))", soft="None"),
     Site("bench/collectives.py", "matplotlib",  # its note when write_plot drew nothing
-         "from parallel._optional import note; print(note('matplotlib', 'plot'))  # note",
+         "from pycomm.parallel._optional import note; print(note('matplotlib', 'plot'))  # note",
          soft="no plot: matplotlib is not installed (pip install "
               "'pycomm-collectives[bench]', or pip install matplotlib)"),
     Site("bench/headline.py", "matplotlib",
@@ -134,13 +138,13 @@ SITES = [
          "from bench.ps_traffic import plot; from pathlib import Path; "
          "print(plot([], Path('x.png')))", soft="False"),
     Site("bench/training.py", "matplotlib",  # its note when plot() drew nothing
-         "from parallel._optional import note; print(note('matplotlib', 'plot'))  # note",
+         "from pycomm.parallel._optional import note; print(note('matplotlib', 'plot'))  # note",
          soft="no plot: matplotlib is not installed (pip install "
               "'pycomm-collectives[bench]', or pip install matplotlib)"),
-    Site("parallel/pathways/ray_launch.py", "ray", "import parallel.pathways.ray_launch"),
+    Site("parallel/pathways/ray_launch.py", "ray", "import pycomm.parallel.pathways.ray_launch"),
     Site("bench/ray_dispatch.py", "ray", "import bench.ray_dispatch"),
     Site("parallel/pathways/functions.py", "cloudpickle",  # a lambda: only by value
-         "import pytest; from parallel.pathways.functions import sendable; "
+         "import pytest; from pycomm.parallel.pathways.functions import sendable; "
          "e = pytest.raises(TypeError, sendable, lambda c: 1); "
          "print('pycomm-collectives[pathways]' in str(e.value))", soft="True"),
 ]
@@ -180,7 +184,7 @@ def _is_optional(module: str | None) -> bool:
 
 
 def _helper_calls(tree: ast.AST) -> list[tuple[ast.Call, str]]:
-    """Calls of parallel._optional's require/available/missing, with their module."""
+    """Calls of pycomm.parallel._optional's require/available/missing, with their module."""
     out = []
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
@@ -234,7 +238,7 @@ def _scan() -> tuple[set[tuple[str, str]], list[str]]:
 
 def test_every_optional_import_site_has_a_row_and_uses_the_helper():
     sites, bare = _scan()
-    assert bare == [], "import these through parallel._optional (require/available/missing)"
+    assert bare == [], "import these through pycomm.parallel._optional (require/available/missing)"
     tabled = {(s.file, s.module) for s in SITES}
     assert sites - tabled == set(), "optional import sites without a row in SITES"
     assert tabled - sites == set(), "rows of SITES whose import site is gone"
@@ -255,7 +259,7 @@ def test_require_keeps_a_missing_module_inside_the_dependency_apart(monkeypatch)
     """Only the dependency itself missing reads "is not installed"; an import error from
     inside an installed one is quoted."""
     err = ModuleNotFoundError("No module named 'zmq.backend'", name="zmq.backend")
-    message = str(_optional.missing("zmq", "parallel.ps", err))
+    message = str(_optional.missing("zmq", "pycomm.parallel.ps", err))
     assert "cannot be imported (No module named 'zmq.backend')" in message
     assert "pip install 'pycomm-collectives[ps]'" in message
     with pytest.raises(KeyError):

@@ -6,10 +6,11 @@ The sdist is built here (``python -m build --sdist --no-isolation``, from a copy
 checkout so the build writes nothing into it) and read, not compiled: it must hold every
 source setup.py compiles (the CPU and the CUDA build's), every header they include,
 recursively, and LICENSE, README.md, pyproject.toml and setup.py; its packages are
-pycomm and parallel, never bench (which runs from a checkout). That the sdist then
-installs and works is the test that CI's second job does: it installs it with pip into
-a fresh virtual environment with the oldest supported torch and runs the backend and
-conformance tests against that install (.ci/run, "job 2"). Fast: no compiler runs here.
+pycomm and pycomm.parallel (the parallel/ folder), never bench (which runs from a
+checkout). That the sdist then installs and works is the test that CI's second job
+does: it installs it with pip into a fresh virtual environment with the oldest supported
+torch and runs the backend and conformance tests against that install (.ci/run, "job 2").
+Fast: no compiler runs here.
 
 nvcc_flags(), torch_requirement() and IncrementalBuildExt are imported from setup.py (its
 setup() call runs only as a script).
@@ -145,15 +146,22 @@ def test_sdist_holds_licence_and_metadata(setup_py, sdist):
     assert "Operating System :: POSIX :: Linux" in info
 
 
-def test_sdist_installs_pycomm_and_parallel_not_bench(sdist):
+def test_sdist_installs_names_of_our_own_and_not_bench(sdist):
+    """Import names of our own: the strategies (the checkout's parallel/ folder) install as
+    pycomm.parallel, never as a top-level ``parallel`` that other distributions own; beside
+    pycomm only torch's entry point, pycomm_autoload (pycomm/_torch_entry says why)."""
     (top_level,) = [v for k, v in sdist.items() if k.endswith(".egg-info/top_level.txt")]
-    assert set(top_level.decode().split()) == {"pycomm", "parallel"}
+    assert sorted(top_level.decode().split()) == ["pycomm", "pycomm_autoload"]
+    (sources,) = [v for k, v in sdist.items() if k.endswith(".egg-info/SOURCES.txt")]
+    assert "parallel/train/loop.py" in sources.decode().split()
     assert not [f for f in sdist if f.startswith("bench/")]
     assert "pycomm/__init__.py" in sdist and "parallel/__init__.py" in sdist
     (entry_points,) = [v for k, v in sdist.items() if k.endswith(".egg-info/entry_points.txt")]
     assert entry_points.decode().split() == [
         "[console_scripts]", "pycomm-env", "=", "pycomm.env:main", "pycomm-plan", "=",
-        "parallel.plan.__main__:main", "pycomm-train", "=", "parallel.train.launch:main"]
+        "pycomm.parallel.plan.__main__:main", "pycomm-train", "=",
+        "pycomm.parallel.train.launch:main", "[torch.backends]", "pycomm", "=",
+        "pycomm_autoload:register_lazily"]
 
 
 def test_pycomm_is_installed_and_imported_from_where_its_metadata_points():
@@ -282,7 +290,9 @@ def _copy_without_extension(dest: Path, checkout: bool) -> Path:
 
 def _import_pycomm(path: Path, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "PYCOMM_ALLOW_NO_EXTENSION"}
-    environ.update(PYTHONPATH=str(path), **env)
+    # Without torch's entry point: the installed metadata names pycomm_autoload, which the
+    # copy lacks, and torch fails its own import on an entry point it cannot load.
+    environ.update(PYTHONPATH=str(path), TORCH_DEVICE_BACKEND_AUTOLOAD="0", **env)
     # Without the editable install's finder, which would find this checkout's pycomm._C
     # for the copy's package too.
     code = textwrap.dedent("""
@@ -467,7 +477,7 @@ def test_every_install_command_names_this_distribution():
             if LOOKUP.search(line):
                 wrong.append(f"{rel}:{line_no + 1}: {line.strip()}")
     assert not wrong, "\n".join(wrong)
-    from parallel import _optional
+    from pycomm.parallel import _optional
 
     assert _optional.DISTRIBUTION == DISTRIBUTION
     assert f"'{DISTRIBUTION}[ps]'" in _optional.install_command("zmq")
@@ -476,8 +486,8 @@ def test_every_install_command_names_this_distribution():
 def test_the_planner_ships_its_collective_table(sdist):
     """An installed planner reads the all-reduce table shipped with it (not the benchmark's
     records, which are not installed); the table is the committed summaries' (refreshed
-    by ``python -m parallel.plan.refresh_comms bench/results/i30``)."""
-    from parallel.plan.comms import SHIPPED, CommModel
+    by ``python -m pycomm.parallel.plan.refresh_comms bench/results/i30``)."""
+    from pycomm.parallel.plan.comms import SHIPPED, CommModel
 
     assert "parallel/plan/data/all_reduce.json" in sdist
     assert sdist["parallel/plan/data/all_reduce.json"] == SHIPPED.read_bytes()

@@ -77,8 +77,8 @@ def test_a_checkpoint_resumes_in_another_layout(pool4, tmp_path, saved, resumed)
 def test_consolidate_gives_the_plain_model(pool4, tmp_path):
     """The consolidated checkpoint is a plain GPT state dict (every name and shape) whose
     weights give the loss the sharded run had at the step after the save."""
-    from parallel.compose.checkpoint import consolidate
-    from parallel.models import GPT, lm_loss
+    from pycomm.parallel.compose.checkpoint import consolidate
+    from pycomm.parallel.models import GPT, lm_loss
 
     path = str(tmp_path / "ckpt")
     losses = pool4.run(sc.layout_with_checkpoint, 1, 2, 2, 3, path, "save")[0]

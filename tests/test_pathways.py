@@ -1,4 +1,4 @@
-"""parallel.pathways: one controller, islands of workers, futures, gang scheduling.
+"""pycomm.parallel.pathways: one controller, islands of workers, futures, gang scheduling.
 
 One cluster of two islands (two workers each) serves most cases; the cases that break a
 cluster (a deadlock with the scheduler off, a killed worker) or need another shape (a
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from bench import _pathways_programs as programs
-from parallel import pathways as pw
-from parallel.pathways.fair_share import FairShare
-from parallel.pathways.mesh_context import _slice, _unravel
-from parallel.pathways.protocol import transfer_tag
-from parallel.pathways.scheduler import IslandScheduler, _InFlight
-from parallel.pathways.worker import _quoted as worker_quoted
+from pycomm.parallel import pathways as pw
+from pycomm.parallel.pathways.fair_share import FairShare
+from pycomm.parallel.pathways.mesh_context import _slice, _unravel
+from pycomm.parallel.pathways.protocol import transfer_tag
+from pycomm.parallel.pathways.scheduler import IslandScheduler, _InFlight
+from pycomm.parallel.pathways.worker import _quoted as worker_quoted
 
 pytestmark = pytest.mark.usefixtures("require_pycomm")
 
@@ -53,7 +53,7 @@ def _launcher(kind: str, request: pytest.FixtureRequest, sizes: list[int]) -> ob
     if kind == "local":
         return None
     request.getfixturevalue("ray_session")
-    from parallel.pathways.ray_launch import RayLauncher
+    from pycomm.parallel.pathways.ray_launch import RayLauncher
 
     return RayLauncher(sizes, cpus_per_worker=0.5)
 
@@ -390,7 +390,7 @@ def test_gpipe_with_stages_on_two_islands_equals_one_process(client):
 
 def test_the_trainer_through_the_controller_is_python_m_parallel_train(four, tmp_path):
     """The project's GPT on a dp2 x tp2 mesh of one island, each step one call, every
-    step dispatched at once: the losses of the same layout under python -m parallel.train."""
+    step dispatched at once: the losses of the same layout under python -m pycomm.parallel.train."""
     got, want = programs.trainer_against_parallel_train(four, tmp_path, 4, ENV)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
     for g, w in zip(got, want, strict=True):
@@ -399,8 +399,8 @@ def test_the_trainer_through_the_controller_is_python_m_parallel_train(four, tmp
 
 
 def test_the_trainer_refuses_a_mesh_that_is_not_its_island(four):
-    from parallel.pathways.train import pw_train
-    from parallel.train.config import parse
+    from pycomm.parallel.pathways.train import pw_train
+    from pycomm.parallel.train.config import parse
 
     with four.client() as client:
         mesh = client.mesh(0, (2,), names=("dp",))
@@ -416,13 +416,13 @@ class _SlowLastLauncher:
 
     def __init__(self, last: tuple[int, int], delay_s: float,
                  env: dict[str, dict[str, str]] | None = None):
-        from parallel.pathways.launch import LocalLauncher
+        from pycomm.parallel.pathways.launch import LocalLauncher
 
         self._local, self.last, self.delay_s = LocalLauncher(), last, delay_s
         self.env = env or {}  # per "island.rank": extra settings for that worker alone
 
     def start(self, spec):
-        from parallel.pathways.launch import WorkerSpec
+        from pycomm.parallel.pathways.launch import WorkerSpec
 
         if (spec.island, spec.rank) == self.last:
             time.sleep(self.delay_s)

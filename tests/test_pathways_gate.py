@@ -12,8 +12,8 @@ from multiprocessing.connection import AuthenticationError
 
 import pytest
 
-from parallel.pathways.protocol import connect, put, take
-from parallel.pathways.scheduler import IslandScheduler
+from pycomm.parallel.pathways.protocol import connect, put, take
+from pycomm.parallel.pathways.scheduler import IslandScheduler
 
 KEY = b"island-key"
 WAIT_S = 20.0  # what a step may take on a loaded machine; a hang would take forever

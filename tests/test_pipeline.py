@@ -1,13 +1,13 @@
-"""parallel.pipeline: the schedules and helpers as pure functions, and K = 2, 3, 4 stages
+"""pycomm.parallel.pipeline: the schedules and helpers as pure functions, and K = 2, 3, 4 stages
 (one spawn each) against the unpartitioned model on one process."""
 
 import pytest
 import torch
 from _pp_scenarios import MICRO, MODES, SCHEDULES, reference, run_all
 
-from parallel.pipeline import gpipe_schedule, one_f_one_b_schedule, split_batch
-from parallel.pipeline.balance import partition
-from parallel.pipeline.schedule import in_flight
+from pycomm.parallel.pipeline import gpipe_schedule, one_f_one_b_schedule, split_batch
+from pycomm.parallel.pipeline.balance import partition
+from pycomm.parallel.pipeline.schedule import in_flight
 
 
 def _rows(schedule):
@@ -56,7 +56,7 @@ def test_split_batch_handles_uneven_rows_nesting_and_plain_values():
 def test_balance_helpers_cover_the_model():
     from _pp_scenarios import model
 
-    from parallel.pipeline.balance import balance_by_size, balance_by_time
+    from pycomm.parallel.pipeline.balance import balance_by_size, balance_by_time
 
     net, sample = model(), torch.randn(4, 16)
     for fn in (balance_by_size, balance_by_time):

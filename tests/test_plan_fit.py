@@ -1,4 +1,4 @@
-"""``--memory-gb`` without ``--plan auto`` (parallel.plan.fit): the layout given is kept
+"""``--memory-gb`` without ``--plan auto`` (pycomm.parallel.plan.fit): the layout given is kept
 where it fits, refused before any rank starts with its predicted peak where it does
 not, and with ZeRO-3 offload its read-ahead and live budget are picked to fit; the
 planner's mixed-precision stage 3 and HuggingFace configs."""
@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-from parallel.plan.fit import PREDICTION_MARGIN, fit_memory, layout_of, usable
-from parallel.plan.fit import worst_rank as worst_of
-from parallel.plan.memory import Memory, job_of
-from parallel.plan.planner import GIB, evaluate
-from parallel.plan.shapes import model_shape
-from parallel.train.config import TrainConfig
+from pycomm.parallel.plan.fit import PREDICTION_MARGIN, fit_memory, layout_of, usable
+from pycomm.parallel.plan.fit import worst_rank as worst_of
+from pycomm.parallel.plan.memory import Memory, job_of
+from pycomm.parallel.plan.planner import GIB, evaluate
+from pycomm.parallel.plan.shapes import model_shape
+from pycomm.parallel.train.config import TrainConfig
 
 # a GPT whose gathered-unit pool and records are most of what an offloaded rank holds
 OFFLOADED = TrainConfig(n_layer=6, n_head=4, n_embd=256, block_size=32, batch_size=4,
@@ -88,7 +88,7 @@ def test_mixed_precision_is_predicted_at_zero3_only():
 
 
 def test_the_trainer_refuses_before_any_rank_starts(capsys):
-    from parallel.train import main
+    from pycomm.parallel.train import main
 
     assert main(["--dp", "2", "--zero", "3", "--memory-gb", "0.0001", "--steps", "1"]) == 2
     err = capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""parallel.ps: the parameter server's pieces alone (messages, ring, rows, consistency
-gates), then real jobs (``python -m parallel.ps.launch``: a scheduler, server processes
+"""pycomm.parallel.ps: the parameter server's pieces alone (messages, ring, rows, consistency
+gates), then real jobs (``python -m pycomm.parallel.ps.launch``: a scheduler, server processes
 and worker processes over ZeroMQ) checked against one process applying the same pushes
 with the same update rule: synchronous training, a server killed, a server added, a
 worker killed, and bad input."""
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.ps import wire
-from parallel.ps.consistency import Gate, VectorClock
-from parallel.ps.ring import Ring
-from parallel.ps.store import Table, TableSpec
+from pycomm.parallel.ps import wire
+from pycomm.parallel.ps.consistency import Gate, VectorClock
+from pycomm.parallel.ps.ring import Ring
+from pycomm.parallel.ps.store import Table, TableSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,8 +86,8 @@ def test_a_request_that_comes_before_the_servers_own_start_is_answered_after_it(
     worker may ask before the server knows the ring. Before: that declare was held until
     a ring change that never came, and the job hung (seen once in CI: "no answer from
     server(s) in 60 s")."""
-    from parallel.ps.config import JobConfig
-    from parallel.ps.server import Server
+    from pycomm.parallel.ps.config import JobConfig
+    from pycomm.parallel.ps.server import Server
 
     server = Server(JobConfig(f"ipc://{tmp_path}/sched", 1, 1), "tcp://127.0.0.1:*")
     replies: list[dict] = []
@@ -126,8 +126,9 @@ def job(tmp_path: Path, scenario: str, arg: str = "", servers: int = 2, workers:
         ) -> tuple[list[dict], subprocess.CompletedProcess[str]]:
     out = tmp_path / scenario
     out.mkdir()
-    cmd = [sys.executable, "-m", "parallel.ps.launch", "--servers", str(servers), "--workers",
-           str(workers), "--replicas", str(replicas), "--heartbeat-timeout", HEARTBEAT_TIMEOUT_S,
+    cmd = [sys.executable, "-m", "pycomm.parallel.ps.launch", "--servers", str(servers),
+           "--workers", str(workers), "--replicas", str(replicas),
+           "--heartbeat-timeout", HEARTBEAT_TIMEOUT_S,
            *(["--restore", restore] if restore else []), *flags,
            "--timeout", "60", "--", sys.executable, str(ROOT / "tests" / "_ps_jobs.py"),
            scenario, str(out), arg]
@@ -236,8 +237,8 @@ def test_bad_input_gets_a_clear_error(tmp_path):
 
 
 def test_a_scheduler_that_does_not_answer_is_named():
-    from parallel.ps import KVWorker, PSError
-    from parallel.ps.config import JobConfig
+    from pycomm.parallel.ps import KVWorker, PSError
+    from pycomm.parallel.ps.config import JobConfig
 
     cfg = JobConfig("tcp://127.0.0.1:9", 1, 1, timeout_s=1.0)
     with pytest.raises(PSError, match=r"no answer from the scheduler at tcp://127.0.0.1:9"):
@@ -255,9 +256,9 @@ def test_a_worker_closes_once_the_scheduler_has_counted_it_done(tmp_path, monkey
 
     import zmq
 
-    from parallel.ps import KVWorker, worker
-    from parallel.ps.config import JobConfig
-    from parallel.ps.node import send
+    from pycomm.parallel.ps import KVWorker, worker
+    from pycomm.parallel.ps.config import JobConfig
+    from pycomm.parallel.ps.node import send
 
     monkeypatch.setattr(worker, "DONE_ACK_S", 1.5)
     ctx = zmq.Context()
@@ -300,9 +301,9 @@ def test_a_worker_closes_once_the_scheduler_has_counted_it_done(tmp_path, monkey
 def test_a_worker_failing_before_the_start_ends_the_job(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text("import os, sys\nif os.environ['PS_RANK'] == '1':\n    sys.exit(3)\n"
-                      "from parallel.ps import KVWorker\nKVWorker()\n")
-    done = subprocess.run([sys.executable, "-m", "parallel.ps.launch", "--workers", "2", "--",
-                           sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                      "from pycomm.parallel.ps import KVWorker\nKVWorker()\n")
+    done = subprocess.run([sys.executable, "-m", "pycomm.parallel.ps.launch", "--workers", "2",
+                           "--", sys.executable, str(script)], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 3, done.stderr[-2000:]
     assert "worker exit codes [" in done.stderr and "before every process registered" in done.stderr
@@ -312,7 +313,7 @@ def _example(tmp_path: Path, name: str, *flags: str) -> list[dict]:
     """The example's metrics lines (written into a folder that does not exist yet, as
     ``runs/`` on a fresh checkout); with ``--check`` it also prints the check."""
     metrics = tmp_path / "runs" / f"{name}.jsonl"
-    done = subprocess.run([sys.executable, "-m", f"parallel.ps.examples.{name}", *flags,
+    done = subprocess.run([sys.executable, "-m", f"pycomm.parallel.ps.examples.{name}", *flags,
                            "--metrics", str(metrics)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -350,7 +351,7 @@ def test_two_hosts_one_server_each(tmp_path):
     base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
             "PS_SCHEDULER": "10.77.0.1:29611", "PS_NUM_SERVERS": "2", "PS_NUM_WORKERS": "2",
             "PS_TIMEOUT_S": "60"}
-    role = [sys.executable, "-m", "parallel.ps.launch", "--role-from-env"]
+    role = [sys.executable, "-m", "pycomm.parallel.ps.launch", "--role-from-env"]
     work = [sys.executable, str(ROOT / "tests" / "_ps_jobs.py"), "bsp", str(out), "sgd"]
     with two_hosts("ps") as (a, b):
         procs = [subprocess.Popen(in_namespace(ns, {**base, **env}, argv), stdout=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""parallel.ps.examples on one process: the seeded click data, sparse logistic regression
+"""pycomm.parallel.ps.examples on one process: the seeded click data, sparse logistic regression
 and the GPT helpers, and that the documented push scale makes a simulated BSP step equal
 the one-process reference (no transport involved)."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel.models import GPTConfig, lm_loss
-from parallel.ps.examples.ctr_data import ClickData, SparseBatch, concat
-from parallel.ps.examples.dense_model import (
+from pycomm.parallel.models import GPTConfig, lm_loss
+from pycomm.parallel.ps.examples.ctr_data import ClickData, SparseBatch, concat
+from pycomm.parallel.ps.examples.dense_model import (
     flat_named_grads,
     flat_named_parameters,
     gpt_batch,
@@ -20,7 +20,7 @@ from parallel.ps.examples.dense_model import (
     train_one_process_gpt,
     train_one_process_gpt_state,
 )
-from parallel.ps.examples.logreg_model import (
+from pycomm.parallel.ps.examples.logreg_model import (
     loss_and_grad,
     train_one_process,
     train_one_process_state,

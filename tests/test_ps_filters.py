@@ -1,4 +1,4 @@
-"""parallel.ps.filters: codec round trips within each codec's rounding, frame sizes checked
+"""pycomm.parallel.ps.filters: codec round trips within each codec's rounding, frame sizes checked
 against the meta before decoding, and the significance filter's error feedback (every
 gradient pushed eventually, exactly)."""
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel.ps.filters import CODECS, SignificanceFilter, decode, encode, encoded_bytes
+from pycomm.parallel.ps.filters import CODECS, SignificanceFilter, decode, encode, encoded_bytes
 
 SHAPES = st.lists(st.integers(0, 40), min_size=0, max_size=3)  # empty, 0-d, odd sizes
 BLOCKS = st.sampled_from([1, 3, 7, 64, 256])

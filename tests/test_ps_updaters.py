@@ -1,4 +1,4 @@
-"""parallel.ps.updaters against torch's optimizers with one optimizer per key, stepped only
+"""pycomm.parallel.ps.updaters against torch's optimizers with one optimizer per key, stepped only
 for the keys a push touches; FTRL against a NumPy transcription of McMahan et al. (2013),
 Algorithm 1. Rows a push does not touch must stay bit-identical."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from parallel.ps.updaters import CallableUpdater, Updater, make_updater
+from pycomm.parallel.ps.updaters import CallableUpdater, Updater, make_updater
 
 pytestmark = pytest.mark.usefixtures("require_pycomm")
 

@@ -1,12 +1,12 @@
-"""parallel.recompute: checkpointed blocks against plain ones (dropout on), the arena,
+"""pycomm.parallel.recompute: checkpointed blocks against plain ones (dropout on), the arena,
 and P_a over a TP = 2 group (one spawn)."""
 
 import pytest
 import torch
 
-from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
-from parallel.pipeline import ActivationMeter
-from parallel.recompute import CheckpointArena, apply_activation_checkpointing, checkpoint
+from pycomm.parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
+from pycomm.parallel.pipeline import ActivationMeter
+from pycomm.parallel.recompute import CheckpointArena, apply_activation_checkpointing, checkpoint
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, dropout=0.2)
 

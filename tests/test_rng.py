@@ -1,4 +1,4 @@
-"""parallel.rng: the tracker and its seeds on one process (CUDA's generators played by CPU
+"""pycomm.parallel.rng: the tracker and its seeds on one process (CUDA's generators played by CPU
 ones), then every recompute path at 2 pipeline stages x TP 2 (one 4-rank spawn)."""
 
 import pytest
@@ -6,10 +6,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-import parallel.rng as rng
-from parallel.recompute import checkpoint
-from parallel.rng import REPLICATED, TENSOR_PARALLEL, TRACKER, RNGTracker, seed_streams
-from parallel.tensor import TrackedDropout
+import pycomm.parallel.rng as rng
+from pycomm.parallel.recompute import checkpoint
+from pycomm.parallel.rng import REPLICATED, TENSOR_PARALLEL, TRACKER, RNGTracker, seed_streams
+from pycomm.parallel.tensor import TrackedDropout
 
 
 def _on_stream(tracker, name="a"):
@@ -31,7 +31,8 @@ def test_fork_continues_its_stream_and_leaves_the_default_generator():
 
 
 def test_an_unseeded_stream_names_the_call_that_seeds_it():
-    with pytest.raises(KeyError, match=r"'b' is not seeded: call parallel.rng.model_parallel"):
+    with pytest.raises(KeyError,
+                       match=r"'b' is not seeded: call pycomm.parallel.rng.model_parallel"):
         _on_stream(RNGTracker(), "b")
 
 
@@ -67,7 +68,7 @@ def _dropout_step(how):
     def f(t):
         return drops(lin(t))
 
-    if how == "parallel.recompute":
+    if how == "pycomm.parallel.recompute":
         out = checkpoint(f, x)
     elif how == "torch+tracker":
         out = torch_checkpoint(f, x, use_reentrant=False, preserve_rng_state=False,
@@ -79,7 +80,7 @@ def _dropout_step(how):
     return [lin.weight.grad, x.grad, *after]
 
 
-@pytest.mark.parametrize("how", ["parallel.recompute", "torch+tracker"])
+@pytest.mark.parametrize("how", ["pycomm.parallel.recompute", "torch+tracker"])
 def test_checkpoints_replay_every_stream_and_continue_them_as_without(how):
     for plain, checkpointed in zip(_dropout_step(None), _dropout_step(how), strict=True):
         assert torch.equal(plain, checkpointed)

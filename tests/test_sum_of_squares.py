@@ -1,4 +1,4 @@
-"""parallel.precision.sum_of_squares, which every gradient norm of the project goes
+"""pycomm.parallel.precision.sum_of_squares, which every gradient norm of the project goes
 through (in memory, ZeRO's and offload's): the float64 sum of squares, taken a chunk at
 a time so that no float64 copy of a whole gradient exists at the step's peak."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel import precision
+from pycomm.parallel import precision
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -1,4 +1,4 @@
-"""parallel.tensor at TP = 2, 3 and 4 (one spawn each), on pycomm and gloo groups,
+"""pycomm.parallel.tensor at TP = 2, 3 and 4 (one spawn each), on pycomm and gloo groups,
 against the unsharded model built from the same weights."""
 
 import pytest

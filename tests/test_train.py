@@ -1,4 +1,4 @@
-"""python -m parallel.train: its settings, its data, and short runs that must train what one
+"""python -m pycomm.parallel.train: its settings, its data, and short runs that must train what one
 process trains, in every way the trainer is launched (in-process, --nproc, torchrun).
 
 Runs are subprocesses of the real command line on a tiny GPT over a small folder of text
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from bench.layouts import parse_layout, plan
-from parallel.train.config import TrainConfig, build_parser, parse, read_toml
-from parallel.train.data import (
+from pycomm.parallel.train.config import TrainConfig, build_parser, parse, read_toml
+from pycomm.parallel.train.data import (
     derive_seed,
     load_corpus,
     read_bytes,
@@ -29,8 +29,8 @@ from parallel.train.data import (
     train_batch,
     val_batches,
 )
-from parallel.train.launch import main
-from parallel.train.schedule import WarmupCosine
+from pycomm.parallel.train.launch import main
+from pycomm.parallel.train.schedule import WarmupCosine
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
@@ -189,8 +189,8 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[st
 
 
 def train(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """``python -m parallel.train ARGS``, checked to succeed."""
-    done = _run([sys.executable, "-m", "parallel.train", *map(str, args)])
+    """``python -m pycomm.parallel.train ARGS``, checked to succeed."""
+    done = _run([sys.executable, "-m", "pycomm.parallel.train", *map(str, args)])
     assert done.returncode == 0, f"exit {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}"
     return done
 
@@ -250,7 +250,7 @@ def test_spawned_ranks_train_what_one_process_trains(one_process, tiny, text_dir
 def test_torchrun_ranks_train_what_one_process_trains(one_process, tiny, text_dir, tmp_path):
     out = tmp_path / "m.jsonl"
     done = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", "2", "-m", "parallel.train", *tiny, "--dp", "2",
+                 "--nproc-per-node", "2", "-m", "pycomm.parallel.train", *tiny, "--dp", "2",
                  "--data", str(text_dir), "--metrics", str(out)])
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     assert lines(out, "config")[0]["world"] == 2
@@ -265,7 +265,7 @@ def test_zero_stages_train_what_one_process_trains(one_process, tiny, text_dir, 
 
 
 def test_engine_refusal_is_its_own_message(tiny):
-    done = _run([sys.executable, "-m", "parallel.train", *tiny, "--sequence-parallel"])
+    done = _run([sys.executable, "-m", "pycomm.parallel.train", *tiny, "--sequence-parallel"])
     assert done.returncode == 2
     assert "sequence_parallel needs tp > 1" in done.stderr
 
@@ -307,7 +307,7 @@ def test_resume_continues_the_uninterrupted_run(tiny, text_dir, tmp_path, saved_
 
 
 def test_resume_without_a_checkpoint_is_refused(tiny, tmp_path):
-    done = _run([sys.executable, "-m", "parallel.train", *tiny, "--resume", "--ckpt-dir",
+    done = _run([sys.executable, "-m", "pycomm.parallel.train", *tiny, "--resume", "--ckpt-dir",
                  str(tmp_path / "none")])
     assert done.returncode == 2 and "holds no complete checkpoint" in done.stderr
 

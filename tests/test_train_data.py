@@ -1,4 +1,4 @@
-"""python -m parallel.train on tokenized data: --tokenizer, --dataset (text, JSONL, SFT
+"""python -m pycomm.parallel.train on tokenized data: --tokenizer, --dataset (text, JSONL, SFT
 JSONL), padded and --pack-ed batches in HuggingFace's conventions, the logging line and
 --tensorboard.
 
@@ -26,18 +26,18 @@ transformers = pytest.importorskip("transformers", reason="no transformers (the 
 
 import datasets  # noqa: E402  (the test extra; after the skip: it is the [data] extra's too)
 
-from parallel.train.batches import (  # noqa: E402
+from pycomm.parallel.train.batches import (  # noqa: E402
     IGNORE,
     Batch,
     Documents,
     packed_batch,
 )
-from parallel.train.config import parse  # noqa: E402
-from parallel.train.launch import main  # noqa: E402
-from parallel.train.metrics import Metrics  # noqa: E402
-from parallel.train.models import build_model, describe_model  # noqa: E402
-from parallel.train.sources import TokenSource, load_source  # noqa: E402
-from parallel.train.tokenizer import load_tokenizer  # noqa: E402
+from pycomm.parallel.train.config import parse  # noqa: E402
+from pycomm.parallel.train.launch import main  # noqa: E402
+from pycomm.parallel.train.metrics import Metrics  # noqa: E402
+from pycomm.parallel.train.models import build_model, describe_model  # noqa: E402
+from pycomm.parallel.train.sources import TokenSource, load_source  # noqa: E402
+from pycomm.parallel.train.tokenizer import load_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"]
@@ -337,12 +337,12 @@ def test_a_bad_dataset_is_refused_before_any_rank_starts(tok_dir, tmp_path, caps
 
 
 def test_a_log_line_every_log_every_steps_and_at_the_end(caplog):
-    caplog.set_level(logging.INFO, logger="parallel.train")
+    caplog.set_level(logging.INFO, logger="pycomm.parallel.train")
     log = Metrics(True, "", "", False, steps=5, start=0, log_every=2)
     for step in range(1, 6):
         log.train({"step": step, "loss": 2.5 / step, "grad_norm": 0.5, "lr": 1e-3,
                    "tokens_per_s": 12345.6, "trained_tokens": 96})
-    said = [r.getMessage() for r in caplog.records if r.name == "parallel.train"]
+    said = [r.getMessage() for r in caplog.records if r.name == "pycomm.parallel.train"]
     assert said == [f"step {s}/5 | loss {2.5 / s:.4f} | grad norm 0.5000 | lr 1.000e-03 | "
                     "12,346 tok/s | 96 trained tokens" for s in (2, 4, 5)]
 
@@ -355,13 +355,13 @@ TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16
 
 
 def train(tmp_path: Path, *args: str | Path) -> subprocess.CompletedProcess[str]:
-    """``python -m parallel.train ARGS``, checked to succeed."""
+    """``python -m pycomm.parallel.train ARGS``, checked to succeed."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYCOMM_TIMEOUT_S="120",
                HF_DATASETS_CACHE=str(tmp_path / "hf_cache"), HF_HUB_OFFLINE="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    done = subprocess.run([sys.executable, "-m", "parallel.train", *map(str, args)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "pycomm.parallel.train", *map(str, args)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}"
     return done
 
@@ -390,8 +390,8 @@ def assert_board_holds(folder: Path, metrics: Path) -> None:
 
 
 def assert_logged(done: subprocess.CompletedProcess[str], steps: tuple[int, ...]) -> None:
-    said = [ln for ln in done.stderr.splitlines() if "parallel.train: step " in ln]
-    assert [ln.split("parallel.train: step ")[1].split()[0] for ln in said] == \
+    said = [ln for ln in done.stderr.splitlines() if "pycomm.parallel.train: step " in ln]
+    assert [ln.split("pycomm.parallel.train: step ")[1].split()[0] for ln in said] == \
            [f"{s}/4" for s in steps], done.stderr[-3000:]
     assert all("loss " in ln and "grad norm" in ln and "tok/s" in ln and "trained tokens" in ln
                for ln in said)

@@ -1,4 +1,4 @@
-"""parallel.zero.ZeroOptimizer stages 1, 2 and 3 at world sizes 2 and 3 (uneven shards,
+"""pycomm.parallel.zero.ZeroOptimizer stages 1, 2 and 3 at world sizes 2 and 3 (uneven shards,
 padding), on pycomm and gloo, against one process on the concatenated batch."""
 
 import pytest
@@ -212,7 +212,7 @@ def test_a_checkpoint_from_two_ranks_resumes_on_three(world3, stage):
 def test_consolidate_gives_a_plain_state_dict_without_a_group(world, stage):
     from _dp_scenarios import model
 
-    from parallel.zero import consolidate
+    from pycomm.parallel.zero import consolidate
 
     _, ranks = world
     run = ranks[0][("ckpt", stage)]

@@ -1,4 +1,4 @@
-"""parallel.zero.ZeroOptimizer as a torch.optim.Optimizer (param groups, LR schedulers,
+"""pycomm.parallel.zero.ZeroOptimizer as a torch.optim.Optimizer (param groups, LR schedulers,
 state_dict, zero_grad, hooks), stages 1-3 at 2 and 4 ranks against torch's AdamW in one
 process (float64), and weights loaded into the model behind the optimizer's back."""
 
@@ -163,21 +163,22 @@ def test_stage1_reduces_no_sync_gradients_outside_backward(world):
 
 
 def _import_graph(package: Path) -> dict[str, set[str]]:
-    """Module -> the parallel.zero modules it imports anywhere (functions and
-    TYPE_CHECKING blocks included); ``__init__`` stands for the package."""
+    """Module -> the pycomm.parallel.zero modules it imports anywhere (functions and
+    TYPE_CHECKING blocks included); ``__init__`` stands for the package. The package's
+    modules import each other relatively (``from . import x``, ``from .x import y``)."""
     names = {p.stem for p in package.glob("*.py")}
     graph: dict[str, set[str]] = {}
     for name in names:
         edges = set()
         for node in ast.walk(ast.parse((package / f"{name}.py").read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "parallel.zero":
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None:
                 edges |= {a.name if a.name in names else "__init__" for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-                    "parallel.zero."):
-                edges.add(node.module.split(".")[2])
-            elif isinstance(node, ast.Import):
-                edges |= {a.name.split(".")[2] for a in node.names
-                          if a.name.startswith("parallel.zero.")}
+            elif isinstance(node, ast.ImportFrom) and node.level == 1:
+                edges.add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import | ast.ImportFrom) and "parallel.zero" in str(
+                    getattr(node, "module", "") or [a.name for a in node.names]):
+                raise AssertionError(f"{name}.py imports its own package absolutely: "
+                                     f"{ast.unparse(node)}")
         graph[name] = edges - {name}
     return graph
 

@@ -6,14 +6,14 @@ and returns the engine that trains this rank's part.
 
 Example::
 
-    from parallel.compose import ParallelConfig, ParallelMesh, parallelize
+    from . import ParallelConfig, ParallelMesh, parallelize
     engine = parallelize(model, ParallelMesh(pp=2, dp=2, tp=2), ParallelConfig(zero=1))
 """
 
-from parallel.compose.config import ParallelConfig, StepResult
-from parallel.compose.mesh import ParallelMesh
-from parallel.compose.parallelize import ParallelModel, parallelize, plan_for
-from parallel.compose.plan import ContextRequest, Layer, Plan
+from .config import ParallelConfig, StepResult
+from .mesh import ParallelMesh
+from .parallelize import ParallelModel, parallelize, plan_for
+from .plan import ContextRequest, Layer, Plan
 
 __all__ = ["ContextRequest", "Layer", "ParallelConfig", "ParallelMesh", "ParallelModel", "Plan",
            "StepResult", "parallelize", "plan_for"]

@@ -1,7 +1,7 @@
 """Expert parallelism applied to this stage's fused experts, in place: each rank of the
 ``ep`` group keeps ``E / ep`` experts (a slice of every expert tensor along its first
 dimension) and the module's forward dispatches each token to the ranks holding its
-experts and combines their outputs (:func:`parallel.moe.dispatch.dispatch_combine`).
+experts and combines their outputs (:func:`pycomm.parallel.moe.dispatch.dispatch_combine`).
 
 The module's own code computes the local experts (HuggingFace's ``*Experts``: given rows,
 each row's local expert and weight 1), so its activation and layout are the model's. The
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.compose.materialize import is_meta
-from parallel.compose.plan import Plan, matching, under_any
-from parallel.moe.dispatch import dispatch_combine
+from ..moe.dispatch import dispatch_combine
+from .materialize import is_meta
+from .plan import Plan, matching, under_any
 
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 

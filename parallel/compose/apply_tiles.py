@@ -1,6 +1,6 @@
 """ZeRO-3's ``max_unit_bytes`` applied to this stage: every layer outside the blocks
 holding more parameters than it allows is replaced by its tiles
-(:mod:`parallel.compose.tiles`), in the stage's modules and in the model, and the
+(:mod:`pycomm.parallel.compose.tiles`), in the stage's modules and in the model, and the
 tiles become units of their own.
 
 A layer still on the meta device is cut into tiles on the meta device, and each tile
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.materialize import Materializer, is_meta
-from parallel.compose.plan import under_any
-from parallel.compose.tiles import TiledLinear, tiled
+from .materialize import Materializer, is_meta
+from .plan import under_any
+from .tiles import TiledLinear, tiled
 
 
 @dataclass

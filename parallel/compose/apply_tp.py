@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.compose.plan import Plan, matches, under_any
-from parallel.compose.styles import (
+from ..tensor import comms
+from ..tensor.sharding import spec_of
+from .plan import Plan, matches, under_any
+from .styles import (
     Colwise,
     Rowwise,
     Style,
@@ -34,8 +36,6 @@ from parallel.compose.styles import (
     VocabHead,
     style_of,
 )
-from parallel.tensor import comms
-from parallel.tensor.sharding import spec_of
 
 _SPLITTING = (Colwise, Rowwise)
 

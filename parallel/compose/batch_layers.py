@@ -1,7 +1,7 @@
 """Layers that see the whole batch, in every layout: BatchNorm over the whole
 data-parallel batch (or refused where no layer sees it), the routers' load-balancing
-statistics over the global batch (:mod:`parallel.moe.balance`), and the experts'
-capacity with the count of what it dropped (:mod:`parallel.moe.capacity`)."""
+statistics over the global batch (:mod:`pycomm.parallel.moe.balance`), and the experts'
+capacity with the count of what it dropped (:mod:`pycomm.parallel.moe.capacity`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.plan import matching, under_any
-from parallel.data.sync_batchnorm import batchnorm_paths, sync_batchnorm
-from parallel.moe.balance import RoutingStats, track_router
-from parallel.moe.capacity import DropCounter, limit_capacity
+from ..data.sync_batchnorm import batchnorm_paths, sync_batchnorm
+from ..moe.balance import RoutingStats, track_router
+from ..moe.capacity import DropCounter, limit_capacity
+from .plan import matching, under_any
 
 
 def batchnorm_over_batch(engine: Any) -> None:
@@ -42,7 +42,7 @@ def batchnorm_over_batch(engine: Any) -> None:
 
 def routing_stats(engine: Any) -> RoutingStats | None:
     """The load-balancing loss of the plan's routers, over the whole global batch
-    (:mod:`parallel.moe.balance`): the statistics are complete before any backward
+    (:mod:`pycomm.parallel.moe.balance`): the statistics are complete before any backward
     only when every forward of the step comes first.
 
     Raises:
@@ -76,7 +76,7 @@ def routing_stats(engine: Any) -> RoutingStats | None:
 
 def expert_capacity(engine: Any, model: nn.Module) -> DropCounter | None:
     """The configured capacity on every experts module of the stage (after expert or
-    tensor parallelism split them; :mod:`parallel.moe.capacity`), and its counter.
+    tensor parallelism split them; :mod:`pycomm.parallel.moe.capacity`), and its counter.
 
     Raises:
         ValueError: a capacity for a model whose plan names no experts.

@@ -4,7 +4,7 @@ only what it holds, and any layout loads any other.
 A parameter (and each of its optimizer state tensors, Adam's moments) is saved as the
 whole tensor of the unsplit model, under its model name: every rank contributes its
 pieces — its tensor-parallel part, or under ZeRO its flat range of that part — as
-chunks in the whole tensor's coordinates (:mod:`parallel.compose.dcp_chunks`);
+chunks in the whole tensor's coordinates (:mod:`pycomm.parallel.compose.dcp_chunks`);
 data-parallel replicas hold the same chunks, which DCP writes once. No rank gathers a
 parameter. Loading in another layout asks for the chunks this layout holds, and DCP
 reads what overlaps them: pipeline stages, TP size, DP size and ZeRO stage may all
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose import dcp_chunks
-from parallel.compose.dcp_chunks import Chunk, ChunkedTensor, chunks_of
-from parallel.tensor.sharding import spec_of
+from ..tensor.sharding import spec_of
+from . import dcp_chunks
+from .dcp_chunks import Chunk, ChunkedTensor, chunks_of
 
 FORMAT = "pycomm-dcp/1"
 

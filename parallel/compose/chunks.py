@@ -2,7 +2,7 @@
 parameter (its tensor-parallel part, or a flat ZeRO range of that part) as a few
 rectangular :class:`Chunk` s whose data are views of the live buffer
 (:func:`chunks_of`), the form a sharded checkpoint saves and loads
-(:mod:`parallel.compose.dcp_chunks`).
+(:mod:`pycomm.parallel.compose.dcp_chunks`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from parallel.tensor.sharding import TPSpec
+from ..tensor.sharding import TPSpec
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 

@@ -3,7 +3,7 @@ torchtitan's ``apply_compile`` does, after tensor parallelism, recompute and ZeR
 applied.
 
 What is compiled is the modules a block layer runs (a ``LlamaDecoderLayer``, the GPT's
-``Block``), not the :class:`~parallel.compose.layers.PlannedLayer` around them: the
+``Block``), not the :class:`~pycomm.parallel.compose.layers.PlannedLayer` around them: the
 sequence-parallel split and gather, activation checkpointing and ZeRO-3's gather hooks
 act on the planned layer and stay eager, and identical blocks share one compiled graph.
 A model compiled before ``parallelize`` (``torch.compile(model)``) is taken apart by

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from parallel.compose.mesh import ParallelMesh
-from parallel.moe.capacity import POLICIES
+from ..moe.capacity import POLICIES
+from .mesh import ParallelMesh
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOADS = ("none", "cpu", "disk")
@@ -46,14 +46,14 @@ class ParallelConfig:
             one process computes it) or a micro-batch's mean loss (weighted by its rows);
             default: the cross-entropy over the targets that are not ``ignore_index``,
             divided by their global count (vocab-parallel where the head is split over
-            the vocabulary). See :mod:`parallel.compose.loss`.
+            the vocabulary). See :mod:`pycomm.parallel.compose.loss`.
         ignore_index: targets the default loss skips (HuggingFace's -100: padding,
             prompt tokens in SFT).
         compile: ``torch.compile`` each block of the plan in place (the modules a block
             layer runs: torchtitan's per-block compilation), after the other strategies
             are applied; the layers' communication stays outside the compiled code.
         sync_batchnorm: BatchNorm layers normalise over the whole data-parallel batch
-            (:mod:`parallel.data.sync_batchnorm`), so a layout trains what one process
+            (:mod:`pycomm.parallel.data.sync_batchnorm`), so a layout trains what one process
             trains; where no layer can see the whole batch (micro-batches, sequence
             parallelism, recompute) the model is refused. False: each replica and
             micro-batch normalises its own rows (DDP without SyncBatchNorm, GPipe).
@@ -63,7 +63,7 @@ class ParallelConfig:
         offload: ZeRO-3's units (shards, fp32 masters, Adam state) kept in files under
             ``offload_dir`` (``"disk"``) or in host memory (``"cpu"``), read
             ``offload_prefetch`` units ahead and stepped unit by unit in backward
-            (:mod:`parallel.zero.offload`; with clipping, ``max_grad_norm``, stepped after
+            (:mod:`pycomm.parallel.zero.offload`; with clipping, ``max_grad_norm``, stepped after
             backward once the norm is known; micro-batches summed in the records first;
             bf16 or fp16 compute gathers casts of the fp32 masters). Runs with tp and
             pp (each rank offloads the units it holds; the norm counts a parameter
@@ -79,19 +79,19 @@ class ParallelConfig:
             ``stage3_max_live_parameters``): a unit is gathered ahead of use only while
             the units gathered and the whole-unit buffers (gathered parameters, gradients
             being reduced) stay within them; buffers beyond ``max_live_bytes`` are freed
-            between uses (:class:`parallel.zero.sharded_model.LiveBudget`).
+            between uses (:class:`pycomm.parallel.zero.sharded_model.LiveBudget`).
         max_unit_bytes: ZeRO-3's largest unit (of the masters): a layer outside the
             blocks holding more is split into tiles of at most this much, each a unit
-            gathered alone (DeepSpeed's ``TiledLinear``; :mod:`parallel.compose.tiles`):
+            gathered alone (DeepSpeed's ``TiledLinear``; :mod:`pycomm.parallel.compose.tiles`):
             an embedding by rows, the head by vocabulary chunks, the default
-            cross-entropy then taken in those chunks (:mod:`parallel.compose.chunked_loss`;
+            cross-entropy then taken in those chunks (:mod:`pycomm.parallel.compose.chunked_loss`;
             a ``loss_fn`` is given the whole logits). A larger layer
             it cannot split (not a plain ``nn.Embedding`` or ``nn.Linear``, a tied one,
             tp > 1) is refused by name. None: layers stay whole.
         capacity_factor: a mixture of experts' expert capacity (Megatron-LM's
             ``moe_expert_capacity_factor``): each experts call gives every expert room
             for ``ceil(tokens * k / E * factor)`` assignments and drops the rest
-            (:mod:`parallel.moe.capacity`; ``StepResult.dropped`` counts them). None:
+            (:mod:`pycomm.parallel.moe.capacity`; ``StepResult.dropped`` counts them). None:
             dropless.
         drop_policy: which assignments a full expert keeps: ``"probs"`` (the highest
             routing weights) or ``"position"`` (the first tokens).
@@ -199,7 +199,7 @@ class ParallelConfig:
 
     def _per_element_state(self) -> str | None:
         """Why the optimizer cannot step unit by unit from records, or None."""
-        from parallel.zero.offload_step import optimizer_state_layout
+        from ..zero.offload_step import optimizer_state_layout
 
         try:
             optimizer_state_layout(self.optimizer, self.optimizer_kwargs)

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from parallel.compose.chunks import (
+from .chunks import (
     Box,
     Chunk,
     ChunkedTensor,
@@ -63,7 +63,7 @@ from parallel.compose.chunks import (
     disjoint,
     inside,
 )
-from parallel.compose.dcp_metadata import Reader, read_metadata
+from .dcp_metadata import Reader, read_metadata
 
 __all__ = ["Chunk", "ChunkedTensor", "chunks_of", "load", "payload_by_file", "read_whole",
            "save", "saved_keys"]

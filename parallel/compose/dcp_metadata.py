@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from parallel.compose.chunks import inside, show
+from .chunks import inside, show
 
 _META = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {(_META, name) for name in (

@@ -1,5 +1,5 @@
 """The composed engine: this rank's part of the model, its optimizer, and the steps that
-train it (built by :func:`parallel.compose.parallelize`, which documents the order)."""
+train it (built by :func:`pycomm.parallel.compose.parallelize`, which documents the order)."""
 
 from __future__ import annotations
 
@@ -9,40 +9,40 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.compose import checkpoint
-from parallel.compose import stage as build
-from parallel.compose.apply_ep import expert_parallel, is_expert
-from parallel.compose.apply_tiles import tile_large_layers
-from parallel.compose.apply_tp import partial_grad_params
-from parallel.compose.batch import check_targets, model_inputs, vocab_of
-from parallel.compose.batch_layers import batchnorm_over_batch, expert_capacity, routing_stats
-from parallel.compose.compiled import compile_blocks
-from parallel.compose.config import ParallelConfig, StepResult
-from parallel.compose.expert_side import ExpertsBeside
-from parallel.compose.finalize import (
+from ..pipeline.forward_only import forward_loss
+from ..pipeline.microbatch import split_batch
+from ..pipeline.pipeline import Pipeline
+from ..precision import widened
+from ..rng import seed_streams
+from ..tensor import comms
+from ..tensor.sharding import mark_tensor_parallel_group, spec_of
+from . import checkpoint
+from . import stage as build
+from .apply_ep import expert_parallel, is_expert
+from .apply_tiles import tile_large_layers
+from .apply_tp import partial_grad_params
+from .batch import check_targets, model_inputs, vocab_of
+from .batch_layers import batchnorm_over_batch, expert_capacity, routing_stats
+from .compiled import compile_blocks
+from .config import ParallelConfig, StepResult
+from .expert_side import ExpertsBeside
+from .finalize import (
     GradPhases,
     clip_coefficient,
     clip_grad_norm_,
     finalize_grads,
 )
-from parallel.compose.generate import Sampling, generate
-from parallel.compose.loss import StepLoss, not_ignored
-from parallel.compose.loss_scale import LossScaler
-from parallel.compose.mesh import ParallelMesh
-from parallel.compose.naming import ParamNames
-from parallel.compose.plain_dp import PlainDataParallel
-from parallel.compose.plan import ModelInputs, Plan
-from parallel.compose.pretrained import load_pretrained
-from parallel.compose.recompute_units import checkpoint_units, zero3_units
-from parallel.compose.tied import CrossStageTies
-from parallel.compose.zero_side import ZeroPlan
-from parallel.pipeline.forward_only import forward_loss
-from parallel.pipeline.microbatch import split_batch
-from parallel.pipeline.pipeline import Pipeline
-from parallel.precision import widened
-from parallel.rng import seed_streams
-from parallel.tensor import comms
-from parallel.tensor.sharding import mark_tensor_parallel_group, spec_of
+from .generate import Sampling, generate
+from .loss import StepLoss, not_ignored
+from .loss_scale import LossScaler
+from .mesh import ParallelMesh
+from .naming import ParamNames
+from .plain_dp import PlainDataParallel
+from .plan import ModelInputs, Plan
+from .pretrained import load_pretrained
+from .recompute_units import checkpoint_units, zero3_units
+from .tied import CrossStageTies
+from .zero_side import ZeroPlan
 
 _PAIR_WITH_OFFLOAD = ("parallelize: loss_fn returned a (sum, count) pair, but offload steps "
                       "each unit in backward, before the step's count is known; return the "
@@ -184,7 +184,7 @@ class ParallelModel:
                         grad_scale=mesh.size("edp") / mesh.size("dp"))
 
     def _sum_ties(self, tied: list[tuple[nn.Parameter, Any]], before: bool) -> None:
-        """Phase 3 (see :mod:`parallel.compose.finalize`): before the data-parallel
+        """Phase 3 (see :mod:`pycomm.parallel.compose.finalize`): before the data-parallel
         reduction on whole gradients, or after it on ZeRO-3's shards."""
         if not tied or before == (self.config.zero == 3):
             return
@@ -216,7 +216,7 @@ class ParallelModel:
         return rows.to(self.compute) if rows.is_floating_point() else rows
 
     def _step_loss(self, targets: torch.Tensor) -> StepLoss:
-        """This step's loss function (see :mod:`parallel.compose.loss`)."""
+        """This step's loss function (see :mod:`pycomm.parallel.compose.loss`)."""
         check_targets(targets, self.config, self.vocab)
         return StepLoss(custom=self.config.loss_fn, ignore_index=self.config.ignore_index,
                         tp_group=self.tp_group if self.stage_plan.split_logits else None,
@@ -259,7 +259,7 @@ class ParallelModel:
         loss (that of one process on the whole batch: targets equal to
         ``config.ignore_index`` are not counted) and the gradient norm, on every rank.
         ``attention_mask`` and ``position_ids`` (``(batch, seq)``, HuggingFace's
-        conventions, see :class:`~parallel.compose.plan.ModelInputs`) go to the model
+        conventions, see :class:`~pycomm.parallel.compose.plan.ModelInputs`) go to the model
         where the plan takes them. Under fp16 a step whose gradients overflowed is
         skipped (``skipped``), on every rank."""
         scale = self.scaler.scale if self.scaler else 1.0
@@ -366,7 +366,7 @@ class ParallelModel:
                  eos_token_id: int | None = None, pad_token_id: int | None = None
                  ) -> torch.Tensor:
         """``tokens`` and up to ``max_new_tokens`` more, greedy or sampled, the same on
-        every rank and the one-process model's (:mod:`parallel.compose.generate`);
+        every rank and the one-process model's (:mod:`pycomm.parallel.compose.generate`);
         collective."""
         sampling = Sampling(do_sample, temperature, top_k, seed)
         return generate(self, tokens, max_new_tokens, attention_mask, sampling, eos_token_id,
@@ -424,5 +424,5 @@ class ParallelModel:
     def load_pretrained(self, directory: str) -> int:
         """This rank's pieces of HuggingFace safetensors weights (``save_pretrained``'s
         folder) into the parameters, read piece by piece; returns the elements read;
-        collective (:mod:`parallel.compose.pretrained`)."""
+        collective (:mod:`pycomm.parallel.compose.pretrained`)."""
         return load_pretrained(self, directory)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.apply_ep import is_expert
+from .apply_ep import is_expert
 
 
 class JointOptimizer(torch.optim.Optimizer):

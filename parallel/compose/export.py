@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from parallel._optional import require
-from parallel.compose import dcp_chunks
+from .._optional import require
+from . import dcp_chunks
 
 SHARD_BYTES = 2 << 30  # safetensors files of at most this much (HF's default is 5 GB)
 
@@ -39,7 +39,7 @@ def save_pretrained(checkpoint: str | os.PathLike, config: Any, out: str | os.Pa
     Raises:
         ValueError: the checkpoint's names are not this config's model's (strict).
     """
-    transformers = require("transformers", "parallel.compose.save_pretrained (a HuggingFace "
+    transformers = require("transformers", "pycomm.parallel.compose.save_pretrained (a HuggingFace "
                            "checkpoint)")
     save_file = require("safetensors.torch", "the HuggingFace export").save_file
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.precision import accumulation_dtype, sum_of_squares
+from ..precision import accumulation_dtype, sum_of_squares
 
 # A rank's part of the gradients, as (tensor, weight): the weight is 1 / how many
 # ranks hold the same values, so the sum over the mesh counts each element once.

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from parallel.precision import widened
+from ..precision import widened
 
 
 @dataclass(frozen=True)

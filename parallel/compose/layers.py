@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.plan import ContextRequest, ModelInputs, Plan, ResolvedLayer, resolve_layers
-from parallel.rng import TENSOR_PARALLEL, TRACKER
-from parallel.tensor import comms
+from ..rng import TENSOR_PARALLEL, TRACKER
+from ..tensor import comms
+from .plan import ContextRequest, ModelInputs, Plan, ResolvedLayer, resolve_layers
 
 
 class ContextCache:

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallel.compose.chunked_loss import chunked_cross_entropy
-from parallel.tensor.layers import vocab_parallel_cross_entropy
+from ..tensor.layers import vocab_parallel_cross_entropy
+from .chunked_loss import chunked_cross_entropy
 
 
 def not_ignored(targets: torch.Tensor, ignore_index: int) -> int:

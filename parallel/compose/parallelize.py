@@ -1,7 +1,7 @@
 """Every strategy at once, applied in one fixed order to any model on a mesh.
 
 As torchtitan's ``parallelize_*``, and driven by the model's plan
-(:mod:`parallel.compose.plan`): the model is the same on every rank (built from one
+(:mod:`pycomm.parallel.compose.plan`): the model is the same on every rank (built from one
 seed, or on the meta device), then, in this order,
 
 1. **pipeline split**: this rank keeps its stage's layers (``pp``); the others go;
@@ -14,7 +14,7 @@ seed, or on the meta device), then, in this order,
    precision.
 
 A step then runs the pipeline's schedule over micro-batches, completes the gradients in
-:func:`parallel.compose.finalize.finalize_grads`'s fixed phases, clips by the norm over
+:func:`pycomm.parallel.compose.finalize.finalize_grads`'s fixed phases, clips by the norm over
 the whole mesh, and steps the optimizer. The global batch is the same on every rank;
 each data-parallel replica takes its own rows, so a layout trains the same model as one
 process on the whole batch.
@@ -33,19 +33,19 @@ import inspect
 
 from torch import nn
 
-from parallel.compose.compiled import uncompiled
-from parallel.compose.config import ParallelConfig, StepResult
-from parallel.compose.engine import ParallelModel
-from parallel.compose.materialize import is_meta
-from parallel.compose.mesh import ParallelMesh
-from parallel.compose.plan import MODEL_INPUTS, Plan
+from .compiled import uncompiled
+from .config import ParallelConfig, StepResult
+from .engine import ParallelModel
+from .materialize import is_meta
+from .mesh import ParallelMesh
+from .plan import MODEL_INPUTS, Plan
 
 __all__ = ["ParallelConfig", "ParallelModel", "StepResult", "parallelize", "plan_for"]
 
 
 def _known_plans() -> dict[str, str]:
     """Hand-written plans for models whose configs declare none: class -> function."""
-    return {"GPT2LMHeadModel": "parallel.models.gpt2_plan:gpt2_plan"}
+    return {"GPT2LMHeadModel": "pycomm.parallel.models.gpt2_plan:gpt2_plan"}
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
@@ -69,7 +69,7 @@ def plan_for(model: nn.Module) -> Plan:
         module, _, fn = known.partition(":")
         return getattr(importlib.import_module(module), fn)(model)
     if _is_transformers_model(model):
-        from parallel.models.hf import hf_causal_lm_plan, logits_of
+        from ..models.hf import hf_causal_lm_plan, logits_of
 
         try:
             return hf_causal_lm_plan(model)
@@ -133,7 +133,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig,
         # A plan's layers must compute what the model's own forward does; checked on a
         # tiny batch while the whole model is still here (a family whose forward the
         # derivation does not reproduce is refused, not trained wrong).
-        from parallel.models.hf_check import check_plan_forward
+        from ..models.hf_check import check_plan_forward
 
         check_plan_forward(model, plan)
     return ParallelModel(model, mesh, config, plan)

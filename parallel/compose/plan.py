@@ -8,7 +8,7 @@
 - ``blocks``: which of those layers are the repeated ones (the transformer blocks). They
   are what the pipeline balances over its stages, the default recompute and ZeRO-3
   units, and the sequence-parallel region;
-- ``tp``: module path pattern -> style (:mod:`parallel.compose.styles`), e.g.
+- ``tp``: module path pattern -> style (:mod:`pycomm.parallel.compose.styles`), e.g.
   ``{"blocks.*.mlp.c_fc": "colwise", "blocks.*.mlp.c_proj": "rowwise"}``;
 - ``context``: values every block receives, computed once per micro-batch from the
   batch's shape and its :class:`ModelInputs` (a rotary table, the attention masks), so
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.styles import Style
-from parallel.moe.balance import RouterBalance
+from ..moe.balance import RouterBalance
+from .styles import Style
 
 # call(modules, x, context) -> x: one pipeline layer's forward.
 LayerCall = Callable[[Sequence[nn.Module], Any, dict[str, Any]], Any]
@@ -131,7 +131,7 @@ class Plan:
         experts: pattern of the fused experts modules (HuggingFace's ``*Experts``), which
             expert parallelism splits (``ep``); None: the model has none.
         balance: the routers of a mixture of experts and its load-balancing loss
-            (:class:`parallel.moe.balance.RouterBalance`), which the step adds to the loss
+            (:class:`pycomm.parallel.moe.balance.RouterBalance`), which the step adds to the loss
             over the whole global batch; None: no such loss.
         unsplit_reason: why the plan is the whole model as one layer where a plan of its
             layers was sought (a derivation's refusal); a layout that needs the layers

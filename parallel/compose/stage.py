@@ -13,24 +13,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.apply_tp import (
+from .apply_tp import (
     apply_styles,
     check_coverage,
     check_divisible,
     mark_partial_grads,
     styles_by_path,
 )
-from parallel.compose.layers import (
+from .layers import (
     ContextCache,
     PlannedLayer,
     SequenceSplit,
     planned_layers,
     stage_balance,
 )
-from parallel.compose.materialize import Materializer
-from parallel.compose.mesh import ParallelMesh
-from parallel.compose.plan import Plan, ResolvedLayer, matching, resolve_layers, under_any
-from parallel.compose.tied import canonical_names, retie, tie_groups
+from .materialize import Materializer
+from .mesh import ParallelMesh
+from .plan import Plan, ResolvedLayer, matching, resolve_layers, under_any
+from .tied import canonical_names, retie, tie_groups
 
 
 @dataclass

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.tensor import comms
-from parallel.tensor.parallel_linear import (
+from ..tensor import comms
+from ..tensor.parallel_linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -238,7 +238,7 @@ class PerRankRandom(Style):
     changes_module = False
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        from parallel.rng import TENSOR_PARALLEL, TRACKER
+        from ..rng import TENSOR_PARALLEL, TRACKER
 
         forward = module.forward
 
@@ -255,7 +255,7 @@ class TorchMultiheadAttention(Style):
     """``nn.MultiheadAttention`` (self-attention) with this rank's heads."""
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        from parallel.tensor.multihead import ParallelMultiheadAttention
+        from ..tensor.multihead import ParallelMultiheadAttention
 
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(f"tensor parallel: {ctx.path} is a {type(module).__name__}, not "
@@ -277,8 +277,8 @@ class TPExperts(Style):
     and its partial output summed, as Megatron-LM's MLP."""
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        from parallel.tensor import comms
-        from parallel.tensor.sharding import TPSpec, mark
+        from ..tensor import comms
+        from ..tensor.sharding import TPSpec, mark
 
         if ctx.experts_by_ep:  # whole on every TP rank; expert parallelism splits them
             return module

@@ -10,7 +10,7 @@ computed:
   passing the result through (``torch.where``, no sum: the output and the weight's
   gradient are the untiled layer's bit for bit);
 - the head computes each tile's logits and concatenates them; the loss over them is
-  taken in the same vocabulary chunks (:mod:`parallel.compose.chunked_loss`), never
+  taken in the same vocabulary chunks (:mod:`pycomm.parallel.compose.chunked_loss`), never
   holding a float32 copy of the whole logits.
 
 Checkpoints, pretrained weights and the HuggingFace export see the layer's own tensors:

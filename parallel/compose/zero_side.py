@@ -1,6 +1,6 @@
 """ZeRO as the data side of a composed job (``parallelize(..., zero=1..3)``).
 
-Stages 1-2 reduce when :func:`parallel.compose.finalize.finalize_grads` says so (after
+Stages 1-2 reduce when :func:`pycomm.parallel.compose.finalize.finalize_grads` says so (after
 the tensor-parallel partial sums), from the gradients the pipeline's backwards
 accumulated in ``.grad``. Stage 3 cannot wait (its units give their memory back in
 backward), so it reduces each unit as backward finishes it; tensor-parallel partial
@@ -8,7 +8,7 @@ gradients are then summed as they arrive, before the unit is reduced. Its units 
 plan's (by default the blocks), the stage's other parameters forming the stage's own.
 
 With mixed precision the model computes in the low dtype while the optimizer steps the
-fp32 master shards (:class:`parallel.zero.ZeroOptimizer`'s ``mixed_precision``).
+fp32 master shards (:class:`pycomm.parallel.zero.ZeroOptimizer`'s ``mixed_precision``).
 
 For the global norm, a rank's gradient is its shard of each bucket, cut per parameter
 so a parameter held by several model-parallel ranks (replicated over TP, a tie on two
@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.mesh import ParallelMesh
-from parallel.compose.optim_groups import ensure_state
-from parallel.zero import ZeroOptimizer, shard_model
-from parallel.zero.checkpoint import owned_pieces, state_slices
-from parallel.zero.offload import OffloadConfig
-from parallel.zero.offload_step import optimizer_state_layout
-from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD, LiveBudget
+from ..zero import ZeroOptimizer, shard_model
+from ..zero.checkpoint import owned_pieces, state_slices
+from ..zero.offload import OffloadConfig
+from ..zero.offload_step import optimizer_state_layout
+from ..zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD, LiveBudget
+from .mesh import ParallelMesh
+from .optim_groups import ensure_state
 
 # (parameter, its shape, flat start, master values, optimizer state tensors, scalar state)
 Piece = tuple[nn.Parameter, torch.Size, int, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]
@@ -57,7 +57,7 @@ class ZeroPlan:
         unit_modules: stage 3's gather units; ``never_persistent`` names kept in them.
         materialize: for a meta-device model, gives named parameters their weights.
         exclude: names of parameters ZeRO leaves alone (the experts beside it, whole,
-            :mod:`parallel.compose.expert_side`; stage 3 neither shards nor gathers them).
+            :mod:`pycomm.parallel.compose.expert_side`; stage 3 neither shards nor gathers them).
         axis: the mesh dimension sharded over (``"edp"``: the experts' own ZeRO).
         stage: the ZeRO stage, if not ``config.zero``.
         grad_scale: multiplies the gradients before they are averaged over ``axis`` (the

@@ -1,5 +1,5 @@
 """Data parallelism: bucketed (C_B), overlapped gradient all-reduce on a gradient arena (M_D)."""
 
-from parallel.data.data_parallel import DataParallel
+from .data_parallel import DataParallel
 
 __all__ = ["DataParallel"]

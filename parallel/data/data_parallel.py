@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.data import data_comms as comms
-from parallel.data.grad_layout import GradLayout
-from parallel.data.unused import names_of, reachable_params
-from parallel.grad_hooks import EndOfBackward, move_grad_into, on_grad_ready
 from pycomm.bucketer import Bucketer
 from pycomm.flat_arena import Arena
+
+from ..grad_hooks import EndOfBackward, move_grad_into, on_grad_ready
+from . import data_comms as comms
+from .grad_layout import GradLayout
+from .unused import names_of, reachable_params
 
 MB = 1 << 20
 

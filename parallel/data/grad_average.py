@@ -3,7 +3,7 @@
 :class:`DataParallel` reduces while backward runs, which needs to know which backward
 is the last one; a composed job (a pipeline runs many backwards per step, tensor
 parallelism sums partial gradients first) reduces once, when told, in the order the
-job's :func:`parallel.compose.finalize.finalize_grads` fixes. The gradients live in one
+job's :func:`pycomm.parallel.compose.finalize.finalize_grads` fixes. The gradients live in one
 preallocated flat buffer (C_B-sized buckets of it are all-reduced, each started before
 the next; shared memory on pycomm, so the all-reduces are zero-copy): once attached,
 every ``.grad`` is a view of it (torch's ``gradient_as_bucket_view``), so backward
@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.data.data_comms import averaging_op
 from pycomm.flat_arena import Arena
+
+from .data_comms import averaging_op
 
 MB = 1 << 20
 

@@ -4,7 +4,7 @@ A BatchNorm layer normalises by its batch's statistics, so a replica that normal
 own rows trains another model than one process on the whole batch. As torch's
 ``SyncBatchNorm`` (CUDA only), :class:`DataParallelBatchNorm` takes the mean and the
 variance over every replica's rows, through all-reduces that autograd differentiates
-(:func:`parallel.tensor.comms.sum_over_group`: the backward all-reduces the
+(:func:`pycomm.parallel.tensor.comms.sum_over_group`: the backward all-reduces the
 gradients), and updates the running statistics with the global ones, so every replica
 keeps the running statistics one process would.
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from parallel.tensor.comms import sum_over_group
+from ..tensor.comms import sum_over_group
 
 
 class DataParallelBatchNorm(_BatchNorm):

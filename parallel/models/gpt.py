@@ -5,11 +5,11 @@ a GELU MLP, a final LayerNorm and an LM head. Attention keeps Q, K and V in one
 ``c_attn`` linear and the MLP is ``c_fc`` then ``c_proj``, the names Megatron-style
 tensor parallelism splits by. ``GPTConfig(tie_embeddings=True)`` ties the LM head to the
 token embedding, as nanoGPT and GPT-2 do. :meth:`GPT.parallel_plan` says how every
-strategy splits it (:mod:`parallel.models.gpt_plan`).
+strategy splits it (:mod:`pycomm.parallel.models.gpt_plan`).
 
 ``GPTConfig(moe_experts=E, moe_top_k=k)`` makes every block's MLP a mixture of E experts,
 each token routed to k of them: HuggingFace Mixtral's sparse block, SwiGLU experts
-included (:mod:`parallel.models.gpt_moe`). Its objective is the cross-entropy plus
+included (:mod:`pycomm.parallel.models.gpt_moe`). Its objective is the cross-entropy plus
 ``moe_aux_coef`` times the routers' load-balancing loss, which :meth:`GPT.forward_with_aux`
 returns beside the logits (the engine computes it over the global batch itself).
 
@@ -38,14 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.models.gpt_moe import (
+from .gpt_moe import (
     Experts,
     SparseMoE,
     TopKRouter,
     load_balancing_loss,
     router_logits,
 )
-from parallel.models.masks import attention_mask_of, with_mask
+from .masks import attention_mask_of, with_mask
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``mask``: (batch, 1, time, time), True where a query may attend to a key (see
-        :func:`parallel.models.masks.attention_mask_of`); None: causal."""
+        :func:`pycomm.parallel.models.masks.attention_mask_of`); None: causal."""
         batch, time, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         # Heads come from the last dimension, so a column-split c_attn (whole heads per
@@ -194,7 +194,7 @@ class GPT(nn.Module):
 
     def parallel_plan(self) -> Any:
         """How every strategy of ``parallel/`` splits this model."""
-        from parallel.models.gpt_plan import gpt_plan
+        from .gpt_plan import gpt_plan
 
         return gpt_plan(self)
 

@@ -1,7 +1,7 @@
 """How to write a plan for your own model, worked through on HuggingFace's GPT-2.
 
 GPT-2's config declares no ``base_model_tp_plan`` or ``base_model_pp_plan``, so
-:func:`parallel.models.hf.hf_causal_lm_plan` refuses it; :func:`gpt2_plan` says by hand
+:func:`pycomm.parallel.models.hf.hf_causal_lm_plan` refuses it; :func:`gpt2_plan` says by hand
 what that derivation would have said. Reading ``GPT2LMHeadModel.forward`` (transformers'
 ``models/gpt2/modeling_gpt2.py``) gives each part of the plan:
 
@@ -15,7 +15,7 @@ what that derivation would have said. Reading ``GPT2LMHeadModel.forward`` (trans
 3. **context**: what the forward computes once and hands every block, here the causal
    mask. Each pipeline stage computes it itself, for the *whole* sequence (also where a
    rank holds a slice of it), with transformers' own ``create_causal_mask``
-   (:func:`parallel.models.hf.attention_mask`), so it is the mask the model would use.
+   (:func:`pycomm.parallel.models.hf.attention_mask`), so it is the mask the model would use.
 4. **tp**: the Megatron-LM split by module path. GPT-2's ``Conv1D`` keeps its weight as
    ``(in, out)``, hence ``transposed=True``; ``c_attn`` computes Q, K and V side by side,
    so each third is split (``interleave=3``) and every rank gets whole heads of each.
@@ -28,7 +28,7 @@ what that derivation would have said. Reading ``GPT2LMHeadModel.forward`` (trans
    be divisible by ``tp``: GPT-2's 50257 is not, pad it first
    (``model.resize_token_embeddings(50304)``).
 6. **output**: the model's own forward returns a ``CausalLMOutputWithCrossAttentions``;
-   :func:`parallel.models.hf.logits_of` takes its ``.logits`` (and passes the last
+   :func:`pycomm.parallel.models.hf.logits_of` takes its ``.logits`` (and passes the last
    layer's plain tensor through), so the plan can be checked against the model itself.
 
 Not in the plan: ``per_rank_random`` on ``attn``. GPT2Attention's ``resid_dropout`` falls
@@ -51,9 +51,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
-from parallel.compose.styles import Colwise, LocalSizes, Rowwise
-from parallel.models.hf import attention_mask, hf_init, logits_of
+from ..compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
+from ..compose.styles import Colwise, LocalSizes, Rowwise
+from .hf import attention_mask, hf_init, logits_of
 
 H = "transformer.h.*"  # every block
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.precision import widened
+from ..precision import widened
 
 
 class TopKRouter(nn.Module):

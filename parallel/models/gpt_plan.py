@@ -21,10 +21,10 @@ from typing import Any
 
 from torch import nn
 
-from parallel.compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
-from parallel.compose.styles import Colwise, LocalSizes, PerRankRandom
-from parallel.models.masks import attention_mask_of, with_mask
-from parallel.moe.balance import RouterBalance
+from ..compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
+from ..compose.styles import Colwise, LocalSizes, PerRankRandom
+from ..moe.balance import RouterBalance
+from .masks import attention_mask_of, with_mask
 
 
 def gpt_context(request: ContextRequest) -> dict[str, Any]:
@@ -46,7 +46,7 @@ def block_call(modules: Sequence[nn.Module], x: Any, context: dict[str, Any]) ->
 
 
 def gpt_plan(model: Any) -> Plan:
-    """The plan of a :class:`parallel.models.GPT`."""
+    """The plan of a :class:`pycomm.parallel.models.GPT`."""
     cfg = model.cfg
     return Plan(
         layers=[Layer(("embed",), embed_call), Layer(("blocks.*",), block_call), "ln_f",

@@ -5,7 +5,7 @@ A HuggingFace config that declares ``base_model_pp_plan`` names the base model's
 as modules in order (``embed_tokens``, the decoder ``layers``, ``norm``) and
 ``base_model_tp_plan`` its tensor-parallel styles; the ``*ForCausalLM`` class adds its
 ``lm_head`` (``_pp_plan``, ``_tp_plan``). :func:`hf_causal_lm_plan` turns them into a
-:class:`~parallel.compose.plan.Plan`: the embedding, one block per decoder layer, the final
+:class:`~pycomm.parallel.compose.plan.Plan`: the embedding, one block per decoder layer, the final
 norm and the head, with a context that computes, for the whole sequence, what the base
 model's forward computes between them (position ids, the rotary table, the attention masks
 by transformers' own ``masking_utils``). Whatever that forward does beyond this (an
@@ -13,7 +13,7 @@ embedding multiplier, a logit scale, a second rotary table, a module the pp plan
 place) the plan would not do, so a family it cannot reproduce is refused by name, with
 what is missing, as is a tp style this project does not implement (fused experts, MLA's
 ``mla_kv_a_proj``, ``rowwise_split_input``); ``plan=`` then takes a plan written for the
-model (:mod:`parallel.models.gpt2_plan` is one, worked through).
+model (:mod:`pycomm.parallel.models.gpt2_plan` is one, worked through).
 
 The attention gets ``per_rank_random`` (its dropout drawn per rank, on the rank's own
 heads) only where the tp plan splits it by heads and every draw inside it falls on those
@@ -25,8 +25,8 @@ sequence length (``hidden_states.shape[:-1]``), so it must be given the whole se
 split along it, the heads come out scrambled. GPT-2's attention reads the projections'
 own shapes and works on either.
 
-:func:`parallel.models.hf_check.check_plan_forward` runs a plan and the model on one small
-batch and refuses a plan whose logits differ: :func:`parallel.compose.parallelize` calls it
+:func:`pycomm.parallel.models.hf_check.check_plan_forward` runs a plan and the model on one small
+batch and refuses a plan whose logits differ: :func:`pycomm.parallel.compose.parallelize` calls it
 for a model with real weights, so an adapter that does not reproduce a family is refused,
 not trained wrong.
 
@@ -34,7 +34,7 @@ Example::
 
     model = AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B")
     plan = hf_causal_lm_plan(model)
-    check_plan_forward(model, plan)   # parallel.models.hf_check
+    check_plan_forward(model, plan)   # pycomm.parallel.models.hf_check
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel._optional import require
-from parallel.compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan, matching
-from parallel.compose.styles import MlaKvAProj, style_of
-from parallel.models.hf_scales import ScaledSequence, applied_here, factor, scaled
-from parallel.moe.balance import RouterBalance
+from .._optional import require
+from ..compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan, matching
+from ..compose.styles import MlaKvAProj, style_of
+from ..moe.balance import RouterBalance
+from .hf_scales import ScaledSequence, applied_here, factor, scaled
 
 # transformers' mask builders by layer type (``config.layer_types``).
 MASKS = {"full_attention": "create_causal_mask",
@@ -79,7 +79,7 @@ _DROPOUT_CALL = re.compile(r"dropout\s*\(")
 def _refuse(model: nn.Module, what: str) -> ValueError:
     return ValueError(f"hf_causal_lm_plan: {type(model).__name__} cannot be derived: {what}; "
                       "pass plan= (a Plan written for this model, as "
-                      "parallel.models.gpt2_plan does for GPT-2)")
+                      "pycomm.parallel.models.gpt2_plan does for GPT-2)")
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def attention_mask(kind: str, config: Any, request: ContextRequest) -> Any:
     of ``request``, from its padding mask and position ids (packed documents) as the
     model's forward would (None where the kernel applies causality itself)."""
     masking_utils = require("transformers.masking_utils",
-                            "parallel.models.hf (HuggingFace models' attention masks)")
+                            "pycomm.parallel.models.hf (HuggingFace models' attention masks)")
     fn = getattr(masking_utils, MASKS[kind])
     # Only the shape, dtype and device are read: a stride-0 view allocates nothing.
     embeds = torch.zeros((), dtype=request.dtype, device=request.device).expand(
@@ -488,7 +488,7 @@ def hf_init(model: nn.Module) -> Callable[[str, nn.Module], None]:
 
 def _check_transformers(model: nn.Module) -> None:
     """transformers has the mask builders the context calls (4.53 and later)."""
-    require("transformers", "parallel.models.hf (HuggingFace models)")
+    require("transformers", "pycomm.parallel.models.hf (HuggingFace models)")
     try:
         from transformers import masking_utils
     except ImportError as err:

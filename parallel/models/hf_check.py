@@ -1,6 +1,6 @@
 """The check that a plan computes what a HuggingFace model computes: the plan layer by layer
 and the model's own forward on a small fixed batch, plain, padded and packed, in eval and
-training mode. :func:`parallel.compose.parallelize` calls it for a model with real
+training mode. :func:`pycomm.parallel.compose.parallelize` calls it for a model with real
 weights, so a derivation that does not reproduce a family is refused, not trained wrong.
 
 Example::
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.layers import sequential_forward
-from parallel.compose.plan import ModelInputs, Plan
-from parallel.models.hf import accepted_kwargs, logits_of
+from ..compose.layers import sequential_forward
+from ..compose.plan import ModelInputs, Plan
+from .hf import accepted_kwargs, logits_of
 
 
 def _probe_tokens(model: nn.Module, device: torch.device) -> torch.Tensor:

@@ -1,2 +1,2 @@
 """Mixtures of experts: the load-balancing loss over the whole global batch
-(:mod:`parallel.moe.balance`)."""
+(:mod:`pycomm.parallel.moe.balance`)."""

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.recompute.checkpoint import replaying
+from ..recompute.checkpoint import replaying
 
 
 @dataclass

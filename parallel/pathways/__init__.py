@@ -10,7 +10,7 @@ share workers never deadlock, and clients share an island by weight.
 Example::
 
     import torch, torch.distributed as dist
-    from parallel import pathways as pw
+    from .. import pathways as pw
 
     @pw.function(out=pw.spec((4,), torch.float64))
     def summed(ctx, x):
@@ -28,15 +28,15 @@ Example::
 clusters, several clients, a second controller attached by ``str(cluster.address)``).
 """
 
-from parallel.pathways.address import ClusterAddress
-from parallel.pathways.client import Client, Mesh
-from parallel.pathways.cluster import Cluster
-from parallel.pathways.default import client, init, mesh, shutdown
-from parallel.pathways.functions import Function, function
-from parallel.pathways.futures import Future, PathwaysError, Shard
-from parallel.pathways.launch import Launcher, LocalLauncher, WorkerSpec
-from parallel.pathways.mesh_context import MeshContext
-from parallel.pathways.protocol import Spec, spec
+from .address import ClusterAddress
+from .client import Client, Mesh
+from .cluster import Cluster
+from .default import client, init, mesh, shutdown
+from .functions import Function, function
+from .futures import Future, PathwaysError, Shard
+from .launch import Launcher, LocalLauncher, WorkerSpec
+from .mesh_context import MeshContext
+from .protocol import Spec, spec
 
 __all__ = ["Client", "Cluster", "ClusterAddress", "Function", "Future", "Launcher",
            "LocalLauncher", "Mesh", "MeshContext", "PathwaysError", "Shard", "Spec",

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from parallel.pathways.address import ClusterAddress
-from parallel.pathways.functions import sendable
-from parallel.pathways.futures import Future, PathwaysError, Shard
-from parallel.pathways.protocol import (
+from .address import ClusterAddress
+from .functions import sendable
+from .futures import Future, PathwaysError, Shard
+from .protocol import (
     Arg,
     Key,
     Lit,

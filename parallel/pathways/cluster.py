@@ -16,11 +16,11 @@ import weakref
 
 import torch.distributed as dist
 
-from parallel.pathways.address import ClusterAddress
-from parallel.pathways.client import Client
-from parallel.pathways.launch import Launcher, LocalLauncher, WorkerHandle, WorkerSpec
-from parallel.pathways.scheduler import IslandScheduler
-from parallel.pathways.startup import mark_launched, read_cause
+from .address import ClusterAddress
+from .client import Client
+from .launch import Launcher, LocalLauncher, WorkerHandle, WorkerSpec
+from .scheduler import IslandScheduler
+from .startup import mark_launched, read_cause
 
 _OPEN: weakref.WeakSet[Cluster] = weakref.WeakSet()
 

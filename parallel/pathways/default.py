@@ -3,17 +3,17 @@
 As ``ray.init`` does: ``pw.init(islands=[4, 4])`` starts a cluster on this host (or
 ``pw.init(address)`` attaches to a running one) and a client on it; ``pw.mesh(...)``
 then asks that client for a mesh. Code that drives several clusters, or several
-clients, uses :class:`~parallel.pathways.cluster.Cluster` and
-:class:`~parallel.pathways.client.Client` directly.
+clients, uses :class:`~pycomm.parallel.pathways.cluster.Cluster` and
+:class:`~pycomm.parallel.pathways.client.Client` directly.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from parallel.pathways.address import ClusterAddress
-from parallel.pathways.client import Client, Mesh
-from parallel.pathways.cluster import Cluster
+from .address import ClusterAddress
+from .client import Client, Mesh
+from .cluster import Cluster
 
 _state: dict[str, Any] = {}
 

@@ -1,7 +1,7 @@
 """Functions for meshes: ``@pw.function(out=...)`` makes ``f(mesh, *args)`` a call.
 
 What the controller knows of a function before it runs is what it was declared with: its
-outputs' :class:`~parallel.pathways.protocol.Spec` (shapes known in advance let the
+outputs' :class:`~pycomm.parallel.pathways.protocol.Spec` (shapes known in advance let the
 receivers of those outputs post their receives at once).
 """
 
@@ -11,10 +11,10 @@ import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from parallel._optional import available, install_command, require
+from .._optional import available, install_command, require
 
 if TYPE_CHECKING:
-    from parallel.pathways.client import Mesh
+    from .client import Mesh
 
 
 class Function:
@@ -87,7 +87,7 @@ def sendable(fn: Any) -> Any:
                         f"a module, or {install_command('cloudpickle')} to send it by "
                         "value")
     try:
-        return ByValue(fn, require("cloudpickle", "parallel.pathways (functions by value)"))
+        return ByValue(fn, require("cloudpickle", "pycomm.parallel.pathways (functions by value)"))
     except Exception as e:
         raise TypeError(f"call: {fn!r} cannot be sent to the workers: {e}") from None
 
@@ -102,7 +102,7 @@ def unwrapped(fn: Any) -> Callable[..., Any]:
 def function(fn: Callable[..., Any] | None = None, *, out: Any = None) -> Any:
     """Decorator: ``@pw.function(out=pw.spec((8,)))`` makes ``fn(ctx, ...)`` callable on a
     mesh from the controller. The function runs on every rank of the mesh with a
-    :class:`~parallel.pathways.mesh_context.MeshContext` first; it must be importable by
+    :class:`~pycomm.parallel.pathways.mesh_context.MeshContext` first; it must be importable by
     the workers (a module-level function, pickled by reference)."""
     if fn is None:
         return lambda f: Function(f, out)

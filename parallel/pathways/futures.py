@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from parallel.pathways.protocol import Key, Spec
+from .protocol import Key, Spec
 
 if TYPE_CHECKING:
-    from parallel.pathways.client import Client, Mesh
+    from .client import Client, Mesh
 
 
 class PathwaysError(RuntimeError):

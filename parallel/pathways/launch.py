@@ -2,10 +2,10 @@
 
 A launcher starts one worker process per :class:`WorkerSpec` and hands back a handle the
 cluster polls (a worker that exits is a failure of its island). The built-in launcher
-starts ``python -m parallel.pathways.worker`` subprocesses; :mod:`parallel.pathways.ray_launch`
-starts the same worker inside Ray actors (one placement-group bundle per worker), for
-many hosts. Either way the worker's settings travel in its environment (``PW_*``), so
-the worker's code is one and the same.
+starts ``python -m pycomm.parallel.pathways.worker`` subprocesses;
+:mod:`pycomm.parallel.pathways.ray_launch` starts the same worker inside Ray actors (one
+placement-group bundle per worker), for many hosts. Either way the worker's settings travel
+in its environment (``PW_*``), so the worker's code is one and the same.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class LocalLauncher:
 
     def start(self, spec: WorkerSpec) -> WorkerHandle:
         env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
-        popen = subprocess.Popen([sys.executable, "-m", "parallel.pathways.worker"], env=env)
+        popen = subprocess.Popen([sys.executable, "-m", "pycomm.parallel.pathways.worker"], env=env)
         handle = _Process(popen)
         self._started.append(handle)
         return handle

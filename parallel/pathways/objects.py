@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from parallel.pathways.protocol import Key
+from .protocol import Key
 
 
 class ObjectError(RuntimeError):

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.pathways.client import Client, Mesh
-from parallel.pathways.futures import Future
-from parallel.pathways.mesh_context import MeshContext
-from parallel.pathways.protocol import Spec
+from .client import Client, Mesh
+from .futures import Future
+from .mesh_context import MeshContext
+from .protocol import Spec
 
 
 @dataclass

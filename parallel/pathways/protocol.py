@@ -3,7 +3,7 @@
 The control plane is small pickled messages over authenticated local sockets
 (``multiprocessing.connection``: a shared key, so only processes the cluster started or
 was given the key talk to it). Bulk data never travels here: a function's outputs stay
-on its workers and move worker to worker (see :mod:`parallel.pathways.transfer`), and
+on its workers and move worker to worker (see :mod:`pycomm.parallel.pathways.transfer`), and
 reach the controller only when it asks for them (``fetch``).
 
 A node is one function call on one mesh. Its arguments are given per mesh position, each

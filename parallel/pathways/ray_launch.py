@@ -21,10 +21,10 @@ import time
 import traceback
 from typing import Any
 
-from parallel._optional import require
-from parallel.pathways.launch import WorkerHandle, WorkerSpec
+from .._optional import require
+from .launch import WorkerHandle, WorkerSpec
 
-_PURPOSE = "parallel.pathways.ray_launch (workers as Ray actors on many hosts)"
+_PURPOSE = "pycomm.parallel.pathways.ray_launch (workers as Ray actors on many hosts)"
 ray = require("ray", _PURPOSE)
 _strategies = require("ray.util.scheduling_strategies", _PURPOSE)
 
@@ -112,7 +112,7 @@ class RayLauncher:
 
     def __init__(self, island_sizes: list[int], address: str | None = None,
                  cpus_per_worker: float = 0.5, runtime_env: dict[str, Any] | None = None,
-                 entry: str = "parallel.pathways.worker:main", num_cpus: int | None = None,
+                 entry: str = "pycomm.parallel.pathways.worker:main", num_cpus: int | None = None,
                  start_timeout: float = 120.0, poll_timeout: float = 1.0):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:

@@ -32,9 +32,9 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from parallel.pathways.fair_share import FairShare
-from parallel.pathways.gate import Gate, listen
-from parallel.pathways.protocol import Lit, Node, no_delay, put, take
+from .fair_share import FairShare
+from .gate import Gate, listen
+from .protocol import Lit, Node, no_delay, put, take
 
 DEFAULT_COST_S = 1e-3  # a function's expected time before it was ever measured
 

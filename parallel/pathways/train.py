@@ -1,10 +1,10 @@
-"""The project's trainer (``python -m parallel.train``) driven from the controller.
+"""The project's trainer (``python -m pycomm.parallel.train``) driven from the controller.
 
 The engine (the ``parallelize``d model and its optimizer) is built once on every worker
 of a mesh and stays there, a future the controller holds; each training step is then one
 call on that mesh, every step dispatched before the first has run. The steps are the
-trainer's own (``parallel.train.loop``), so a run here is the run ``python -m
-parallel.train`` makes with the same settings, step for step.
+trainer's own (``pycomm.parallel.train.loop``), so a run here is the run ``python -m
+pycomm.parallel.train`` makes with the same settings, step for step.
 
 Example::
 
@@ -22,12 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.compose.parallelize import ParallelModel
-from parallel.pathways.client import Client, Mesh
-from parallel.pathways.mesh_context import MeshContext
-from parallel.train.config import TrainConfig
-from parallel.train.data import Corpus, load_corpus, train_batch
-from parallel.train.loop import build, seed_step
+from ..compose.parallelize import ParallelModel
+from ..train.config import TrainConfig
+from ..train.data import Corpus, load_corpus, train_batch
+from ..train.loop import build, seed_step
+from .client import Client, Mesh
+from .mesh_context import MeshContext
 
 
 @dataclass
@@ -59,7 +59,7 @@ def build_run(ctx: MeshContext, cfg: TrainConfig) -> _Run:
 
 
 def train_step(ctx: MeshContext, run: _Run, step: int) -> dict[str, Any]:
-    """One step of the trainer's loop (``parallel.train.loop._train_step``'s work)."""
+    """One step of the trainer's loop (``pycomm.parallel.train.loop._train_step``'s work)."""
     cfg = run.cfg
     seed_step(cfg.seed, step, run.engine.mesh)
     tokens, targets = train_batch(run.corpus, cfg.seed, step, cfg.batch_size, cfg.block_size)

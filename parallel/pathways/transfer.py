@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.pathways.objects import ObjectError, Objects
-from parallel.pathways.protocol import Recv, SendOrder, Spec, Where
+from .objects import ObjectError, Objects
+from .protocol import Recv, SendOrder, Spec, Where
 
 TENSOR, PICKLED, ERROR = 0, 1, 2
 

@@ -1,4 +1,4 @@
-"""``python -m parallel.pathways.worker``: one long-lived rank of an island.
+"""``python -m pycomm.parallel.pathways.worker``: one long-lived rank of an island.
 
 It joins its island's process group (pycomm: shared memory among the island's ranks),
 links to every worker of the other islands (gloo pairs), says hello to its island's
@@ -28,12 +28,12 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from parallel.pathways.functions import unwrapped
-from parallel.pathways.mesh_context import GroupPool, MeshContext, MeshGroups
-from parallel.pathways.objects import ObjectError, Objects
-from parallel.pathways.protocol import Lit, Local, Node, Recv, connect, put, take
-from parallel.pathways.startup import leave_cause, wait_launched
-from parallel.pathways.transfer import Links, PendingRecv, Transfers
+from .functions import unwrapped
+from .mesh_context import GroupPool, MeshContext, MeshGroups
+from .objects import ObjectError, Objects
+from .protocol import Lit, Local, Node, Recv, connect, put, take
+from .startup import leave_cause, wait_launched
+from .transfer import Links, PendingRecv, Transfers
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.pipeline.microbatch import split_batch
-from parallel.pipeline.p2p import recv_tensor, send_tensor
-from parallel.pipeline.pipeline import Pipeline
+from .microbatch import split_batch
+from .p2p import recv_tensor, send_tensor
+from .pipeline import Pipeline
 
 
 @torch.no_grad()

@@ -1,7 +1,7 @@
 """GPipe pipeline parallelism: one stage per rank, micro-batches, re-materialization.
 
 Each rank keeps its ``balance[rank]`` consecutive layers of an ``nn.Sequential`` and
-walks its list from a schedule (:mod:`parallel.pipeline.schedule`): ``F m`` receives
+walks its list from a schedule (:mod:`pycomm.parallel.pipeline.schedule`): ``F m`` receives
 micro-batch ``m``'s activation from the previous stage (the first stage splits the
 inputs instead), runs the stage and sends the output on; ``B m`` receives the gradient
 of that output from the next stage (the last stage starts from the loss), runs the
@@ -10,7 +10,7 @@ computes the next step while its last output travels.
 
 Re-materialization (``checkpoint``) runs a stage's forward without keeping its
 activations and recomputes them in backward with every generator replayed, torch's and
-every stream of :data:`parallel.rng.TRACKER` (tensor-parallel dropout draws the same
+every stream of :data:`pycomm.parallel.rng.TRACKER` (tensor-parallel dropout draws the same
 masks, and the next micro-batch's forward continues the streams as without it):
 ``"always"``, ``"except_last"`` (not the last micro-batch, whose
 backward follows its forward at once under GPipe) or ``"never"``.
@@ -28,10 +28,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as rematerialize
 
-from parallel.pipeline.microbatch import batch_size, shape_signature, split_batch
-from parallel.pipeline.p2p import PendingSend, Receiver, send_tensor
-from parallel.pipeline.schedule import SCHEDULES, Step
-from parallel.rng import TRACKER
+from ..rng import TRACKER
+from .microbatch import batch_size, shape_signature, split_batch
+from .p2p import PendingSend, Receiver, send_tensor
+from .schedule import SCHEDULES, Step
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
@@ -227,7 +227,7 @@ class Pipeline:
             self.before_micro(micro)
 
     def _sync_data_parallel(self, last: bool) -> None:
-        """A stage wrapped in a data-parallel module (``parallel.data.DataParallel``)
+        """A stage wrapped in a data-parallel module (``pycomm.parallel.data.DataParallel``)
         averages its gradients in the step's last backward only; the others accumulate."""
         prepare = getattr(self.stage, "prepare_for_backward", None)
         if prepare is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from parallel._optional import available
-from parallel.pipeline.pipeline import Event
+from .._optional import available
+from .pipeline import Event
 
 
 def idle_fractions(events: Sequence[Event]) -> dict[int, float]:

@@ -1,12 +1,12 @@
-"""``python -m parallel.plan``: the layouts of a model on N ranks, predicted and ranked."""
+"""``python -m pycomm.parallel.plan``: the layouts of a model on N ranks, predicted and ranked."""
 
 from __future__ import annotations
 
 import sys
 
-from parallel.plan.cli import build_parser, memory_gib, parse_args
-from parallel.plan.planner import GIB, evaluate
-from parallel.plan.report import table, write_json
+from .cli import build_parser, memory_gib, parse_args
+from .planner import GIB, evaluate
+from .report import table, write_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table(rows, args.top)))
     if rows and rows[0].fits:
         print(f"\nbest: {rows[0].layout} ({rows[0].peak / GIB:.3f} GiB, "
-              f"{rows[0].time.total:.3f} s/step): python -m parallel.train "
+              f"{rows[0].time.total:.3f} s/step): python -m pycomm.parallel.train "
               + " ".join(rows[0].layout.flags()))
     if args.json:
         write_json(args.json, rows)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel.plan.shapes import ModelShape
+from .shapes import ModelShape
 
 FP32 = 4  # the loss's dtype (and the activations' in fp32)
 
@@ -67,7 +67,7 @@ def block_working(m: ModelShape, a: ActShape) -> int:
 
 def checkpoint_kept(m: ModelShape, a: ActShape, partitioned: bool) -> int:
     """Bytes a checkpointed block keeps: its input (``/t`` with ``P_a``), aligned to 64
-    bytes as :class:`parallel.recompute.arena.CheckpointArena` places it."""
+    bytes as :class:`pycomm.parallel.recompute.arena.CheckpointArena` places it."""
     numel = a.rows * a.seq * m.hidden
     if partitioned:
         numel = -(-numel // a.tp)
@@ -77,7 +77,7 @@ def checkpoint_kept(m: ModelShape, a: ActShape, partitioned: bool) -> int:
 def head_saved(m: ModelShape, a: ActShape) -> int:
     """The last stage's head: the final norm's and the LM head's inputs (sbh each), the
     logits and the cross-entropy's log-softmax (``rows x seq x vocab/t`` each). The loss
-    is taken in fp32 (``parallel.precision.widened``): in bf16 or fp16 the logits are
+    is taken in fp32 (``pycomm.parallel.precision.widened``): in bf16 or fp16 the logits are
     kept in their dtype and the log-softmax of their fp32 copy in fp32. A tiled head's
     loss (``loss_chunk``) keeps only the logits, in their dtype."""
     sbh = a.rows * a.seq * m.hidden
@@ -105,7 +105,7 @@ def embed_saved(a: ActShape) -> int:
 def pipeline_messages(m: ModelShape, a: ActShape, pp: int, stage: int,
                       microbatches: int) -> int:
     """Bytes of the pipeline's messages alive at a stage's peak
-    (:mod:`parallel.pipeline.p2p`): every send holds its tensor until the step's sends
+    (:mod:`pycomm.parallel.pipeline.p2p`): every send holds its tensor until the step's sends
     are waited for at its end (the activations sent on, ``m`` of them, and the
     gradients sent back, ``m - 1`` by the last backward), and one receive from each
     neighbour is posted ahead (sbh each)."""

@@ -1,16 +1,16 @@
-"""The planner's command line: its own flags, and every flag of ``parallel.train`` for
+"""The planner's command line: its own flags, and every flag of ``pycomm.parallel.train`` for
 the model and the batch (read by the trainer's own parser, so they mean the same)."""
 
 from __future__ import annotations
 
 import argparse
 
-from parallel.train.config import TrainConfig, parse
+from ..train.config import TrainConfig, parse
 
 
-def build_parser(prog: str = "python -m parallel.plan") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m pycomm.parallel.plan") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="Every layout parallel.train accepts for --world ranks, "
+        prog=prog, description="Every layout pycomm.parallel.train accepts for --world ranks, "
         "with its predicted per-rank memory and step time; what does not fit in "
         "--memory-gb is marked, the rest ranked by time. Any other flag is the trainer's "
         "(--model, --n-layer, --n-embd, --n-head, --block-size, --batch-size, "

@@ -3,7 +3,7 @@ message size, interpolated between sizes. The installed planner reads the table 
 with it (``parallel/plan/data/all_reduce.json``: seconds by ranks and bytes, and where
 they were measured); ``--comm-results FOLDER`` reads a benchmark's summaries instead
 (``mpirun-{N}r-fp32-barrier.json``: ``best.best_us["all_reduce|pycomm|<bytes>"]``, the
-median over the jobs, in microseconds), and ``python -m parallel.plan.comms FOLDER``
+median over the jobs, in microseconds), and ``python -m pycomm.parallel.plan.comms FOLDER``
 refreshes the shipped table from them.
 
 The benchmark measured all-reduce only; the other collectives follow from the ring

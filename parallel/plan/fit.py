@@ -1,5 +1,5 @@
 """Fitting a layout in a memory size: its predicted per-rank peak
-(:mod:`parallel.plan.memory`) against the limit, and with ZeRO-3 offload the two
+(:mod:`pycomm.parallel.plan.memory`) against the limit, and with ZeRO-3 offload the two
 settings that trade memory for overlap picked to fit: the read-ahead depth
 (``--offload-prefetch``, from the one given down to 0: each unit read ahead is one more
 record in memory) and, where the gathered units' pool is what does not fit, a live
@@ -8,10 +8,10 @@ fits is taken first (the step time falls with it:
 ``bench/results/offload/recipe-1b-overlap.md``), with the largest budget that fits
 beside it. At ZeRO-3 (offloaded or not, tp = 1), where a layer outside the blocks (an
 embedding, a head) is a larger unit than a block, splitting it into tiles no larger
-than a block (``--max-unit-mb``, :mod:`parallel.compose.tiles`) is tried too, before a
+than a block (``--max-unit-mb``, :mod:`pycomm.parallel.compose.tiles`) is tried too, before a
 budget.
 
-``parallel.train --memory-gb`` without ``--plan auto`` checks the layout given this way
+``pycomm.parallel.train --memory-gb`` without ``--plan auto`` checks the layout given this way
 before any rank starts (:func:`fit_memory`: refused with its predicted peak, term by
 term, where nothing fits); the planner's table and ``--plan auto`` give each offloaded
 layout the settings that fit (:func:`fitting_job`).
@@ -31,9 +31,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from parallel.plan.layouts import Layout
-from parallel.plan.memory import F32, GIB, Job, Memory, job_of, predict
-from parallel.plan.shapes import ModelShape, model_shape
+from .layouts import Layout
+from .memory import F32, GIB, Job, Memory, job_of, predict
+from .shapes import ModelShape, model_shape
 
 MIB = 1 << 20
 PREDICTION_MARGIN = 0.10  # of the limit, kept free for the prediction's error
@@ -148,5 +148,5 @@ def fit_memory(cfg: Any, limit_gib: float) -> tuple[Any, Memory]:
                      f"per rank{tried}, more than --memory-gb {limit_gib:g} less "
                      f"{PREDICTION_MARGIN:.0%} for the prediction's error "
                      f"({usable(want) / GIB:.2f}): "
-                     f"{describe(smallest)} (python -m parallel.plan with the same flags "
+                     f"{describe(smallest)} (python -m pycomm.parallel.plan with the same flags "
                      "ranks the layouts that fit)")

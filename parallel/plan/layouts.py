@@ -1,7 +1,7 @@
 """Every layout the trainer accepts for a world size: dp x tp x pp, ZeRO stage,
 recompute, ``P_a`` and offload, each kept only where the project's own checks pass
 (:meth:`TrainConfig.check`, :meth:`ParallelConfig.check`, the plan's divisibility and
-the pipeline's balance), so the planner never lists what ``parallel.train`` refuses."""
+the pipeline's balance), so the planner never lists what ``pycomm.parallel.train`` refuses."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from parallel.compose.mesh import MeshShape
-from parallel.plan.shapes import ModelShape
+from ..compose.mesh import MeshShape
+from .shapes import ModelShape
 
 OFFLOADS = ("none", "disk")
 
@@ -65,7 +65,7 @@ class _ShapeMesh:
 
 def offload_supported() -> bool:
     """Whether this checkout's trainer has an ``offload`` setting."""
-    from parallel.train.config import TrainConfig
+    from ..train.config import TrainConfig
 
     return "offload" in {f.name for f in dataclasses.fields(TrainConfig)}
 
@@ -90,10 +90,10 @@ def with_layout(cfg: Any, layout: Layout) -> Any:
 def refusal(cfg: Any, layout: Layout, shape: ModelShape) -> str | None:
     """Why the trainer would refuse ``layout`` (None: it accepts it): the first
     ValueError of the project's own checks, or a TypeError for a setting it lacks."""
-    from parallel.train.loop import parallel_config
+    from ..train.loop import parallel_config
 
     if layout.offload != "none" and not offload_supported():
-        return f"offload={layout.offload}: this checkout's parallel.train has no --offload"
+        return f"offload={layout.offload}: this checkout's pycomm.parallel.train has no --offload"
     precision = getattr(cfg, "precision", "fp32")
     if precision != "fp32" and layout.zero != 3:
         return (f"plan: precision {precision} is modelled at zero=3 only (the trainer runs "

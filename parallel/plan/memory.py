@@ -20,7 +20,7 @@ buffers the project holds beside them:
 - stage 3: parameters under the persistence threshold (100k elements) form one
   persistent unit, a tie across pipeline stages a unit on each stage; every unit's
   gathered parameters and gradients come from a pool of whole-unit buffers
-  (:class:`parallel.zero.slot_pool.SlotPool`, one size per unit) that keeps the most
+  (:class:`pycomm.parallel.zero.slot_pool.SlotPool`, one size per unit) that keeps the most
   it ever handed out at once (``zero3 pool``; under ``max_live_bytes`` the budget, or
   what the unit in use needs where that is more: its parameters, the gradient being
   filled and the two being reduced);
@@ -33,7 +33,7 @@ buffers the project holds beside them:
   as the dense ones' are sharded over ``dp``; with ``edp = 1`` (or ZeRO 0) they are
   stage 0's whole states.
 
-Activations (:mod:`parallel.plan.activations`) peak either while the head's backward
+Activations (:mod:`pycomm.parallel.plan.activations`) peak either while the head's backward
 runs or while a block's does (the largest of those phases).
 """
 
@@ -45,15 +45,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.compose.recompute_units import OWN_UNIT_NUMEL
-from parallel.compose.tiles import row_bounds
-from parallel.plan import activations as act
-from parallel.plan.layouts import Layout
-from parallel.plan.shapes import ModelShape
-from parallel.zero.offload import MAX_WRITES
-from parallel.zero.shard_layout import ShardLayout
-from parallel.zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD
-from parallel.zero.unit_grads import MAX_IN_FLIGHT
+from ..compose.recompute_units import OWN_UNIT_NUMEL
+from ..compose.tiles import row_bounds
+from ..zero.offload import MAX_WRITES
+from ..zero.shard_layout import ShardLayout
+from ..zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD
+from ..zero.unit_grads import MAX_IN_FLIGHT
+from . import activations as act
+from .layouts import Layout
+from .shapes import ModelShape
 
 MB = 1 << 20
 GIB = 1 << 30
@@ -133,7 +133,8 @@ def _flat(numels: list[int], world: int, bucket_mb: float, stage: int) -> ShardL
 
 
 def _tiles(numel: int, rows: int, max_numel: int) -> list[list[int]]:
-    """A parameter's ZeRO-3 tiles (:func:`parallel.compose.tiles.row_bounds`), one unit each."""
+    """A parameter's ZeRO-3 tiles (:func:`pycomm.parallel.compose.tiles.row_bounds`), one unit
+    each."""
     rows = max(rows, 1)
     return [[(b - a) * (numel // rows)] for a, b in row_bounds(rows, numel // rows, max_numel)]
 
@@ -148,10 +149,10 @@ def _zero3_units(m: ModelShape, layout: Layout, stage: int, max_numel: int = 0
     blocks, the ties and the layers of their own).
     Offloaded, nothing persists (the small parameters join their layer's unit) and a
     layer outside the blocks of ``OWN_UNIT_NUMEL`` parameters or more is a unit of its
-    own (``own``, one each), as :func:`parallel.compose.recompute_units.zero3_units`
+    own (``own``, one each), as :func:`pycomm.parallel.compose.recompute_units.zero3_units`
     makes them. ``max_numel`` (``max_unit_bytes``): a parameter outside the blocks
     holding more is split by rows into units of at most that many (``tiles``), as
-    :mod:`parallel.compose.apply_tiles` splits them (at tp = 1, where they run)."""
+    :mod:`pycomm.parallel.compose.apply_tiles` splits them (at tp = 1, where they run)."""
     offloaded = layout.offload != "none"
     tiling = max_numel if layout.tp == 1 else 0
     threshold = 0 if offloaded else DEFAULT_PERSISTENCE_THRESHOLD
@@ -257,7 +258,7 @@ def offload_deferred(layout: Layout, job: Job) -> bool:
 
 def _offloaded_records(mem: Memory, sequence: list[int], largest: int, layout: Layout,
                        job: Job) -> None:
-    """Stage 3 offload (:mod:`parallel.zero.offload`): no shard, master or state stays
+    """Stage 3 offload (:mod:`pycomm.parallel.zero.offload`): no shard, master or state stays
     in memory; a unit's record is mapped only around its use, with only the fields the
     pass touches. ``sequence``: the shard elements of the units a pass takes in turn.
 

@@ -1,19 +1,19 @@
 """The planner itself: every layout the trainer accepts, its predicted per-rank memory
-and step time, whether it fits, and the best one (``parallel.train --plan auto``).
-(Not :mod:`parallel.compose.plan`, which is a model's module-path plan.)"""
+and step time, whether it fits, and the best one (``pycomm.parallel.train --plan auto``).
+(Not :mod:`pycomm.parallel.compose.plan`, which is a model's module-path plan.)"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallel.plan.calibrate import Calibration
-from parallel.plan.comms import CommModel
-from parallel.plan.fit import fitting_job, settings_of
-from parallel.plan.layouts import OFFLOADS, Layout, enumerate_layouts
-from parallel.plan.memory import GIB, Memory, job_of, predict
-from parallel.plan.shapes import ModelShape, model_shape
-from parallel.plan.timing import StepTime, predict_time
+from .calibrate import Calibration
+from .comms import CommModel
+from .fit import fitting_job, settings_of
+from .layouts import OFFLOADS, Layout, enumerate_layouts
+from .memory import GIB, Memory, job_of, predict
+from .shapes import ModelShape, model_shape
+from .timing import StepTime, predict_time
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Row:
     time: StepTime
     fits: bool
     # the trainer's settings it fits with, where not those given (offload's read-ahead
-    # and live budget, :func:`parallel.plan.fit.fitting_job`)
+    # and live budget, :func:`pycomm.parallel.plan.fit.fitting_job`)
     settings: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:

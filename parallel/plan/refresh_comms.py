@@ -1,5 +1,5 @@
-"""``python -m parallel.plan.refresh_comms FOLDER``: the planner's shipped all-reduce table
-(:data:`parallel.plan.comms.SHIPPED`) written again from the collective benchmark's
+"""``python -m pycomm.parallel.plan.refresh_comms FOLDER``: the planner's shipped all-reduce table
+(:data:`pycomm.parallel.plan.comms.SHIPPED`) written again from the collective benchmark's
 summaries in ``FOLDER`` (``python -m bench.collectives`` runs)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from parallel.plan.comms import SHIPPED, summary_tables
+from .comms import SHIPPED, summary_tables
 
 
 def refresh(folder: str | Path, out: Path = SHIPPED) -> Path:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from parallel.plan.planner import Row
+from .planner import Row
 
 MIB = 1 << 20
 

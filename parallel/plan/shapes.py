@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from parallel.compose.apply_tp import check_divisible
-from parallel.compose.layers import stage_balance
-from parallel.compose.plan import Plan, ResolvedLayer, matching, under_any
-from parallel.compose.styles import Colwise, Rowwise, VocabEmbedding, VocabHead
+from ..compose.apply_tp import check_divisible
+from ..compose.layers import stage_balance
+from ..compose.plan import Plan, ResolvedLayer, matching, under_any
+from ..compose.styles import Colwise, Rowwise, VocabEmbedding, VocabHead
 
 VOCAB = 256  # the trainer's models are byte-level
 
@@ -117,9 +117,9 @@ def from_model(model: Any, plan: Plan, kind: str, cfg: Any,
     """The shape of ``model`` (built on the meta device) under ``plan``: the layers the
     plan resolves, each parameter split where the plan's style splits its module.
     ``dims``: (heads, hidden, MLP width, vocabulary), by default the trainer's GPT's."""
-    from parallel.compose.apply_tp import styles_by_path
-    from parallel.compose.plan import resolve_layers
-    from parallel.compose.tied import canonical_names, tie_groups
+    from ..compose.apply_tp import styles_by_path
+    from ..compose.plan import resolve_layers
+    from ..compose.tied import canonical_names, tie_groups
 
     canonical = canonical_names(tie_groups(model))
     resolved = resolve_layers(plan, model)
@@ -144,7 +144,7 @@ def from_model(model: Any, plan: Plan, kind: str, cfg: Any,
 
 
 def llama_shape(cfg: Any) -> ModelShape:
-    """A Llama as ``parallel.train --model llama`` configures it (vocabulary 256, MLP
+    """A Llama as ``pycomm.parallel.train --model llama`` configures it (vocabulary 256, MLP
     width 4h, as many KV heads as heads), counted without transformers: embedding,
     blocks of q/k/v/o and gate/up/down projections (no biases) with two RMSNorms, the
     final norm and the head (tied to the embedding with ``tie_embeddings``); q/k/v,
@@ -185,9 +185,9 @@ def model_shape(cfg: Any) -> ModelShape:
     """
     import dataclasses
 
-    from parallel._optional import available
-    from parallel.compose.parallelize import plan_for
-    from parallel.train.models import build_model
+    from .._optional import available
+    from ..compose.parallelize import plan_for
+    from ..train.models import build_model
 
     if cfg.model == "llama" and available("transformers") is None:
         return llama_shape(cfg)

@@ -3,16 +3,16 @@
 Servers hold ranges of a key space (consistent hashing, each range replicated on the
 next R servers); workers push gradients and pull values asynchronously; the job chooses
 sequential (BSP), bounded-delay (SSP) or eventual (async) consistency. Start a job with
-``python -m parallel.ps.launch --servers S --workers W -- python my_job.py``; in
+``python -m pycomm.parallel.ps.launch --servers S --workers W -- python my_job.py``; in
 ``my_job.py``::
 
-    from parallel.ps import KVWorker
+    from . import KVWorker
     kv = KVWorker()
     kv.declare("emb", dim=16, updater={"name": "adagrad", "lr": 0.1})
     ts = kv.pull(keys, table="emb"); rows = kv.result(ts)
     kv.wait(kv.push(keys, grads, table="emb")); kv.clock()
 """
 
-from parallel.ps.worker import KVWorker, PSError
+from .worker import KVWorker, PSError
 
 __all__ = ["KVWorker", "PSError"]

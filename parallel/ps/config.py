@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from parallel.ps.consistency import MODES
+from .consistency import MODES
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class JobConfig:
                    if k not in env]
         if missing:
             raise RuntimeError(f"ps: {', '.join(missing)} not set: start the job with "
-                               "python -m parallel.ps.launch, or set them as ps-lite's "
+                               "python -m pycomm.parallel.ps.launch, or set them as ps-lite's "
                                "DMLC_* (see parallel/ps/config.py)")
         return JobConfig(env["PS_SCHEDULER"], int(env["PS_NUM_SERVERS"]),
                          int(env["PS_NUM_WORKERS"]), int(env.get("PS_REPLICAS", "0")),

@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 from typing import Any, TypeAlias
 
-from parallel._optional import missing
+from .._optional import missing
 
 try:
     import numpy as np
 except ModuleNotFoundError as err:
-    raise missing("numpy", "parallel.ps (the parameter server's codecs)", err) from err
+    raise missing("numpy", "pycomm.parallel.ps (the parameter server's codecs)", err) from err
 import torch
 
 Tensor = torch.Tensor

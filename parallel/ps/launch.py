@@ -1,9 +1,9 @@
-"""``python -m parallel.ps.launch --servers S --workers W [--replicas R] -- CMD ...``:
+"""``python -m pycomm.parallel.ps.launch --servers S --workers W [--replicas R] -- CMD ...``:
 a parameter-server job on this host: the scheduler (in this process), S server
 processes and W worker processes running CMD with ``PS_RANK`` set.
 
 On many hosts, start each process yourself with ``PS_ROLE=scheduler|server|worker`` and
-``PS_SCHEDULER=host:port`` (``python -m parallel.ps.launch --role-from-env``), as
+``PS_SCHEDULER=host:port`` (``python -m pycomm.parallel.ps.launch --role-from-env``), as
 ps-lite's ``DMLC_ROLE``. Exits with the first failing worker's status (a worker that was
 killed on purpose is reported by the scheduler, not counted).
 """
@@ -19,11 +19,11 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from parallel.ps.config import JobConfig
+from .config import JobConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m parallel.ps.launch", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pycomm.parallel.ps.launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--workers", type=int, default=1)
@@ -68,7 +68,7 @@ class Job:
         env = {**self.env, "PS_ROLE": "server"}
         if self.ipc_dir:  # one host: servers listen on IPC sockets, not TCP
             env["PS_BIND"] = f"ipc://{self.ipc_dir}/server{len(self.servers)}"
-        self.servers.append(subprocess.Popen([sys.executable, "-m", "parallel.ps.server"],
+        self.servers.append(subprocess.Popen([sys.executable, "-m", "pycomm.parallel.ps.server"],
                                              env=env))
 
     def spawn_worker(self, rank: int) -> None:
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = JobConfig(args.scheduler or f"ipc://{tmp}/scheduler", args.servers, args.workers,
                         args.replicas, args.consistency, args.tau, args.heartbeat_timeout,
                         args.timeout, args.on_worker_death)
-        from parallel.ps.scheduler import Scheduler
+        from .scheduler import Scheduler
 
         job = Job(cfg, cmd, ipc_dir="" if args.scheduler else tmp)
         scheduler = Scheduler(cfg, restore=args.restore, spawn_server=job.spawn_server,
@@ -156,16 +156,16 @@ def main(argv: list[str] | None = None) -> int:
 def _run_role() -> int:
     role = os.environ.get("PS_ROLE", "")
     if role == "scheduler":
-        from parallel.ps.scheduler import Scheduler
+        from .scheduler import Scheduler
 
         return Scheduler(JobConfig.from_env()).run()
     if role == "server":
-        from parallel.ps.server import main as server_main
+        from .server import main as server_main
 
         server_main()
         return 0
     raise SystemExit(f"ps: PS_ROLE must be scheduler or server here (got {role!r}); a "
-                     "worker is your own program, using parallel.ps.KVWorker")
+                     "worker is your own program, using pycomm.parallel.ps.KVWorker")
 
 
 if __name__ == "__main__":

@@ -10,15 +10,16 @@ from typing import Any
 
 import torch
 
-from parallel._optional import missing
+from .._optional import missing
 
 try:
     import zmq
 except ModuleNotFoundError as err:
-    raise missing("zmq", "parallel.ps (the parameter server's ZeroMQ transport)", err) from err
+    raise missing("zmq", "pycomm.parallel.ps (the parameter server's ZeroMQ transport)",
+                  err) from err
 
-from parallel.ps import wire
-from parallel.ps.config import address
+from . import wire
+from .config import address
 
 HEARTBEAT_S = 0.25
 

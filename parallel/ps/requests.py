@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from parallel.ps.filters import decode
-from parallel.ps.store import Table
+from .filters import decode
+from .store import Table
 
 
 class RequestError(ValueError):

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import hashlib
 
-from parallel._optional import missing
+from .._optional import missing
 
 try:
     import numpy as np
 except ModuleNotFoundError as err:
-    raise missing("numpy", "parallel.ps (the parameter server's key ring)", err) from err
+    raise missing("numpy", "pycomm.parallel.ps (the parameter server's key ring)", err) from err
 import torch
 
 

@@ -19,17 +19,18 @@ from typing import Any
 
 import torch
 
-from parallel._optional import missing
+from .._optional import missing
 
 try:
     import zmq
 except ModuleNotFoundError as err:
-    raise missing("zmq", "parallel.ps (the parameter server's ZeroMQ transport)", err) from err
+    raise missing("zmq", "pycomm.parallel.ps (the parameter server's ZeroMQ transport)",
+                  err) from err
 
-from parallel.ps import wire
-from parallel.ps.config import JobConfig, address
-from parallel.ps.node import send
-from parallel.ps.ring import Ring
+from . import wire
+from .config import JobConfig, address
+from .node import send
+from .ring import Ring
 
 
 @dataclass
@@ -344,7 +345,7 @@ class Scheduler:
         if self.spawn_server is None:
             send(self.sock, {"op": "error", "id": header.get("id"), "message":
                              "add_server: this scheduler cannot start processes (it was not "
-                             "started by parallel.ps.launch); start a server with "
+                             "started by pycomm.parallel.ps.launch); start a server with "
                              "PS_ROLE=server and it joins"}, to=who)
             return
         self.spawn_server()

@@ -4,7 +4,7 @@ allows, forwards every update of a range it leads to that range's replicas, and 
 rows over when servers leave or join.
 
 One thread runs the event loop (ZeroMQ ROUTER for workers and peer servers, a DEALER to
-the scheduler); heartbeats run on their own thread (parallel.ps.node).
+the scheduler); heartbeats run on their own thread (pycomm.parallel.ps.node).
 """
 
 from __future__ import annotations
@@ -16,20 +16,21 @@ from typing import Any
 
 import torch
 
-from parallel._optional import missing
+from .._optional import missing
 
 try:
     import zmq
 except ModuleNotFoundError as err:
-    raise missing("zmq", "parallel.ps (the parameter server's ZeroMQ transport)", err) from err
+    raise missing("zmq", "pycomm.parallel.ps (the parameter server's ZeroMQ transport)",
+                  err) from err
 
-from parallel.ps import snapshot, wire
-from parallel.ps.config import JobConfig, address
-from parallel.ps.consistency import Gate, VectorClock
-from parallel.ps.node import Heartbeat, dealer, send
-from parallel.ps.requests import RequestError, checked_request
-from parallel.ps.ring import Ring, handover
-from parallel.ps.store import Rows, Table, TableSpec
+from . import snapshot, wire
+from .config import JobConfig, address
+from .consistency import Gate, VectorClock
+from .node import Heartbeat, dealer, send
+from .requests import RequestError, checked_request
+from .ring import Ring, handover
+from .store import Rows, Table, TableSpec
 
 
 @dataclass

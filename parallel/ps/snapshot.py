@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import torch
 
-from parallel.ps.ring import Ring
-from parallel.ps.store import Rows, Table, TableSpec
+from .ring import Ring
+from .store import Rows, Table, TableSpec
 
 
 def write(path: str, sid: int, tables: dict[str, Table], ring: Ring) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from parallel.ps.updaters import Updater, make_updater
+from .updaters import Updater, make_updater
 
 
 @dataclass

@@ -17,19 +17,20 @@ from typing import Any
 
 import torch
 
-from parallel._optional import missing
+from .._optional import missing
 
 try:
     import zmq
 except ModuleNotFoundError as err:
-    raise missing("zmq", "parallel.ps (the parameter server's ZeroMQ transport)", err) from err
+    raise missing("zmq", "pycomm.parallel.ps (the parameter server's ZeroMQ transport)",
+                  err) from err
 
-from parallel.ps import wire
-from parallel.ps.config import JobConfig
-from parallel.ps.filters import encode
-from parallel.ps.node import Heartbeat, dealer, send
-from parallel.ps.ring import Ring
-from parallel.ps.store import TableSpec
+from . import wire
+from .config import JobConfig
+from .filters import encode
+from .node import Heartbeat, dealer, send
+from .ring import Ring
+from .store import TableSpec
 
 DENSE_BLOCK = 4096  # elements per key of a dense tensor: one key is one block
 DONE_ACK_S = 5.0  # how long close() waits for the scheduler to count this worker done
@@ -54,7 +55,7 @@ class Request:
 
 class KVWorker:
     """This process's connection to the parameter servers (from the environment that
-    ``python -m parallel.ps.launch`` or the user sets: see parallel.ps.config)."""
+    ``python -m pycomm.parallel.ps.launch`` or the user sets: see pycomm.parallel.ps.config)."""
 
     def __init__(self, rank: int | None = None, cfg: JobConfig | None = None):
         self.cfg = cfg or JobConfig.from_env()
@@ -93,7 +94,7 @@ class KVWorker:
         """Make ``table`` (value vectors of ``dim`` floats, updated by ``updater``: a
         name or a spec such as ``{"name": "adam", "lr": 1e-3}``) on every server. Every
         worker may declare it; the declarations must agree."""
-        from parallel.ps.updaters import make_updater
+        from .updaters import make_updater
 
         spec = TableSpec(table, int(dim), make_updater(updater).spec(), init)
         TableSpec.from_dict(spec.as_dict())  # validates
@@ -108,7 +109,7 @@ class KVWorker:
              codec: str = "none") -> int:
         """Send ``values`` ((len(keys), dim), or flat) for ``keys`` (sorted unique int64)
         to the servers, which apply the table's update rule. ``codec`` compresses the
-        values on the wire (parallel.ps.filters: fp16, bf16, int8 with a scale per
+        values on the wire (pycomm.parallel.ps.filters: fp16, bf16, int8 with a scale per
         block). Returns a timestamp."""
         return self._submit("push", table, keys, values, codec)
 

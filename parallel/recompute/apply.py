@@ -7,10 +7,10 @@ from typing import Any
 
 from torch import nn
 
-from parallel.recompute.arena import CheckpointArena
-from parallel.recompute.checkpoint import checkpoint
-from parallel.recompute.partition import refuse_sequence_parallel
-from parallel.zero.units import default_unit_modules
+from ..zero.units import default_unit_modules
+from .arena import CheckpointArena
+from .checkpoint import checkpoint
+from .partition import refuse_sequence_parallel
 
 Policy = str | int | type | tuple[type, ...] | Callable[[str, nn.Module], bool]
 

@@ -2,12 +2,12 @@
 
 :func:`checkpoint` runs ``fn`` under ``no_grad`` and keeps only its tensor inputs; in
 backward it replays every random generator as the forward found it (torch's CPU and
-CUDA generators and every stream of :data:`parallel.rng.TRACKER`), reruns ``fn`` with
+CUDA generators and every stream of :data:`pycomm.parallel.rng.TRACKER`), reruns ``fn`` with
 gradients and backpropagates through the rerun. The kept inputs go to a
 :class:`CheckpointArena`.
 
 With ``partition_group`` each rank keeps ``1/N`` of each input (ZeRO-R's P_a, see
-:mod:`parallel.recompute.partition`); with ``offload`` a CUDA input waits in (pinned)
+:mod:`pycomm.parallel.recompute.partition`); with ``offload`` a CUDA input waits in (pinned)
 host memory; a CPU input already is there.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from parallel.recompute.arena import CheckpointArena
-from parallel.recompute.partition import Stored, check_identical_inputs
-from parallel.rng import TRACKER
+from ..rng import TRACKER
+from .arena import CheckpointArena
+from .partition import Stored, check_identical_inputs
 
 _DEFAULT_ARENA = CheckpointArena()
 _REPLAYS = [0]  # reruns in progress (a rerun may hold another checkpoint's)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.recompute.fused import fused_bias_dropout_add, fused_bias_gelu
+from .fused import fused_bias_dropout_add, fused_bias_gelu
 
 
 def _fused_block_forward(block: Any) -> Any:

@@ -1,9 +1,9 @@
 """Megatron-LM tensor parallelism, with sequence parallelism."""
 
-from parallel.recompute.checkpoint import checkpoint
-from parallel.rng import TRACKER, model_parallel_seed
-from parallel.tensor.apply import apply_tensor_parallel, gather_tensor_parallel_state_dict
-from parallel.tensor.comms import (
+from ..recompute.checkpoint import checkpoint
+from ..rng import TRACKER, model_parallel_seed
+from .apply import apply_tensor_parallel, gather_tensor_parallel_state_dict
+from .comms import (
     copy_to_tp_region,
     count_comms,
     gather_from_sequence_region,
@@ -13,7 +13,7 @@ from parallel.tensor.comms import (
     scatter_to_sequence_region,
     scatter_to_tp_region,
 )
-from parallel.tensor.layers import (
+from .layers import (
     ColumnParallelLinear,
     ParallelMLP,
     ParallelSelfAttention,
@@ -21,7 +21,7 @@ from parallel.tensor.layers import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from parallel.tensor.random import TrackedDropout
+from .random import TrackedDropout
 
 __all__ = [
     "TRACKER",

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.tensor import comms
-from parallel.tensor.comms import Group
-from parallel.tensor.layers import (
+from . import comms
+from .comms import Group
+from .layers import (
     ColumnParallelLinear,
     ParallelMLP,
     ParallelSelfAttention,
@@ -28,8 +28,8 @@ from parallel.tensor.layers import (
     VocabParallelEmbedding,
     residual_stream,
 )
-from parallel.tensor.random import TrackedDropout
-from parallel.tensor.sharding import REPLICATED, mark_tensor_parallel_group, spec_of
+from .random import TrackedDropout
+from .sharding import REPLICATED, mark_tensor_parallel_group, spec_of
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
@@ -54,7 +54,7 @@ def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: boo
     """Shard ``model`` (the same weights on every rank) across ``group``, in place.
 
     Args:
-        model: the reference GPT (``parallel.models.GPT``) or one shaped like it.
+        model: the reference GPT (``pycomm.parallel.models.GPT``) or one shaped like it.
         group: the tensor-parallel group.
         sequence_parallel: split activations between the parallel layers along the
             sequence (reduce-scatter / all-gather instead of all-reduce).
@@ -135,7 +135,7 @@ def sum_partial_grads_on_arrival(model: nn.Module, group: Group) -> None:
     bucket, ZeRO packing it into a shard and dropping ``.grad``) sees the whole one, and
     several backwards accumulate whole gradients. (Summing ``.grad`` once at the end of
     backward is one collective instead of one per parameter, but ZeRO may have taken the
-    gradient away by then; ``parallel.compose.parallelize`` sums them at its fixed phase.)"""
+    gradient away by then; ``pycomm.parallel.compose.parallelize`` sums them at its fixed phase.)"""
     for p in _sequence_parallel_params(model):
         p.register_hook(lambda grad: comms.all_reduce(grad.clone(), group))
 

@@ -16,15 +16,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.rng import REPLICATED, TENSOR_PARALLEL, TRACKER
-from parallel.tensor.comms import Group
-from parallel.tensor.parallel_linear import (
+from ..rng import REPLICATED, TENSOR_PARALLEL, TRACKER
+from .comms import Group
+from .parallel_linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from parallel.tensor.random import TrackedDropout
+from .random import TrackedDropout
 
 __all__ = ["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
@@ -74,7 +74,7 @@ class ParallelSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``mask``: what each query may attend to, as the GPT's attention takes it
-        (:func:`parallel.models.masks.attention_mask_of`); None: causal."""
+        (:func:`pycomm.parallel.models.masks.attention_mask_of`); None: causal."""
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # (batch, time, local heads * head dim)
         batch, time, _ = q.shape
         q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2) for t in (q, k, v))

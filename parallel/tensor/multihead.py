@@ -17,10 +17,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.rng import TENSOR_PARALLEL, TRACKER
-from parallel.tensor import comms
-from parallel.tensor.comms import Group
-from parallel.tensor.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from ..rng import TENSOR_PARALLEL, TRACKER
+from . import comms
+from .comms import Group
+from .parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 
 def _refuse_unsupported(mha: nn.MultiheadAttention, path: str, sequence_parallel: bool) -> None:

@@ -20,9 +20,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.tensor import comms
-from parallel.tensor.comms import SEQ_DIM, Group
-from parallel.tensor.sharding import TPSpec, mark
+from . import comms
+from .comms import SEQ_DIM, Group
+from .sharding import TPSpec, mark
 
 
 def _tp(group: Group) -> tuple[int, int]:

@@ -1,8 +1,8 @@
-"""Dropout drawing from a named stream of the project's RNG tracker (:mod:`parallel.rng`).
+"""Dropout drawing from a named stream of the project's RNG tracker (:mod:`pycomm.parallel.rng`).
 
-The tracker, its streams and :func:`model_parallel_seed` live in :mod:`parallel.rng`
+The tracker, its streams and :func:`model_parallel_seed` live in :mod:`pycomm.parallel.rng`
 (every strategy uses them, recomputation replays them); they are re-exported here, where
-earlier code imports them from, as is :func:`parallel.recompute.checkpoint`.
+earlier code imports them from, as is :func:`pycomm.parallel.recompute.checkpoint`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.recompute.checkpoint import checkpoint
-from parallel.rng import (
+from ..recompute.checkpoint import checkpoint
+from ..rng import (
     REPLICATED,
     TENSOR_PARALLEL,
     TRACKER,
@@ -25,7 +25,7 @@ __all__ = ["REPLICATED", "TENSOR_PARALLEL", "TRACKER", "RNGTracker", "TrackedDro
 
 
 class TrackedDropout(nn.Module):
-    """``nn.Dropout`` drawing from a named stream of :data:`parallel.rng.TRACKER`."""
+    """``nn.Dropout`` drawing from a named stream of :data:`pycomm.parallel.rng.TRACKER`."""
 
     def __init__(self, p: float, stream: str):
         super().__init__()

@@ -1,7 +1,7 @@
-"""Entry point of ``python -m parallel.train`` (see :mod:`parallel.train`)."""
+"""Entry point of ``python -m pycomm.parallel.train`` (see :mod:`pycomm.parallel.train`)."""
 
 import sys
 
-from parallel.train.launch import main
+from .launch import main
 
 sys.exit(main())

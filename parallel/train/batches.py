@@ -14,7 +14,7 @@ token is not trained (an SFT prompt). Two layouts:
   inside a document starts its positions at 0 too, as a window in the padded layout does.
 
 A batch depends on ``(seed, step)`` alone (the caller derives ``seed``), as the byte
-batches of :mod:`parallel.train.data` do: every rank draws the same global batch.
+batches of :mod:`pycomm.parallel.train.data` do: every rank draws the same global batch.
 """
 
 from __future__ import annotations

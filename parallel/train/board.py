@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parallel._optional import require
+from .._optional import require
 
 TRAIN_SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "trained_tokens")
 
@@ -21,7 +21,7 @@ class Board:
     """A SummaryWriter on ``folder``; ``start``: the step a resumed run continues after."""
 
     def __init__(self, folder: str, start: int):
-        require("tensorboard", "parallel.train's --tensorboard")
+        require("tensorboard", "pycomm.parallel.train's --tensorboard")
         # torch's writer needs the tensorboard package (checked above, so a missing one
         # names the extra rather than torch's own ImportError)
         from torch.utils.tensorboard import SummaryWriter

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from parallel.train.config import TrainConfig
+from .config import TrainConfig
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")  # "step_000010.partial" (an unfinished save) is not
 _MODEL_KEYS = ("model", "n_layer", "n_head", "n_embd", "block_size", "tie_embeddings")
@@ -89,8 +89,8 @@ def export_hf(engine: Any, cfg: TrainConfig) -> Path:
     sharded checkpoint first, then rank 0 assembles it)."""
     import torch.distributed as dist
 
-    from parallel.compose.export import save_pretrained
-    from parallel.train.models import hf_config
+    from ..compose.export import save_pretrained
+    from .models import hf_config
 
     out = Path(cfg.export_hf)
     staging = out.with_name(out.name + ".checkpoint")

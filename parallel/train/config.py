@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parallel.compose.mesh import MeshShape
+from ..compose.mesh import MeshShape
 
 MODELS = ("gpt", "llama", "qwen2", "mistral", "gpt2")
 
@@ -28,7 +28,7 @@ def _opt(table: str, default: Any, help: str, choices: tuple[Any, ...] | None = 
 
 @dataclass
 class TrainConfig:
-    """Every setting of ``python -m parallel.train`` (see ``--help`` for each one)."""
+    """Every setting of ``python -m pycomm.parallel.train`` (see ``--help`` for each one)."""
 
     # [model]: byte-level (vocabulary 256), or the --tokenizer's vocabulary
     model: str = _opt("model", "gpt", "gpt | llama | qwen2 | mistral | gpt2 (HuggingFace "
@@ -131,7 +131,7 @@ class TrainConfig:
     max_unit_mb: float = _opt("parallel", 0.0, "ZeRO-3's largest unit, MiB of masters: a "
                               "larger embedding is split by rows and the head by vocabulary "
                               "chunks (the loss taken in them), each tile a unit (0: whole)")
-    plan: str = _opt("parallel", "", "auto: train the layout python -m parallel.plan ranks "
+    plan: str = _opt("parallel", "", "auto: train the layout python -m pycomm.parallel.plan ranks "
                      "first for nproc ranks (0: dp * tp * pp) within --memory-gb; it sets dp, "
                      "tp, pp, zero, recompute and partition_activations", ("", "auto"))
     memory_gb: float = _opt("parallel", 0.0, "per-rank memory, GiB, beyond the runtime: "
@@ -153,7 +153,7 @@ class TrainConfig:
     metrics: str = _opt("output", "", "JSON lines, one per step and per validation (rank 0)")
     plot: str = _opt("output", "", "loss curve PNG (default: the metrics file's name, .png)")
     progress: bool = _opt("output", True, "tqdm progress bar on rank 0")
-    log_every: int = _opt("output", 10, "a line on the logger parallel.train every K "
+    log_every: int = _opt("output", 10, "a line on the logger pycomm.parallel.train every K "
                           "steps (0: off)")
     tensorboard: str = _opt("output", "", "TensorBoard event files in this folder (rank 0; "
                             "pip install 'pycomm-collectives[tensorboard]')")
@@ -253,8 +253,8 @@ def _check_experts(cfg: TrainConfig) -> None:
         raise ValueError("train: --plan auto times a dense GPT's blocks (the experts' "
                          "compute and activations are not calibrated); with --moe-experts "
                          "give the layout (--dp, --ep, --tp, --pp) yourself (python -m "
-                         "parallel.plan lists them with the experts' memory)")
-    from parallel.models.gpt import GPTConfig
+                         "pycomm.parallel.plan lists them with the experts' memory)")
+    from ..models.gpt import GPTConfig
 
     try:
         GPTConfig(n_head=cfg.n_head, n_embd=cfg.n_embd, moe_experts=cfg.moe_experts,
@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     """One flag per field; a flag not given is absent from the result (so the TOML
     file's value, or the default, stays)."""
     parser = argparse.ArgumentParser(
-        prog="python -m parallel.train", argument_default=argparse.SUPPRESS,
+        prog="python -m pycomm.parallel.train", argument_default=argparse.SUPPRESS,
         description="Train a model (the project's GPT or a HuggingFace one) on bytes, or on "
                     "a tokenized dataset (--dataset, --tokenizer), on a (dp, tp, pp) mesh "
                     "with every strategy of parallel/. Flags override "

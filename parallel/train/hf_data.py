@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parallel._optional import require
-from parallel.train.batches import IGNORE, Documents
+from .._optional import require
+from .batches import IGNORE, Documents
 
 KINDS = {".txt": "text", ".jsonl": "json", ".json": "json"}  # suffix -> datasets' builder
 SFT_FIELDS = ("prompt", "response")
@@ -55,7 +55,7 @@ def dataset_files(path: Path) -> list[Path]:
 
 def _load(path: Path, text_sample: str) -> Any:
     """The file as a ``datasets.Dataset``."""
-    datasets = require("datasets", "parallel.train's --dataset")
+    datasets = require("datasets", "pycomm.parallel.train's --dataset")
     datasets.disable_progress_bars()  # the trainer's own output stays readable
     kind = KINDS[path.suffix]
     extra = {"sample_by": text_sample} if kind == "text" else {}

@@ -18,10 +18,10 @@ import sys
 
 import torch.distributed as dist
 
-from parallel.train.auto import planned, planned_everywhere
-from parallel.train.config import TrainConfig, parse
-from parallel.train.loop import train_rank
-from parallel.train.sources import check_source
+from .auto import planned, planned_everywhere
+from .config import TrainConfig, parse
+from .loop import train_rank
+from .sources import check_source
 
 
 def _init(cfg: TrainConfig, store: dist.Store | None = None, rank: int = 0, world: int = 1
@@ -70,7 +70,7 @@ def launch(cfg: TrainConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m parallel.train``: parse, check, launch; 2 for a refused setting, 1
+    """``python -m pycomm.parallel.train``: parse, check, launch; 2 for a refused setting, 1
     when a spawned rank failed (its traceback printed)."""
     from torch.multiprocessing import ProcessRaisedException
 

@@ -1,10 +1,10 @@
-"""The trainer's lines on Python's ``logging``: the logger ``parallel.train``.
+"""The trainer's lines on Python's ``logging``: the logger ``pycomm.parallel.train``.
 
 Rank 0 logs a line every ``--log-every`` steps (step, loss, gradient norm, learning rate,
 tokens per second, trained tokens) and each validation. When the program has set up no
-logging of its own (``python -m parallel.train``), the lines go to stderr through the
+logging of its own (``python -m pycomm.parallel.train``), the lines go to stderr through the
 progress bar's ``tqdm.write``, so they land above the bar instead of through it; a program
-that configured ``logging`` (a handler on the root or on ``parallel.train``) gets them its
+that configured ``logging`` (a handler on the root or on ``pycomm.parallel.train``) gets them its
 own way.
 """
 
@@ -14,9 +14,9 @@ import logging
 import sys
 from typing import Any
 
-from parallel._optional import available
+from .._optional import available
 
-LOGGER = logging.getLogger("parallel.train")
+LOGGER = logging.getLogger("pycomm.parallel.train")
 _tqdm = available("tqdm")
 
 
@@ -35,7 +35,7 @@ class _AboveTheBar(logging.Handler):
 
 
 def log_to_stderr() -> None:
-    """Rank 0's default: INFO lines of ``parallel.train`` to stderr, unless logging is
+    """Rank 0's default: INFO lines of ``pycomm.parallel.train`` to stderr, unless logging is
     already configured (then the program's handlers and levels decide)."""
     if LOGGER.handlers or logging.getLogger().handlers:
         return

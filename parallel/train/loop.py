@@ -9,17 +9,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallel.compose.mesh import ParallelMesh
-from parallel.compose.parallelize import ParallelConfig, ParallelModel, parallelize
-from parallel.rng import seed_streams
-from parallel.train import ckpt
-from parallel.train.batches import Batch
-from parallel.train.config import TrainConfig
-from parallel.train.data import derive_seed
-from parallel.train.metrics import Metrics, peak_rss_mb
-from parallel.train.models import VOCAB, build_model, describe_model
-from parallel.train.schedule import WarmupCosine
-from parallel.train.sources import DataSource, load_source
+from ..compose.mesh import ParallelMesh
+from ..compose.parallelize import ParallelConfig, ParallelModel, parallelize
+from ..rng import seed_streams
+from . import ckpt
+from .batches import Batch
+from .config import TrainConfig
+from .data import derive_seed
+from .metrics import Metrics, peak_rss_mb
+from .models import VOCAB, build_model, describe_model
+from .schedule import WarmupCosine
+from .sources import DataSource, load_source
 
 
 def parallel_config(cfg: TrainConfig) -> ParallelConfig:
@@ -58,7 +58,7 @@ def build(cfg: TrainConfig, vocab: int = VOCAB) -> tuple[ParallelModel, int, str
 def seed_step(seed: int, step: int, mesh: ParallelMesh) -> None:
     """Seed every random stream for ``step`` from ``(seed, step)``, so a resumed run draws
     the dropout masks the uninterrupted one drew, whatever the generators' state in the
-    checkpoint. :func:`parallel.rng.seed_streams` keeps TP ranks alike on the replicated
+    checkpoint. :func:`pycomm.parallel.rng.seed_streams` keeps TP ranks alike on the replicated
     stream and apart on their own heads, and stages apart; the replica is mixed in here
     so that data-parallel replicas drop differently, as one process does across its rows."""
     s = derive_seed(seed, "dropout", step, mesh.rank("dp")) >> 8

@@ -1,6 +1,6 @@
 """What rank 0 reports: a tqdm bar, one JSON line per step and per validation, a plot,
-a ``logging`` line every ``--log-every`` steps (:mod:`~parallel.train.logs`) and, with
-``--tensorboard``, TensorBoard event files (:mod:`~parallel.train.board`).
+a ``logging`` line every ``--log-every`` steps (:mod:`~pycomm.parallel.train.logs`) and, with
+``--tensorboard``, TensorBoard event files (:mod:`~pycomm.parallel.train.board`).
 
 The lines (``--metrics FILE.jsonl``) are::
 
@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel._optional import available, note
-from parallel.train.board import Board
-from parallel.train.logs import LOGGER, log_to_stderr, step_line
-from parallel.train.plot import loss_curve
+from .._optional import available, note
+from .board import Board
+from .logs import LOGGER, log_to_stderr, step_line
+from .plot import loss_curve
 
 # optional (pip install 'pycomm-collectives[bench]'): without it, no bar, the lines still go out
 _tqdm = available("tqdm")

@@ -12,15 +12,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel._optional import require
-from parallel.models import GPT, GPTConfig
+from .._optional import require
+from ..models import GPT, GPTConfig
 
 NAMED = ("gpt", "llama", "qwen2", "mistral", "gpt2")
 VOCAB = 256  # bytes: the vocabulary without --tokenizer
 
 
 def _transformers() -> Any:
-    return require("transformers", "parallel.train's HuggingFace models")
+    return require("transformers", "pycomm.parallel.train's HuggingFace models")
 
 
 def _data(cfg: Any, vocab: int) -> str:

@@ -6,7 +6,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from parallel._optional import available
+from .._optional import available
 
 
 def loss_curve(records: list[dict[str, Any]], path: Path, title: str) -> bool:

@@ -1,7 +1,7 @@
 """Where the trainer's batches come from: bytes (``--data``, vocabulary 256) or a
 tokenized dataset (``--dataset`` with ``--tokenizer``, padded or ``--pack``-ed rows).
 
-Both give the loop the same thing: a :class:`~parallel.train.batches.Batch` per step from
+Both give the loop the same thing: a :class:`~pycomm.parallel.train.batches.Batch` per step from
 ``(seed, step)`` alone, fixed held-out batches, the model's vocabulary, and what the
 banner and the metrics' config line say about the data.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from parallel.train.batches import Batch, Documents, packed_batch, padded_batch
-from parallel.train.config import TrainConfig
-from parallel.train.data import Corpus, derive_seed, load_corpus, train_batch, val_batches
-from parallel.train.hf_data import hold_out, read_records, tokenize
-from parallel.train.models import VOCAB
-from parallel.train.tokenizer import load_tokenizer, model_vocab
+from .batches import Batch, Documents, packed_batch, padded_batch
+from .config import TrainConfig
+from .data import Corpus, derive_seed, load_corpus, train_batch, val_batches
+from .hf_data import hold_out, read_records, tokenize
+from .models import VOCAB
+from .tokenizer import load_tokenizer, model_vocab
 
 
 class DataSource(Protocol):
@@ -33,7 +33,7 @@ class DataSource(Protocol):
 
 @dataclass
 class ByteSource:
-    """The byte corpus of :mod:`parallel.train.data`, as it always was."""
+    """The byte corpus of :mod:`pycomm.parallel.train.data`, as it always was."""
 
     corpus: Corpus
     vocab_size: int = VOCAB

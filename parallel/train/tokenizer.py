@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parallel._optional import require
+from .._optional import require
 
 
 def load_tokenizer(name: str, padded: bool) -> Any:
@@ -15,7 +15,7 @@ def load_tokenizer(name: str, padded: bool) -> Any:
     Raises:
         ValueError: the tokenizer cannot be loaded, or lacks a token the layout needs.
     """
-    transformers = require("transformers", "parallel.train's --tokenizer")
+    transformers = require("transformers", "pycomm.parallel.train's --tokenizer")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:  # transformers' "not found" is an OSError

@@ -6,7 +6,7 @@ Every parameter is saved as the whole tensor of the unsplit model under
 ``param/<name>`` (the fp32 masters under mixed precision), each of its optimizer state
 tensors (Adam's moments) as ``optim/<key>/<name>``: a rank contributes the flat ranges
 its master shards hold as chunks in the whole tensor's coordinates
-(:mod:`parallel.compose.dcp_chunks`, as the composed engine's checkpoints); chunks that
+(:mod:`pycomm.parallel.compose.dcp_chunks`, as the composed engine's checkpoints); chunks that
 tensor-parallel ranks hold alike (a replicated LayerNorm) are written once. Loading
 asks for the chunks the loading layout holds and DCP reads what overlaps them. Beside
 them: the model's buffers (``buffer/<name>``, whole) and, as objects, the format, the
@@ -15,7 +15,7 @@ parameter groups (members by name, hyper-parameters) and the scalar optimizer st
 ``state_dict`` from it in one process.
 
 A tensor-parallel model (its parameters marked by
-:func:`parallel.tensor.apply_tensor_parallel`) saves and loads collectively over the
+:func:`pycomm.parallel.tensor.apply_tensor_parallel`) saves and loads collectively over the
 world, which must be its data- x tensor-parallel grid. A layout the parameters do not
 describe (a pipeline stage) passes ``shard_key``: the optimizer's group then writes its
 own checkpoint, ``<path>/<shard_key>``, of the tensors as its ranks hold them.
@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.tensor.sharding import model_parallel_groups, spec_of
-from parallel.zero.param_groups import options
-from parallel.zero.zero_optimizer import ZeroOptimizer
+from ..tensor.sharding import model_parallel_groups, spec_of
+from .param_groups import options
+from .zero_optimizer import ZeroOptimizer
 
-# parallel.compose (DCP's chunks, ensure_state) is imported inside the functions that
-# use it: it imports parallel.zero, so a module-level import would be a cycle.
+# pycomm.parallel.compose (DCP's chunks, ensure_state) is imported inside the functions that
+# use it: it imports pycomm.parallel.zero, so a module-level import would be a cycle.
 
 FORMAT = "pycomm.zero-dcp/1"
 META = ("meta/format", "meta/groups", "meta/scalar_state")
@@ -129,7 +129,7 @@ def _tensors(model: nn.Module, opt: ZeroOptimizer, names: list[str],
              where: _Where) -> dict[str, Any]:
     """This rank's chunks of every parameter (a key even where it holds none) and of
     its optimizer state, views of the shards (load fills them in place); the buffers."""
-    from parallel.compose.chunks import ChunkedTensor, chunks_of
+    from ..compose.chunks import ChunkedTensor, chunks_of
 
     shapes = opt.param_shapes()
     out: dict[str, Any] = {
@@ -160,7 +160,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
                  shard_key: str | None = None) -> None:
     """Every rank writes its shards (collective over the optimizer's group; over the
     world for a tensor-parallel model). See the module docstring for ``shard_key``."""
-    from parallel.compose import dcp_chunks
+    from ..compose import dcp_chunks
 
     opt._refuse_offload("save_sharded", state_only=True)  # its state is not in memory
     where = _where(path, opt, shard_key)
@@ -172,7 +172,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
 def _open(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The checkpoint's keys ((shape, dtype), None for an object) and its ``meta/``
     objects, checked: they are read from files, not trusted."""
-    from parallel.compose import dcp_chunks
+    from ..compose import dcp_chunks
 
     saved = dcp_chunks.saved_keys(folder)
     if missing := [k for k in META if k not in saved or saved[k] is not None]:
@@ -244,8 +244,8 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
             state this optimizer keeps (named in the message).
     """
     opt._refuse_offload("load_sharded", state_only=True)
-    from parallel.compose import dcp_chunks
-    from parallel.compose.optim_groups import ensure_state
+    from ..compose import dcp_chunks
+    from ..compose.optim_groups import ensure_state
 
     where = _where(path, opt, shard_key)
     names = opt.param_names(model)
@@ -267,7 +267,7 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
 def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """A plain, full ``state_dict`` (parameters whole, and buffers), in one process
     without any process group."""
-    from parallel.compose import dcp_chunks
+    from ..compose import dcp_chunks
 
     saved, _ = _open(Path(path))
     keys = [k for k in saved if k.startswith(("param/", "buffer/"))]

@@ -32,14 +32,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.grad_hooks import EndOfBackward, move_grad_into, on_grad_ready
-from parallel.zero import zero_comms as comms
-from parallel.zero.grad_stream import GradStream, window_numel
-from parallel.zero.model_writes import ParamWatch
-from parallel.zero.precision import Precision
-from parallel.zero.shard_layout import ShardLayout
 from pycomm.bucketer import Bucketer
 from pycomm.flat_arena import Arena
+
+from ..grad_hooks import EndOfBackward, move_grad_into, on_grad_ready
+from . import zero_comms as comms
+from .grad_stream import GradStream, window_numel
+from .model_writes import ParamWatch
+from .precision import Precision
+from .shard_layout import ShardLayout
 
 MB = 1 << 20
 
@@ -122,7 +123,7 @@ class FlatShards:
 
     def _make_grad_buffers(self, dtype: torch.dtype) -> None:
         # Whole gradients (stage 1) are views of one arena, every .grad a view (as
-        # parallel.data); when reduced in another dtype than computed, each is added into
+        # pycomm.parallel.data); when reduced in another dtype than computed, each is added into
         # its view instead. Stage 2 streams them through bucket buffers into its shards.
         self._grads_are_views = self.precision.reduce == self.precision.compute
         self._stream: GradStream | None = None

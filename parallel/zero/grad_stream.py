@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.grad_hooks import move_grad_into
-from parallel.zero import zero_comms as comms
-from parallel.zero.shard_layout import ShardLayout
+from ..grad_hooks import move_grad_into
+from . import zero_comms as comms
+from .shard_layout import ShardLayout
 
 
 def window_numel(layout: ShardLayout, window: int) -> int:

@@ -1,5 +1,5 @@
 """ZeRO-Infinity offload for stage 3: each unit's shard, fp32 master and optimizer state live
-in a :mod:`unit store <parallel.zero.unit_store>` and are in memory only around their use.
+in a :mod:`unit store <pycomm.parallel.zero.unit_store>` and are in memory only around their use.
 
 The stage-3 engine (:class:`ShardedModel`) asks :class:`UnitOffload` for a unit's master
 before it gathers the unit. In forward only the master is read, and dropped once the
@@ -46,10 +46,11 @@ from typing import Any
 
 import torch
 
-from parallel.precision import sum_of_squares
-from parallel.zero.unit_store import FileUnitStore, HostUnitStore, Record, RecordLayout
-from parallel.zero.units import Unit
 from pycomm.arena import return_freed_memory
+
+from ..precision import sum_of_squares
+from .unit_store import FileUnitStore, HostUnitStore, Record, RecordLayout
+from .units import Unit
 
 KINDS = ("cpu", "disk")
 ADAM_STATE = ("exp_avg", "exp_avg_sq")  # Adam's and AdamW's state, beside the master
@@ -80,7 +81,7 @@ class OffloadConfig:
             record's ``grad`` (read with the master in backward) and the units step after
             the last (implies ``defer_step``).
         state_fields: the optimizer's per-element state tensors, beside the master in
-            each record (:func:`parallel.zero.offload_step.optimizer_state_layout`).
+            each record (:func:`pycomm.parallel.zero.offload_step.optimizer_state_layout`).
     """
 
     kind: str

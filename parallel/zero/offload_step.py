@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.zero.param_groups import Piece
-from parallel.zero.unit_store import Record
-from parallel.zero.units import Unit
+from .param_groups import Piece
+from .unit_store import Record
+from .units import Unit
 
 
 def optimizer_state_layout(optimizer: type[torch.optim.Optimizer], options: dict[str, Any]

@@ -6,7 +6,7 @@ the model's parameters (stages 1-2 under mixed precision) and every group's opti
 beside a *signature*: stage, world size, rank, precisions, the inner optimizer's class,
 the layout (parameter sizes, buckets, pieces) and the grouping. Loading compares the
 signature key by key and names the first that differs; resharding onto another world
-size is :mod:`parallel.zero.checkpoint`'s job.
+size is :mod:`pycomm.parallel.zero.checkpoint`'s job.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from parallel.zero.param_groups import Piece
-from parallel.zero.precision import Precision
-from parallel.zero.shard_layout import ShardLayout
+from .param_groups import Piece
+from .precision import Precision
+from .shard_layout import ShardLayout
 
 FORMAT = "pycomm.zero.optimizer/1"
 KEYS = ("world", "rank", "stage", "precision", "optimizer", "layout", "groups")
-_HINT = ("; to change world size or stage, save with parallel.zero.save_sharded and load "
+_HINT = ("; to change world size or stage, save with pycomm.parallel.zero.save_sharded and load "
          "with load_sharded")
 
 

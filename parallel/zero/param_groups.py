@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from parallel.zero.shard_layout import ShardLayout
+from .shard_layout import ShardLayout
 
 # Keys of a group that are not hyper-parameters (torch adds "param_names" for named params).
 NOT_OPTIONS = ("params", "param_names")

@@ -28,15 +28,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from parallel.zero import zero_comms as comms
-from parallel.zero.offload import OffloadConfig, UnitOffload
-from parallel.zero.shard_layout import ShardLayout
-from parallel.zero.slot_pool import SlotPool
-from parallel.zero.unit_grads import UnitGradReducer
-from parallel.zero.units import Unit, plan_units
 from pycomm._extension import load as _extension
 from pycomm.arena import return_freed_memory
 from pycomm.flat_arena import Arena
+
+from . import zero_comms as comms
+from .offload import OffloadConfig, UnitOffload
+from .shard_layout import ShardLayout
+from .slot_pool import SlotPool
+from .unit_grads import UnitGradReducer
+from .units import Unit, plan_units
 
 SHARD_NAME = "zero3_shard"
 PERSISTENT_SHARD_NAME = "zero3_persistent_shard"
@@ -429,9 +430,9 @@ def shard_model(model: nn.Module, process_group: dist.ProcessGroup | None = None
         materialize: for a model on the meta device: ``materialize(names)`` gives those
             parameters their weights; called unit by unit just before each is sharded.
         offload: keep each unit's shard, fp32 master and optimizer state in a unit store
-            (:mod:`parallel.zero.offload`), stepped unit by unit in backward.
+            (:mod:`pycomm.parallel.zero.offload`), stepped unit by unit in backward.
         exclude: parameter names left whole and untouched (another optimizer's: the
-            experts beside ZeRO, :mod:`parallel.compose.expert_side`).
+            experts beside ZeRO, :mod:`pycomm.parallel.compose.expert_side`).
         budget: bounds on the units gathered at once and the whole-unit buffers kept
             (:class:`LiveBudget`; default: none).
 

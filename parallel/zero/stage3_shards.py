@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.zero.precision import Precision
-from parallel.zero.sharded_model import ShardedModel
+from .precision import Precision
+from .sharded_model import ShardedModel
 
 
 def _tag(p: torch.Tensor) -> tuple[ShardedModel, int] | None:
@@ -40,7 +40,7 @@ def engine_of(tensors: list[torch.Tensor]) -> ShardedModel:
     tags = [_tag(p) for p in tensors]
     if not tensors or any(t is None for t in tags):
         raise ValueError("ZeroOptimizer: stage 3 needs the parameters of a model sharded "
-                         "by parallel.zero.shard_model (model = shard_model(model); "
+                         "by pycomm.parallel.zero.shard_model (model = shard_model(model); "
                          "ZeroOptimizer(model.parameters(), ..., stage=3))")
     engines = {id(t[0]): t[0] for t in tags if t is not None}
     if len(engines) > 1:

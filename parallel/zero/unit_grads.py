@@ -6,7 +6,7 @@ gradient, the gathered parameters are freed and (through the :class:`Bucketer`, 
 rank issues the same collectives in the same order) the buffer is reduce-scattered
 straight into the gradient of this rank's shard. At most ``MAX_IN_FLIGHT``
 buffers are being reduced at once; a rank holds ``1/world`` of the gradients plus
-those. Offloaded (:mod:`parallel.zero.offload`), a unit's shard lands in a buffer of its
+those. Offloaded (:mod:`pycomm.parallel.zero.offload`), a unit's shard lands in a buffer of its
 own and is handed to the unit's optimizer step as soon as its reduce-scatter is done;
 the rank then holds no gradient between units.
 """
@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.grad_hooks import EndOfBackward, on_grad_ready
-from parallel.zero import zero_comms as comms
-from parallel.zero.shard_layout import ShardLayout
-from parallel.zero.slot_pool import SlotPool
-from parallel.zero.units import Unit
 from pycomm.bucketer import Bucketer
 from pycomm.flat_arena import Arena
+
+from ..grad_hooks import EndOfBackward, on_grad_ready
+from . import zero_comms as comms
+from .shard_layout import ShardLayout
+from .slot_pool import SlotPool
+from .units import Unit
 
 MAX_IN_FLIGHT = 2
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallel.zero.shard_layout import ShardLayout
+from .shard_layout import ShardLayout
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.data.data_comms import averaging_op, src_rank
+from ..data.data_comms import averaging_op, src_rank
 
 Group = dist.ProcessGroup | None
 # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those.

@@ -7,7 +7,7 @@ buffer; gradients are all-reduced, or reduce-scattered, in buckets during backwa
 :class:`Stage3Shards` for stage 3 (a model from :func:`shard_model` owns the shards).
 This class holds what every stage shares: the parameter groups a user (and an LR
 scheduler) sees, the inner optimizer over this rank's pieces of each group
-(:mod:`parallel.zero.param_groups`), the step, clipping and the ``state_dict``.
+(:mod:`pycomm.parallel.zero.param_groups`), the step, clipping and the ``state_dict``.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.precision import sum_of_squares
-from parallel.tensor.sharding import model_parallel_groups, replicated_copies
-from parallel.zero import optimizer_state
-from parallel.zero.flat_shards import FlatShards
-from parallel.zero.offload import OffloadConfig, Span, UnitOffload
-from parallel.zero.offload_step import optimizer_state_layout, unit_stepper
-from parallel.zero.param_groups import (
+from ..precision import sum_of_squares
+from ..tensor.sharding import model_parallel_groups, replicated_copies
+from . import optimizer_state
+from .flat_shards import FlatShards
+from .offload import OffloadConfig, Span, UnitOffload
+from .offload_step import optimizer_state_layout, unit_stepper
+from .param_groups import (
     Piece,
     check_params,
     group_tensors,
@@ -35,8 +35,8 @@ from parallel.zero.param_groups import (
     options,
     plan_pieces,
 )
-from parallel.zero.precision import Precision, step_on_masters
-from parallel.zero.stage3_shards import Stage3Shards, engine_of, group_of_params
+from .precision import Precision, step_on_masters
+from .stage3_shards import Stage3Shards, engine_of, group_of_params
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -53,7 +53,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             order given (last first), so list parameters in the model's order.
         optimizer_class: an elementwise ``torch.optim`` optimizer (AdamW, Adam, SGD, ...).
         stage: 1 (optimizer state sharded), 2 (also gradients) or 3 (also parameters:
-            pass the parameters of a model from :func:`parallel.zero.shard_model`).
+            pass the parameters of a model from :func:`pycomm.parallel.zero.shard_model`).
         process_group: the data-parallel group (None: default).
         bucket_cap_mb: bucket size (C_B); stage 3 reduces per unit instead.
         mixed_precision: compute and communicate in this dtype (``torch.bfloat16``),
@@ -306,7 +306,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         The norm is summed over the data-parallel group's shards and over the model-
         parallel ranks: by default the tensor-parallel group that
-        :func:`parallel.tensor.apply_tensor_parallel` recorded on the parameters, where a
+        :func:`pycomm.parallel.tensor.apply_tensor_parallel` recorded on the parameters, where a
         split parameter counts every rank's part and a replicated one counts once.
         A pipeline (whose stages hold different parameters) passes the group of every
         tensor- and pipeline-parallel rank as ``model_parallel_group`` (Megatron's
@@ -338,7 +338,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         file per rank) or copy it before training on.
 
         To resume on another world size, or to get a plain full model, use
-        :func:`parallel.zero.save_sharded` / :func:`load_sharded` / :func:`consolidate`
+        :func:`pycomm.parallel.zero.save_sharded` / :func:`load_sharded` / :func:`consolidate`
         instead: they store each parameter whole, as every rank's chunks of it
         (torch.distributed.checkpoint), by parameter name.
         """
@@ -395,7 +395,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.state_offload is not None and state_only:
             raise RuntimeError(f"ZeroOptimizer.{what}: the optimizer state is in the unit "
                                "store (offload_states); save through the composed engine's "
-                               "checkpoints (parallel.compose), which stream it")
+                               "checkpoints (pycomm.parallel.compose), which stream it")
 
     def _signature(self) -> dict[str, Any]:
         return optimizer_state.signature(self.stage, self.world, self.rank, self.precision,

@@ -1,8 +1,8 @@
 """What the examples share: their command line, launching themselves as a job, and one
 JSON line per step.
 
-Run as ``python -m parallel.ps.examples.logreg --servers 2 --workers 4 ...``, an example
-starts ``parallel.ps.launch`` with itself as the worker command; each worker (``PS_ROLE``
+Run as ``python -m pycomm.parallel.ps.examples.logreg --servers 2 --workers 4 ...``, an example
+starts ``pycomm.parallel.ps.launch`` with itself as the worker command; each worker (``PS_ROLE``
 set by the launcher) then runs the training loop.
 """
 
@@ -49,7 +49,7 @@ def launch_unless_worker(args: argparse.Namespace, module: str) -> int | None:
     Inside (a worker): None."""
     if os.environ.get("PS_ROLE") == "worker":
         return None
-    from parallel.ps.launch import main as launch
+    from ..launch import main as launch
 
     if args.metrics and os.path.exists(args.metrics):
         os.remove(args.metrics)

@@ -22,15 +22,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parallel._optional import missing
+from ..._optional import missing
 
 try:
     import numpy as np
 except ModuleNotFoundError as err:
-    raise missing("numpy", "parallel.ps.examples (the CTR data)", err) from err
+    raise missing("numpy", "pycomm.parallel.ps.examples (the CTR data)", err) from err
 import torch
 
-from parallel.train.data import derive_seed
+from ...train.data import derive_seed
 
 # The draw rate per example is capped at this multiple of the wanted non-zeros; beyond it
 # the Zipf tail is too thin to reach the density and the configuration is refused.

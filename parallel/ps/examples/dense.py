@@ -4,7 +4,7 @@ parameter, runs its batch of the Python standard library's bytes (or random toke
 with ``--random-tokens``), and pushes its gradient scaled so BSP + SGD equals one
 process on all workers' batches.
 
-    python -m parallel.ps.examples.dense --servers 2 --workers 2 --consistency bsp \\
+    python -m pycomm.parallel.ps.examples.dense --servers 2 --workers 2 --consistency bsp \\
         --steps 30 --metrics runs/dense.jsonl --check
 """
 
@@ -16,17 +16,17 @@ import time
 
 import torch
 
-from parallel.models import GPTConfig, lm_loss
-from parallel.ps import KVWorker
-from parallel.ps.examples._job import Metrics, job_parser, run_example
-from parallel.ps.examples.dense_model import (
+from ...models import GPTConfig, lm_loss
+from .. import KVWorker
+from ._job import Metrics, job_parser, run_example
+from .dense_model import (
     flat_named_grads,
     flat_named_parameters,
     gpt_batch,
     init_gpt,
     train_one_process_gpt_state,
 )
-from parallel.ps.examples.logreg_model import worker_push_scale
+from .logreg_model import worker_push_scale
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,7 +49,7 @@ def config(args: argparse.Namespace) -> GPTConfig:
 def corpus_of(args: argparse.Namespace) -> torch.Tensor | None:
     if args.random_tokens:
         return None
-    from parallel.train.data import load_corpus
+    from ...train.data import load_corpus
 
     return load_corpus("", 0.1, args.block_size).train
 
@@ -91,7 +91,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_example(parser(), "parallel.ps.examples.dense", train, argv)
+    return run_example(parser(), "pycomm.parallel.ps.examples.dense", train, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

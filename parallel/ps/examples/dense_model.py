@@ -4,7 +4,7 @@ A parameter server stores each parameter as one flat float32 tensor under its na
 (``flat_named_parameters``). A worker loads pulled values into its replica
 (``load_named``), runs its batch (``gpt_batch``), and pushes
 ``flat_named_grads(model)[name] * worker_push_scale(batch_w, total_batch)`` per name
-(the rule of :mod:`parallel.ps.examples.logreg_model`: ``lm_loss`` is a mean over the
+(the rule of :mod:`pycomm.parallel.ps.examples.logreg_model`: ``lm_loss`` is a mean over the
 worker's positions, and every position counts once in the reference); the server sums
 one step's pushes and applies ``value -= lr * summed_push``. Then BSP equals
 :func:`train_one_process_gpt` up to float rounding.
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
-from parallel.train.data import derive_seed, draw
+from ...models import GPT, GPTConfig, lm_loss, synthetic_batch
+from ...train.data import derive_seed, draw
 
 
 def init_gpt(cfg: GPTConfig, seed: int) -> GPT:
@@ -85,7 +85,7 @@ def gpt_batch(
     Args:
         corpus: None for uniform random tokens (``synthetic_batch``: nothing to learn, the
             loss stays near ln(vocab_size)), or uint8 bytes to cut windows from
-            (``parallel.train.data.load_corpus(...).train``: the loss falls).
+            (``pycomm.parallel.train.data.load_corpus(...).train``: the loss falls).
 
     Raises:
         ValueError: a corpus is given and ``cfg.vocab_size`` is under 256.

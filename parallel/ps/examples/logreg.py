@@ -3,7 +3,7 @@ server: each worker pulls the weights of the features its batch touches, pushes 
 gradient (scaled so BSP + SGD equals one process on all workers' batches), and the
 servers apply SGD.
 
-    python -m parallel.ps.examples.logreg --servers 2 --workers 4 --consistency ssp \\
+    python -m pycomm.parallel.ps.examples.logreg --servers 2 --workers 4 --consistency ssp \\
         --tau 2 --steps 100 --metrics runs/logreg.jsonl
 
 Each worker step writes ``{"step", "loss", "worker", "clock", "pushed_bytes",
@@ -19,15 +19,15 @@ import time
 
 import torch
 
-from parallel.ps import KVWorker
-from parallel.ps.examples._job import Metrics, job_parser, run_example
-from parallel.ps.examples.ctr_data import ClickData, SparseBatch
-from parallel.ps.examples.logreg_model import (
+from .. import KVWorker
+from ..filters import SignificanceFilter
+from ._job import Metrics, job_parser, run_example
+from .ctr_data import ClickData, SparseBatch
+from .logreg_model import (
     loss_and_grad,
     train_one_process_state,
     worker_push_scale,
 )
-from parallel.ps.filters import SignificanceFilter
 
 BIAS = torch.zeros(1, dtype=torch.int64)
 
@@ -98,7 +98,7 @@ def report(kv: KVWorker, data: ClickData, args: argparse.Namespace, metrics: Met
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_example(parser(), "parallel.ps.examples.logreg", train, argv)
+    return run_example(parser(), "pycomm.parallel.ps.examples.logreg", train, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

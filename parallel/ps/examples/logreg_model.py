@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from parallel.ps.examples.ctr_data import ClickData, SparseBatch, concat
+from .ctr_data import ClickData, SparseBatch, concat
 
 
 def loss_and_grad(
