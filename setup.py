@@ -230,23 +230,25 @@ def install_requires(argv: list[str]) -> list[str]:
 # wheel with two top-level packages of generic names overwrites theirs or is overwritten.
 # pycomm_autoload is torch's entry point (pycomm/_torch_entry/__init__.py says why it is a
 # top-level package of its own, and pyproject.toml's torch.backends entry names it).
-PACKAGE_DIR = {"pycomm.parallel": "parallel", "pycomm_autoload": "pycomm/_torch_entry"}
+PACKAGE_DIR = {"pycomm.parallel": "parallel", "pycomm.examples": "examples",
+               "pycomm_autoload": "pycomm/_torch_entry"}
 
 
 def packages() -> list[str]:
-    """pycomm (the backend), pycomm.parallel's packages and pycomm_autoload, under their
-    installed names."""
+    """pycomm (the backend), pycomm.parallel's packages, the examples and pycomm_autoload,
+    under their installed names."""
     return (find_packages(ROOT, include=["pycomm", "pycomm.*"], exclude=["pycomm._torch_entry"])
             + [f"pycomm.{p}" for p in find_packages(ROOT, include=["parallel", "parallel.*"])]
-            + ["pycomm_autoload"])
+            + ["pycomm.examples", "pycomm_autoload"])
 
 
 if __name__ == "__main__":
     setup(
         packages=packages(),
         package_dir=PACKAGE_DIR,
-        # The planner's all-reduce table (python -m pycomm.parallel.plan.refresh_comms writes it)
-        package_data={"pycomm.parallel.plan": ["data/*.json"]},
+        # The planner's all-reduce table (python -m pycomm.parallel.planner.refresh_comms writes it)
+        package_data={"pycomm.parallel.planner": ["data/*.json"],
+                      "pycomm.examples": ["*.json", "*.toml"]},
         install_requires=install_requires(sys.argv),
         ext_modules=[extension()],
         cmdclass={"build_ext": IncrementalBuildExt},

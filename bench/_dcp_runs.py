@@ -48,8 +48,8 @@ class PeakRSS:
 
 def _engine(name: str, dp: int, tp: int, pp: int, recipe: zoo.Recipe, zero: int,
             size: zoo.Size) -> Any:
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     torch.set_num_threads(1)
     model = zoo.build(name, size=size)
@@ -74,7 +74,7 @@ def save_then_train(name: str, lay: tuple[int, int, int], zero: int, recipe: zoo
             added = peak.added
             logits = engine.logits(zoo.batch(name, 0, size=size)[0])
     mesh.destroy()
-    from pycomm.parallel.compose.dcp_chunks import payload_by_file
+    from pycomm.parallel.checkpointing.dcp_chunks import payload_by_file
 
     mine = f"__{dist.get_rank()}_"
     payload = sum(n for f, n in payload_by_file(path).items() if f.startswith(mine))

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from pycomm.parallel._optional import require
-from pycomm.parallel.compose.plan import ContextRequest, Layer, Plan
 from pycomm.parallel.models import GPT, GPTConfig
+from pycomm.parallel.plans.plan import ContextRequest, Layer, Plan
 
 ROWS = 8
 HF = ("llama", "qwen2", "mistral", "gpt2")
@@ -175,6 +175,6 @@ class Recipe:
     warmup: int = 3
 
     def lr_lambda(self) -> Callable[[int], float]:
-        from pycomm.parallel.train.schedule import WarmupCosine
+        from pycomm.parallel.job.schedule import WarmupCosine
 
         return WarmupCosine(self.steps, self.warmup, 0.1)

@@ -46,8 +46,8 @@ def train_rank(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from bench._memcap import join
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     torch.set_num_threads(spec.get("threads", 1))
     join()  # under a memory cap from here on: the model, its state, its buffers

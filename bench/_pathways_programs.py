@@ -134,8 +134,8 @@ def trainer_against_parallel_train(four: pw.Cluster, folder: Path, steps: int,
                                    env: dict[str, str]) -> tuple[list[dict], list[dict]]:
     """The project's GPT on a dp2 x tp2 mesh of one island, each step one call: its step
     records, and those of the same layout under ``python -m pycomm.parallel.train``."""
+    from pycomm.parallel.job.config import parse
     from pycomm.parallel.pathways.train import pw_train
-    from pycomm.parallel.train.config import parse
 
     corpus = folder / "corpus"
     corpus.mkdir()

@@ -9,13 +9,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from pycomm.parallel.plan.calibrate import Calibration
-from pycomm.parallel.plan.comms import CommModel
-from pycomm.parallel.plan.layouts import Layout
-from pycomm.parallel.plan.planner import GIB, Row, evaluate, job_of
-from pycomm.parallel.plan.shapes import model_shape
-from pycomm.parallel.plan.timing import predict_time
-from pycomm.parallel.train.config import parse
+from pycomm.parallel.job.config import parse
+from pycomm.parallel.planner.calibrate import Calibration
+from pycomm.parallel.planner.comms import CommModel
+from pycomm.parallel.planner.layouts import Layout
+from pycomm.parallel.planner.planner import GIB, Row, evaluate, job_of
+from pycomm.parallel.planner.shapes import model_shape
+from pycomm.parallel.planner.timing import predict_time
 
 MIB = 1 << 20
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import _model_zoo as zoo
-from pycomm.parallel.compose.optim_groups import param_groups
+from pycomm.parallel.checkpointing.optim_groups import param_groups
 
 Curve = list[tuple[float, float, bool]]  # (loss, grad norm, step skipped) per step
 _LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,8 +88,8 @@ def layout(name: str, dp: int, tp: int, pp: int, config: dict[str, Any],
            recipe: zoo.Recipe, meta: bool = False) -> Curve | str:
     """The engine on a (dp, tp, pp) mesh of this pool's world: its curve, or the error
     (as text: a layout the engine refuses is a row of the table, not a crash)."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     mesh = None
     try:

@@ -22,8 +22,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench import _model_zoo as zoo
-from pycomm.parallel.compose.mesh import DIMS, MeshShape, ParallelMesh
 from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+from pycomm.parallel.mesh import DIMS, MeshShape, ParallelMesh
 
 # -arena: the torch layout built and stepped in pycomm.use_arena(), so the buffers it
 # allocates (DDP's buckets, with gradients as bucket views; FSDP2's all-gather and

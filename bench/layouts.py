@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pycomm.parallel.train.config import TrainConfig, parse
+from pycomm.parallel.job.config import TrainConfig, parse
 from pycomm.parallel.train.launch import launch
 from pycomm.parallel.train.metrics import read_lines
 

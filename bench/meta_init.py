@@ -26,8 +26,8 @@ WIDTH, LAYERS, HEADS, SEQ = 768, 8, 12, 128
 
 
 def build_and_step(init: str) -> dict[str, Any]:
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
     from pycomm.parallel.models import GPT, GPTConfig
 
     torch.set_num_threads(1)

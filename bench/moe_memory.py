@@ -1,7 +1,7 @@
 """Memory per rank of a mixture of experts' expert parameters, gradients and optimizer
 state at ep 1, 2 and 4 (dp 4) under ZeRO 0-3, measured on each rank's live tensors after
 a step and set beside the formula and the planner's prediction
-(:func:`pycomm.parallel.plan.memory.expert_states`). Each rank holds E / ep experts of
+(:func:`pycomm.parallel.planner.memory.expert_states`). Each rank holds E / ep experts of
 3 x hidden x intermediate elements per layer (SwiGLU: gate and up packed, down), with as
 many gradient elements and AdamW's two moments; where edp = dp / ep ranks hold the same
 experts, ZeRO 1-2 over them (2 under 3) shards the state (and at stage 2+ the gradients)
@@ -52,9 +52,9 @@ def planned(ep: int, zero: int) -> dict[str, int]:
     """The planner's prediction of the same bytes (at ep 1 the experts are dense
     parameters: the planner's states of those parameters alone)."""
     from pycomm.parallel.compose.parallelize import plan_for
-    from pycomm.parallel.plan.layouts import Layout
-    from pycomm.parallel.plan.memory import Job, flat_states, states
-    from pycomm.parallel.plan.shapes import from_model
+    from pycomm.parallel.planner.layouts import Layout
+    from pycomm.parallel.planner.memory import Job, flat_states, states
+    from pycomm.parallel.planner.shapes import from_model
 
     with torch.device("meta"):
         model = _model()
@@ -89,8 +89,8 @@ def _side_bytes(side: Any, experts: list[torch.Tensor]) -> dict[str, int]:
 
 def measure(ep: int, zero: int) -> dict[str, int]:
     """This rank's expert bytes after one step of the GPT with experts at dp 4, ``ep``."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     mesh = ParallelMesh(dp=DP, ep=ep)
     engine = parallelize(_model(), mesh, ParallelConfig(zero=zero))

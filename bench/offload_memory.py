@@ -8,7 +8,7 @@ process tree in one uncapped cgroup (bench._memcap), 3 steps, clipping 1.0:
 - ``budget``: ZeRO-3 offloaded to disk without a live budget and at three
   ``--max-live-mb`` settings: the pool's peak (rank 0), the records held at most, the
   cgroup's peak and the largest rank's peak RSS, beside the planner's prediction of the
-  pool and of the rank's peak (``pycomm.parallel.plan``, the same settings);
+  pool and of the rank's peak (``pycomm.parallel.planner``, the same settings);
 - ``zero-offload``: ZeRO-1 and ZeRO-2 in memory and with ``--offload disk`` (the
   optimizer state in the store): the same measures, and the planner's optimizer bytes.
 
@@ -67,10 +67,10 @@ def _measure(flags: list[str], work: str) -> dict[str, Any]:
 
 def _predict(flags: list[str]) -> dict[str, int]:
     """The planner's memory for exactly this layout and settings (its rank peak)."""
-    from pycomm.parallel.plan.fit import layout_of, worst_rank
-    from pycomm.parallel.plan.memory import job_of
-    from pycomm.parallel.plan.shapes import model_shape
-    from pycomm.parallel.train.config import parse
+    from pycomm.parallel.job.config import parse
+    from pycomm.parallel.planner.fit import layout_of, worst_rank
+    from pycomm.parallel.planner.memory import job_of
+    from pycomm.parallel.planner.shapes import model_shape
 
     cfg = parse(flags)
     mem = worst_rank(model_shape(cfg), layout_of(cfg), job_of(cfg))

@@ -20,7 +20,7 @@ table to ``recipe-1b.md``.
 
 ``--fit G [G ...]``: instead, the offloaded run (2 steps) with ``--memory-gb G`` and no
 ``--offload-prefetch``, ``--max-live-mb`` or ``--max-unit-mb`` of its own (the trainer
-picks them to fit, :mod:`pycomm.parallel.plan.fit`), capped at what ``G`` promises: two ranks
+picks them to fit, :mod:`pycomm.parallel.planner.fit`), capped at what ``G`` promises: two ranks
 of ``G`` each plus three processes' runtime (two ranks and the launcher, measured here
 as the resident memory of a process that imported torch, transformers and pycomm) — and whether it
 fits, or is refused before any rank starts (``recipe-1b-fit.{json,md}``).
@@ -107,8 +107,8 @@ def _logits_check(work: str, export: str) -> dict[str, Any]:
 def _engine_logits(work: str) -> Any:
     import torch
 
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     transformers = require("transformers", "bench.offload_recipe")
     config = transformers.AutoConfig.from_pretrained(work)

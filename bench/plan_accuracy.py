@@ -1,7 +1,7 @@
 """The planner against measurements: ``python -m bench.plan_accuracy --model gpt
 [trainer model flags] --world 4 --out bench/results/plan/NAME``.
 
-Every layout ``python -m pycomm.parallel.plan`` lists for the model and world (offload none: the
+Every layout ``python -m pycomm.parallel.planner`` lists for the model and world (offload none: the
 trainer's in-memory layouts) is built by the trainer's own code on one pool of ranks
 and measured (bench._plan_accuracy_rank: peak bytes in use per rank over a step, what
 the engine holds by role, the rise of peak RSS, the median step time); ``NAME.jsonl``
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pycomm.parallel.train.config import parse
+from pycomm.parallel.job.config import parse
 
 
 def _rank_main(rank: int, world: int, port: int, cfgs: list[Any], steps: int,
@@ -46,8 +46,8 @@ def measure(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from pycomm.parallel.plan.layouts import enumerate_layouts, with_layout
-    from pycomm.parallel.plan.shapes import model_shape
+    from pycomm.parallel.planner.layouts import enumerate_layouts, with_layout
+    from pycomm.parallel.planner.shapes import model_shape
 
     cfg = parse(args.rest)
     layouts, _ = enumerate_layouts(cfg, args.world, model_shape(cfg), offloads=("none",))

@@ -62,8 +62,8 @@ def _model() -> Any:
 
 def measure(zero: int, bucket_mb: float) -> dict[str, Any]:
     """On every rank: build the engine, train two steps, measure the second."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     torch.set_num_threads(1)
     dist.barrier()  # pycomm drops finished ops' tensors at the next op

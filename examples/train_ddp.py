@@ -1,10 +1,13 @@
 """Train a small MLP with DistributedDataParallel over pycomm (or any backend).
 
 Unchanged torch code: the only pycomm-specific line is ``import pycomm``, which
-registers the "pycomm" backend with torch.distributed.
+registers the "pycomm" backend with torch.distributed (torch's entry point would register
+it at ``import torch`` too; importing it says at once when its extension does not load).
 
-    torchrun --nproc-per-node 4 examples/train_ddp.py
-    torchrun --nproc-per-node 4 examples/train_ddp.py --backend gloo --steps 50
+    torchrun --nproc-per-node 4 -m pycomm.examples.train_ddp
+    torchrun --nproc-per-node 4 -m pycomm.examples.train_ddp --backend gloo --steps 50
+
+(``examples/train_ddp.py`` in a checkout: the folder installs as ``pycomm.examples``.)
 """
 
 import argparse

@@ -86,8 +86,8 @@ def layout(kind: str, zero: int, config: dict[str, Any], shape: dict[str, int] |
            ) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     """The same on a mesh of ``shape`` (default dp=2; this pool's world), with ZeRO stage
     ``zero``."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     mesh = ParallelMesh(**(shape or {"dp": 2}))
     model = build(kind)
@@ -107,8 +107,8 @@ def layout(kind: str, zero: int, config: dict[str, Any], shape: dict[str, int] |
 
 def refusal(kind: str, mesh_shape: dict[str, int], config: dict[str, Any]) -> str:
     """The error ``parallelize`` raises for this layout, or "" if it builds."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     mesh = ParallelMesh(**mesh_shape)
     try:

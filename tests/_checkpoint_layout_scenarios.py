@@ -35,8 +35,8 @@ def build(name: str, tied: bool) -> nn.Module:
 
 
 def _engine(layout: str, name: str, tied: bool) -> tuple[Any, Any]:
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     dp, tp, pp, config = rb.LAYOUTS[layout]
     if tied:  # a tied layer is refused by tiles (tests/test_zero3_tiles.py): kept whole

@@ -13,8 +13,8 @@ STEPS = 2
 
 def curves(layout: str, name: str, case: str) -> dict[str, list[tuple[float, float]]]:
     """Eager, compiled by the engine, and compiled whole by the user first."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     dp, tp, pp, config = rb.LAYOUTS[layout]
     out = {}

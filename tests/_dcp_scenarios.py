@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pycomm.parallel.compose.dcp_chunks import Chunk, ChunkedTensor, chunks_of, load, save
+from pycomm.parallel.checkpointing.dcp_chunks import Chunk, ChunkedTensor, chunks_of, load, save
 from pycomm.parallel.tensor.sharding import TPSpec
 
 TENSORS = {  # name -> (global shape, split)

@@ -69,8 +69,8 @@ def one_process(name: str, sampled: bool) -> dict[str, torch.Tensor]:
 
 def layout(layout: str, name: str, sampled: bool) -> dict[str, torch.Tensor]:
     """The engine's tokens in ``layout`` (this pool's world)."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     dp, tp, pp, config = rb.LAYOUTS[layout]
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)

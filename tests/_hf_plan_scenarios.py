@@ -89,8 +89,8 @@ def plan_for(model_type: str, model: nn.Module) -> Any:
 def apply_tp(model: nn.Module, plan: Any, group: Any, world: int) -> list[str]:
     """Every tp style of ``plan`` on the modules its pattern matches (a module replaced
     is set on its parent); returns the paths changed, in order."""
-    from pycomm.parallel.compose.plan import matching
-    from pycomm.parallel.compose.styles import TPContext, style_of
+    from pycomm.parallel.plans.plan import matching
+    from pycomm.parallel.plans.styles import TPContext, style_of
 
     done = []
     for pattern, spec in plan.tp.items():

@@ -47,7 +47,7 @@ def build(name: str) -> nn.Module:
 
 def one_process(name: str, case: str, steps: int, model: nn.Module | None = None
                 ) -> list[tuple[float, float]]:
-    from pycomm.parallel.compose.optim_groups import param_groups
+    from pycomm.parallel.checkpointing.optim_groups import param_groups
 
     model = model if model is not None else build(name)
     opt = torch.optim.AdamW(param_groups(list(model.parameters()), rb.DECAY), lr=rb.LR)
@@ -120,8 +120,8 @@ def engine_in(layout: str, model: nn.Module, precision: str | None = None
               ) -> tuple[Any, Any]:
     """``model`` parallelized in ``layout`` with the tests' AdamW recipe (computing in
     ``precision``, fp32 masters); (engine, mesh)."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     dp, tp, pp, ep, config = layout_of(layout)
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp, ep=ep)
@@ -148,8 +148,8 @@ def curves(layout: str, steps: int, pairs: list[tuple[str, str]] | None = None,
 def refusal(shape: dict[str, int], config: dict[str, Any], name: str = "mixtral") -> str:
     """The error ``parallelize`` raises for ``name`` (one of ours, or of the real-batch
     models: no experts) in this layout, or ""."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     mesh = ParallelMesh(**shape)
     try:
@@ -252,10 +252,10 @@ def one_process_capacity(name: str, case: str, steps: int, chunks: int,
     module): the global batch's rows in ``chunks`` forwards, each its own capacity, one
     objective over all of them (the cross-entropy over the global count, the aux loss over
     every chunk's routing); per step (loss, gradient norm, dropped assignments)."""
-    from pycomm.parallel.compose.optim_groups import param_groups
+    from pycomm.parallel.checkpointing.optim_groups import param_groups
     from pycomm.parallel.compose.parallelize import plan_for
-    from pycomm.parallel.compose.plan import matching
     from pycomm.parallel.moe.capacity import DropCounter, limit_capacity
+    from pycomm.parallel.plans.plan import matching
 
     model = build(name)
     counter = DropCounter(counts=True)
@@ -292,8 +292,8 @@ def capacity_curves(layout: str, steps: int, pairs: list[tuple[str, str]],
                     policy: str = "probs"
                     ) -> dict[tuple[str, str], list[tuple[float, float, int]]]:
     """``curves`` with the capacity: (loss, gradient norm, dropped) per step."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     dp, tp, pp, ep, config = layout_of(layout)
     out = {}

@@ -16,8 +16,8 @@ RESUMES = (("disk", "none"), ("none", "disk"), ("disk", "disk"), ("cpu", "disk")
 
 
 def _engine(offload: str, directory: str, dp: int = 2, precision: str = "bf16") -> Any:
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     mesh = ParallelMesh(pp=1, dp=dp, tp=1)
     return parallelize(build("llama"), mesh, ParallelConfig(

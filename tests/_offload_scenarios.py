@@ -57,8 +57,8 @@ def train(name: str, offload: str, directory: str, steps: int = STEPS,
     """``steps`` steps of ``name`` at dp=2, ZeRO-3 (``offload`` none, cpu or disk),
     clipping the gradient norm to ``clip``, over ``microbatches`` backwards a step
     (``config``: more of ``ParallelConfig``)."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     model = build(name, n_layer)
     mesh = ParallelMesh(pp=1, dp=2, tp=1)
@@ -138,8 +138,8 @@ def budget_run(directory: str) -> dict[str, Any]:
 
 def refused(root: str) -> list[str]:
     """The messages of every combination offload refuses (on one rank's mesh of 2)."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     cases = [dict(zero=0), dict(optimizer=torch.optim.LBFGS), dict(offload_dir="")]
     messages = []

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from pycomm.parallel.compose.optim_groups import param_groups
+from pycomm.parallel.checkpointing.optim_groups import param_groups
 from pycomm.parallel.models import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, dropout=0.0)
@@ -45,8 +45,8 @@ def one_process(steps: int = STEPS) -> list[tuple[float, float]]:
 
 def layout(dp: int, tp: int, pp: int, config: dict[str, Any]) -> list[tuple[float, float]]:
     """The engine on a (dp, tp, pp) mesh of this pool's world."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -67,8 +67,8 @@ def recompute_gradients(dp: int, tp: int, pp: int, sequence_parallel: bool) -> f
     difference (0.0 when every random stream is replayed exactly)."""
     from dataclasses import replace
 
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     grads = []
     for recompute in (False, True):
@@ -87,8 +87,8 @@ def layout_with_checkpoint(dp: int, tp: int, pp: int, zero: int, path: str,
                            mode: str) -> list[float]:
     """``mode="save"``: STEPS + 1 steps, checkpointing after step 2; ``"load"``: resume
     from that checkpoint and run the steps after it. Returns the losses run."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     torch.manual_seed(0)
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)

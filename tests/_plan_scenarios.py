@@ -13,8 +13,8 @@ from bench import _model_zoo as zoo
 
 def _plan(kind: str | None, name: str, model: Any) -> Any:
     """A plan by the name a test gives it (plans hold closures: they are made here)."""
-    from pycomm.parallel.compose.plan import Plan
     from pycomm.parallel.models.gpt_plan import gpt_plan
+    from pycomm.parallel.plans.plan import Plan
 
     if kind == "zoo":
         return zoo.plan_of(name, model)
@@ -36,8 +36,8 @@ def _plan(kind: str | None, name: str, model: Any) -> Any:
 
 def _engine(name: str, dp: int, tp: int, pp: int, plan: str | None = "zoo",
             **config: Any) -> Any:
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     model = zoo.build(name)
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)

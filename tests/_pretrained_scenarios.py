@@ -44,8 +44,8 @@ def load(layout: str, tied: bool, directory: str) -> tuple[torch.Tensor, int, in
     """The engine's logits after ``load_pretrained``, the elements this rank read, and
     the model's parameter count."""
     from pycomm.parallel.compose.config import ParallelConfig
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     dp, tp, pp, config = rb.LAYOUTS[layout]
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)

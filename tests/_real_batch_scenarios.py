@@ -100,7 +100,7 @@ def one_process(name: str, case: str, steps: int, chunks: int = 1, dtype: str = 
     ``chunks`` > 1 accumulates the gradient over that many chunks of rows, each loss
     summed over the batch's count (the same loss in another order of summation: what
     the fp32 rounding alone makes of a curve)."""
-    from pycomm.parallel.compose.optim_groups import param_groups
+    from pycomm.parallel.checkpointing.optim_groups import param_groups
 
     model = build(name, dtype)
     opt = torch.optim.AdamW(param_groups(list(model.parameters()), DECAY), lr=LR)
@@ -169,8 +169,8 @@ def layout_curves(layout: str, models: tuple[str, ...], cases: tuple[str, ...],
 def layout_pairs(layout: str, pairs: list[tuple[str, str]], steps: int,
                  dtype: str = "float32") -> dict[tuple[str, str], list[tuple[float, float]]]:
     """The same for the (model, case) ``pairs``."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     dp, tp, pp, config = LAYOUTS[layout]
     out = {}
@@ -200,8 +200,8 @@ def bad_targets_refused(layout: str) -> list[str]:
     """The messages of steps whose targets the loss cannot take (a class past the
     vocabulary, a negative one that is not ignore_index, float targets), then the loss
     of a good step in the same engine (the refusals leave it usable)."""
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     dp, tp, pp, config = LAYOUTS[layout]
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)

@@ -19,8 +19,8 @@ TOKENS = rb.batch("packed", 9).tokens
 def _engine(tiles: bool, device: str = "cpu", tied: bool = False, zero: int = 3,
             tp: int = 1) -> Any:
     from pycomm.parallel.compose.config import ParallelConfig
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     mesh = ParallelMesh(pp=1, dp=2 // tp, tp=tp)
     return parallelize(pretrained.llama(tied, device), mesh, ParallelConfig(

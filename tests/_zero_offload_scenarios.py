@@ -37,8 +37,8 @@ CASES = {  # name -> (mesh sizes, ParallelConfig settings)
 
 def _engine(sizes: dict[str, int], settings: dict[str, Any], offload: str,
             directory: str) -> Any:
-    from pycomm.parallel.compose.mesh import ParallelMesh
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
+    from pycomm.parallel.mesh import ParallelMesh
 
     mesh = ParallelMesh(**{"pp": 1, "dp": 1, "tp": 1, **sizes})
     settings = dict(settings)
@@ -91,7 +91,7 @@ def run_all(root: str) -> dict[Any, Any]:
 
 def refused_saves(root: str) -> list[str]:
     """The messages of ZeroOptimizer.state_dict and save_sharded on a ZeRO-Offload run."""
-    from pycomm.parallel.zero.checkpoint import save_sharded
+    from pycomm.parallel.zero.sharded_checkpoint import save_sharded
 
     engine = _engine({"dp": 2}, {"zero": 1}, "disk", os.path.join(root, "o"))
     engine.train_step(*batch(0))

@@ -1,4 +1,4 @@
-"""Sharded checkpoints on DCP (parallel/compose/dcp_chunks.py): the chunks of any split
+"""Sharded checkpoints on DCP (parallel/checkpointing/dcp_chunks.py): the chunks of any split
 and flat range tile the whole tensor exactly; a checkpoint saved at 4 ranks (tp=2, ZeRO
 over dp=2) loads at 2 ranks (tp=2), at 4 ranks (tp=1, another flat split) and whole in
 one process, exactly; bad requests and untrusted metadata fail clearly, before writing."""
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pycomm.parallel.compose.dcp_chunks import (
+from pycomm.parallel.checkpointing.dcp_chunks import (
     Chunk,
     ChunkedTensor,
     chunks_of,

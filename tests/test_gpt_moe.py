@@ -133,7 +133,7 @@ def test_a_model_built_on_meta_is_initialised_by_its_plan():
     (["--moe-experts", "4", "--pp", "2"], "1f1b schedule .* give --schedule gpipe"),
 ])
 def test_the_trainers_expert_flags_are_checked_before_any_rank_starts(flags, message):
-    from pycomm.parallel.train.config import parse
+    from pycomm.parallel.job.config import parse
 
     with pytest.raises(ValueError, match=message):
         parse(flags)

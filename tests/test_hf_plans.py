@@ -11,11 +11,11 @@ import re
 import pytest
 import torch
 
+from pycomm.parallel.compose.hf_check import check_plan_forward
 from pycomm.parallel.compose.layers import sequential_forward
-from pycomm.parallel.compose.plan import Layer
 from pycomm.parallel.models.gpt2_plan import gpt2_plan
 from pycomm.parallel.models.hf import DecoderCall, hf_causal_lm_plan
-from pycomm.parallel.models.hf_check import check_plan_forward
+from pycomm.parallel.plans.plan import Layer
 from pycomm.testing import RankPool
 from tests import _hf_plan_scenarios as sc
 

@@ -1,4 +1,5 @@
-"""The packages' modules import one another without a cycle.
+"""The packages' modules import one another without a cycle, and pycomm.parallel's
+packages stand on floors: each imports only packages below it (``FLOORS``).
 
 A cycle (``pycomm._backend`` -> ``islands`` -> ``_log`` -> ``_backend`` was one) makes a
 module's import work or fail by which one is imported first, and hides layering: here
@@ -101,3 +102,62 @@ def test_the_finder_sees_a_cycle():
     assert _imported(tree, "m", False, {"x", "x.y", "x.z", "m"}) == {"x.z"}
     tree = ast.parse("from x import z, helper\n")  # helper: a name x's __init__ defines
     assert _imported(tree, "m", False, {"x", "x.z", "m"}) == {"x", "x.z"}
+
+
+# pycomm.parallel's floors, bottom up. A package imports packages of lower floors only
+# (inside functions too; not under TYPE_CHECKING): the strategies stand on the ground
+# (the mesh shape, the RNG tracker, a model's blocks), the composition on the strategies,
+# the job's description on the composition, the planner on the job, the trainer on the
+# planner, the single controller on the trainer. A new package is given its floor here.
+FLOORS = [
+    {"_optional", "rng", "grad_hooks", "precision", "mesh", "blocks"},
+    {"tensor", "recompute", "pipeline", "ps"},
+    {"data", "checkpointing", "moe"},
+    {"zero", "plans"},
+    {"models"},
+    {"compose"},
+    {"job"},
+    {"planner"},
+    {"train"},
+    {"pathways"},
+]
+
+
+def _package_edges() -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """(importing package, imported package) -> the module pairs behind that arrow."""
+    def package(module: str) -> str:
+        return module.split(".")[1] if "." in module else ""
+
+    edges: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for module, imported in _graph(["parallel"]).items():
+        for other in imported:
+            if package(module) and package(other) and package(module) != package(other):
+                edges.setdefault((package(module), package(other)), []).append((module, other))
+    return edges
+
+
+def test_every_package_of_parallel_has_a_floor():
+    packages = {p.stem if p.suffix else p.name for p in (ROOT / "parallel").iterdir()
+                if (p.suffix == ".py" and p.stem != "__init__")
+                or (p.is_dir() and (p / "__init__.py").exists())}
+    floored = set().union(*FLOORS)
+    assert packages == floored, (f"without a floor: {sorted(packages - floored)}; "
+                                 f"gone: {sorted(floored - packages)}")
+
+
+def _upward(edges: dict[tuple[str, str], list[tuple[str, str]]]
+            ) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    floor = {name: i for i, names in enumerate(FLOORS) for name in names}
+    return {arrow: pairs for arrow, pairs in edges.items() if floor[arrow[1]] >= floor[arrow[0]]}
+
+
+def test_packages_import_only_lower_floors():
+    upward = _upward(_package_edges())
+    assert not upward, "imports that do not go down a floor:\n" + "\n".join(
+        f"  {a} -> {b}: {pairs[:3]}" for (a, b), pairs in sorted(upward.items()))
+
+
+def test_the_floor_check_sees_an_upward_or_sideways_import():
+    edges = {("zero", "tensor"): [("z", "t")], ("tensor", "zero"): [("t", "z")],
+             ("data", "moe"): [("d", "m")]}
+    assert set(_upward(edges)) == {("tensor", "zero"), ("data", "moe")}

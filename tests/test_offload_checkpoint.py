@@ -1,5 +1,5 @@
-"""Checkpoints of offloaded runs (pycomm.parallel.compose.checkpoint through the unit store):
-a bf16, clipped run of the tiny Llama saved after 3 of 6 steps offloaded (to files or
+"""Checkpoints of offloaded runs (pycomm.parallel.checkpointing.parallel_model through the unit
+store): a bf16, clipped run of the tiny Llama saved after 3 of 6 steps offloaded (to files or
 host memory) or in memory, and resumed either way, ends with parameters torch.equal to
 the run never stopped; an offloaded checkpoint resumes at dp=1 alike offloaded and in
 memory; one chunk per file (streamed); and an offloaded fp32 run's HuggingFace export

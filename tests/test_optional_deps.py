@@ -67,8 +67,8 @@ SITES = [
     Site("parallel/models/hf.py", "transformers",
          "from pycomm.parallel.models.hf import attention_mask; "
          "attention_mask('full_attention', None, None)"),
-    Site("parallel/train/models.py", "transformers",
-         "from pycomm.parallel.train.models import _transformers; _transformers()"),
+    Site("parallel/job/models.py", "transformers",
+         "from pycomm.parallel.job.models import _transformers; _transformers()"),
     Site("parallel/train/tokenizer.py", "transformers",
          "from pycomm.parallel.train.tokenizer import load_tokenizer; load_tokenizer('t', True)"),
     Site("parallel/train/hf_data.py", "datasets",
@@ -78,9 +78,9 @@ SITES = [
          "from pycomm.parallel.train.board import Board; Board('runs', 0)"),
     Site("parallel/train/logs.py", "tqdm",  # the lines go out plainly, not through a bar
          "import pycomm.parallel.train.logs as m; print(m._tqdm)", soft="None"),
-    Site("parallel/plan/shapes.py", "transformers",  # a Llama is then counted by hand
-         "from pycomm.parallel.plan.shapes import model_shape; "
-         "from pycomm.parallel.train.config import TrainConfig; "
+    Site("parallel/planner/shapes.py", "transformers",  # a Llama is then counted by hand
+         "from pycomm.parallel.planner.shapes import model_shape; "
+         "from pycomm.parallel.job.config import TrainConfig; "
          "print(type(model_shape(TrainConfig(model='llama'))).__name__)", soft="ModelShape"),
     Site("parallel/pipeline/timeline.py", "matplotlib",
          "from pycomm.parallel.pipeline.timeline import plot_timeline; "

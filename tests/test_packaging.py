@@ -159,7 +159,7 @@ def test_sdist_installs_names_of_our_own_and_not_bench(sdist):
     (entry_points,) = [v for k, v in sdist.items() if k.endswith(".egg-info/entry_points.txt")]
     assert entry_points.decode().split() == [
         "[console_scripts]", "pycomm-env", "=", "pycomm.env:main", "pycomm-plan", "=",
-        "pycomm.parallel.plan.__main__:main", "pycomm-train", "=",
+        "pycomm.parallel.planner.__main__:main", "pycomm-train", "=",
         "pycomm.parallel.train.launch:main", "[torch.backends]", "pycomm", "=",
         "pycomm_autoload:register_lazily"]
 
@@ -486,9 +486,9 @@ def test_every_install_command_names_this_distribution():
 def test_the_planner_ships_its_collective_table(sdist):
     """An installed planner reads the all-reduce table shipped with it (not the benchmark's
     records, which are not installed); the table is the committed summaries' (refreshed
-    by ``python -m pycomm.parallel.plan.refresh_comms bench/results/i30``)."""
-    from pycomm.parallel.plan.comms import SHIPPED, CommModel
+    by ``python -m pycomm.parallel.planner.refresh_comms bench/results/i30``)."""
+    from pycomm.parallel.planner.comms import SHIPPED, CommModel
 
-    assert "parallel/plan/data/all_reduce.json" in sdist
-    assert sdist["parallel/plan/data/all_reduce.json"] == SHIPPED.read_bytes()
+    assert "parallel/planner/data/all_reduce.json" in sdist
+    assert sdist["parallel/planner/data/all_reduce.json"] == SHIPPED.read_bytes()
     assert CommModel().tables == CommModel(ROOT / "bench" / "results" / "i30").tables

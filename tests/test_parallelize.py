@@ -77,7 +77,7 @@ def test_a_checkpoint_resumes_in_another_layout(pool4, tmp_path, saved, resumed)
 def test_consolidate_gives_the_plain_model(pool4, tmp_path):
     """The consolidated checkpoint is a plain GPT state dict (every name and shape) whose
     weights give the loss the sharded run had at the step after the save."""
-    from pycomm.parallel.compose.checkpoint import consolidate
+    from pycomm.parallel.checkpointing.parallel_model import consolidate
     from pycomm.parallel.models import GPT, lm_loss
 
     path = str(tmp_path / "ckpt")

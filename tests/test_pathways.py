@@ -399,8 +399,8 @@ def test_the_trainer_through_the_controller_is_python_m_parallel_train(four, tmp
 
 
 def test_the_trainer_refuses_a_mesh_that_is_not_its_island(four):
+    from pycomm.parallel.job.config import parse
     from pycomm.parallel.pathways.train import pw_train
-    from pycomm.parallel.train.config import parse
 
     with four.client() as client:
         mesh = client.mesh(0, (2,), names=("dp",))

@@ -1,4 +1,4 @@
-"""``--memory-gb`` without ``--plan auto`` (pycomm.parallel.plan.fit): the layout given is kept
+"""``--memory-gb`` without ``--plan auto`` (pycomm.parallel.planner.fit): the layout given is kept
 where it fits, refused before any rank starts with its predicted peak where it does
 not, and with ZeRO-3 offload its read-ahead and live budget are picked to fit; the
 planner's mixed-precision stage 3 and HuggingFace configs."""
@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-from pycomm.parallel.plan.fit import PREDICTION_MARGIN, fit_memory, layout_of, usable
-from pycomm.parallel.plan.fit import worst_rank as worst_of
-from pycomm.parallel.plan.memory import Memory, job_of
-from pycomm.parallel.plan.planner import GIB, evaluate
-from pycomm.parallel.plan.shapes import model_shape
-from pycomm.parallel.train.config import TrainConfig
+from pycomm.parallel.job.config import TrainConfig
+from pycomm.parallel.planner.fit import PREDICTION_MARGIN, fit_memory, layout_of, usable
+from pycomm.parallel.planner.fit import worst_rank as worst_of
+from pycomm.parallel.planner.memory import Memory, job_of
+from pycomm.parallel.planner.planner import GIB, evaluate
+from pycomm.parallel.planner.shapes import model_shape
 
 # a GPT whose gathered-unit pool and records are most of what an offloaded rank holds
 OFFLOADED = TrainConfig(n_layer=6, n_head=4, n_embd=256, block_size=32, batch_size=4,

@@ -1,4 +1,4 @@
-"""The layout planner (pycomm.parallel.plan): its memory formulas against ZeRO's and Megatron's
+"""The layout planner (pycomm.parallel.planner): its memory formulas against ZeRO's and Megatron's
 hand-computed numbers, its layouts against what the trainer's own checks accept, a
 prediction against a measured run, and ``pycomm.parallel.train --plan auto``."""
 
@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from pycomm.parallel.plan import activations as act
-from pycomm.parallel.plan.layouts import Layout, candidates, enumerate_layouts, with_layout
-from pycomm.parallel.plan.memory import Job, predict, states
-from pycomm.parallel.plan.planner import job_of
-from pycomm.parallel.plan.shapes import LayerShape, ModelShape, Param, model_shape
-from pycomm.parallel.train.config import TrainConfig
+from pycomm.parallel.job.config import TrainConfig
+from pycomm.parallel.planner import activations as act
+from pycomm.parallel.planner.layouts import Layout, candidates, enumerate_layouts, with_layout
+from pycomm.parallel.planner.memory import Job, predict, states
+from pycomm.parallel.planner.planner import job_of
+from pycomm.parallel.planner.shapes import LayerShape, ModelShape, Param, model_shape
 
 MIB = 1 << 20
 JOB = Job(batch=8, bucket_mb=1000.0, schedule="1f1b", sequence_parallel=False, dropout=0.0)
@@ -78,10 +78,10 @@ def _trainer_accepts(cfg: TrainConfig, layout: Layout) -> bool:
     from pycomm.parallel.compose.apply_tp import check_divisible
     from pycomm.parallel.compose.layers import stage_balance
     from pycomm.parallel.compose.parallelize import plan_for
-    from pycomm.parallel.compose.plan import resolve_layers
-    from pycomm.parallel.plan.layouts import _ShapeMesh
-    from pycomm.parallel.train.loop import parallel_config
-    from pycomm.parallel.train.models import build_model
+    from pycomm.parallel.job.config import parallel_config
+    from pycomm.parallel.job.models import build_model
+    from pycomm.parallel.planner.layouts import _ShapeMesh
+    from pycomm.parallel.plans.plan import resolve_layers
 
     run = with_layout(cfg, layout)
     try:
@@ -140,7 +140,7 @@ def test_prediction_of_a_measured_run_is_within_10_percent(zero, precision):
 
 @pytest.mark.usefixtures("require_pycomm")
 def test_plan_auto_trains_the_fastest_layout_that_fits(tmp_path, monkeypatch):
-    from pycomm.parallel.plan.planner import GIB, evaluate
+    from pycomm.parallel.planner.planner import GIB, evaluate
     from pycomm.parallel.train import main
 
     monkeypatch.setenv("HOME", str(tmp_path))  # the calibration cache goes there
@@ -180,7 +180,7 @@ def test_plan_auto_counts_other_load(monkeypatch):
         seen.update(options)
         raise ValueError("stop here")
 
-    monkeypatch.setattr("pycomm.parallel.plan.planner.choose", fake_choose)
+    monkeypatch.setattr("pycomm.parallel.planner.planner.choose", fake_choose)
     cfg = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, batch_size=4,
                       plan="auto", plan_other_load=3.5)
     with pytest.raises(ValueError, match="stop here"):
@@ -193,8 +193,8 @@ def test_plan_auto_counts_other_load(monkeypatch):
 def test_waiting_for_peers_counts_each_blocking_collective(tmp_path, monkeypatch):
     """The wait term: the probe's measured wait per collective, interpolated by the
     compute before it, times the layout's blocking collectives (none on one rank)."""
-    from pycomm.parallel.plan.calibrate import Calibration
-    from pycomm.parallel.plan.timing import SYNC_STRETCHES, _waits, sync_wait
+    from pycomm.parallel.planner.calibrate import Calibration
+    from pycomm.parallel.planner.timing import SYNC_STRETCHES, _waits, sync_wait
 
     cal = Calibration(tmp_path / "cal.json")
     cal.values[f"{cal.machine}|sync|4|1"] = [0.001, 0.002, 0.004, 0.008]
@@ -202,7 +202,7 @@ def test_waiting_for_peers_counts_each_blocking_collective(tmp_path, monkeypatch
     assert sync_wait(4, 1, 1.0, cal) == 0.008  # nearest above
     middle = (SYNC_STRETCHES[1] + SYNC_STRETCHES[2]) / 2
     assert sync_wait(4, 1, middle, cal) == pytest.approx(0.003)
-    monkeypatch.setattr("pycomm.parallel.plan.timing._cpus", lambda: 1)  # 64 ranks: probed at 4
+    monkeypatch.setattr("pycomm.parallel.planner.timing._cpus", lambda: 1)  # 64 ranks: probed at 4
     assert sync_wait(64, 1, 1.0, cal) == 0.008
     shape = model_shape(TrainConfig(n_layer=4, n_head=4, n_embd=64, block_size=16))
     for flags, expect in [({"tp": 2, "dp": 2}, 2 * 4 * 2 + 1), ({"pp": 2, "dp": 2}, 2 * 2 + 1),
@@ -218,7 +218,7 @@ def test_waiting_for_peers_counts_each_blocking_collective(tmp_path, monkeypatch
 
 
 def test_the_wait_probe_measures_real_ranks():
-    from pycomm.parallel.plan.sync_probe import sync_waits
+    from pycomm.parallel.planner.sync_probe import sync_waits
 
     waits = sync_waits(2, (0.001, 0.004))
     assert len(waits) == 2 and all(0.0 <= w < 0.5 for w in waits)

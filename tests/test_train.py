@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from bench.layouts import parse_layout, plan
-from pycomm.parallel.train.config import TrainConfig, build_parser, parse, read_toml
+from pycomm.parallel.job.config import TrainConfig, build_parser, parse, read_toml
+from pycomm.parallel.job.schedule import WarmupCosine
 from pycomm.parallel.train.data import (
     derive_seed,
     load_corpus,
@@ -30,7 +31,6 @@ from pycomm.parallel.train.data import (
     val_batches,
 )
 from pycomm.parallel.train.launch import main
-from pycomm.parallel.train.schedule import WarmupCosine
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",

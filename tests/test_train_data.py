@@ -26,16 +26,16 @@ transformers = pytest.importorskip("transformers", reason="no transformers (the 
 
 import datasets  # noqa: E402  (the test extra; after the skip: it is the [data] extra's too)
 
+from pycomm.parallel.job.config import parse  # noqa: E402
+from pycomm.parallel.job.models import build_model, describe_model  # noqa: E402
 from pycomm.parallel.train.batches import (  # noqa: E402
     IGNORE,
     Batch,
     Documents,
     packed_batch,
 )
-from pycomm.parallel.train.config import parse  # noqa: E402
 from pycomm.parallel.train.launch import main  # noqa: E402
 from pycomm.parallel.train.metrics import Metrics  # noqa: E402
-from pycomm.parallel.train.models import build_model, describe_model  # noqa: E402
 from pycomm.parallel.train.sources import TokenSource, load_source  # noqa: E402
 from pycomm.parallel.train.tokenizer import load_tokenizer  # noqa: E402
 

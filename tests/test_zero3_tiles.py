@@ -137,7 +137,7 @@ def test_the_embedding_and_head_are_four_units_each(ranks):
 
 
 def _tensors(directory: str) -> dict[str, torch.Tensor]:
-    from pycomm.parallel.compose import dcp_chunks
+    from pycomm.parallel.checkpointing import dcp_chunks
 
     keys = [k for k in dcp_chunks.saved_keys(directory) if k.startswith(("model/", "optim."))]
     return dcp_chunks.read_whole(directory, keys)
@@ -214,7 +214,7 @@ def _wide_vocab(tmp_path, **flags):
 
     from _tiles_scenarios import WIDE_VOCAB
 
-    from pycomm.parallel.train.config import TrainConfig
+    from pycomm.parallel.job.config import TrainConfig
 
     path = tmp_path / "llama.json"
     path.write_text(json.dumps(WIDE_VOCAB))
@@ -228,9 +228,9 @@ def test_the_planner_predicts_the_pool_tiles_leave(require_pycomm, tmp_path):
     pytest.importorskip("transformers", reason="no transformers (the [hf] extra)")
     from _tiles_scenarios import pool_of
 
-    from pycomm.parallel.plan.fit import layout_of
-    from pycomm.parallel.plan.memory import job_of, predict
-    from pycomm.parallel.plan.shapes import model_shape
+    from pycomm.parallel.planner.fit import layout_of
+    from pycomm.parallel.planner.memory import job_of, predict
+    from pycomm.parallel.planner.shapes import model_shape
     from pycomm.testing import run_ranks
 
     pools, losses = {}, {}
@@ -249,9 +249,9 @@ def test_memory_gb_tiles_the_layers_larger_than_a_block_where_that_fits(tmp_path
     picks ``--max-unit-mb`` of a block's size; below the tiled peak it refuses, naming
     the tiles it tried."""
     pytest.importorskip("transformers", reason="no transformers (the [hf] extra)")
-    from pycomm.parallel.plan.fit import PREDICTION_MARGIN, fit_memory, layout_of, worst_rank
-    from pycomm.parallel.plan.memory import GIB, job_of
-    from pycomm.parallel.plan.shapes import model_shape
+    from pycomm.parallel.planner.fit import PREDICTION_MARGIN, fit_memory, layout_of, worst_rank
+    from pycomm.parallel.planner.memory import GIB, job_of
+    from pycomm.parallel.planner.shapes import model_shape
 
     cfg = _wide_vocab(tmp_path)
     shape = model_shape(cfg)

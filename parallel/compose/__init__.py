@@ -6,14 +6,14 @@ and returns the engine that trains this rank's part.
 
 Example::
 
-    from . import ParallelConfig, ParallelMesh, parallelize
+    from pycomm.parallel.compose import ParallelConfig, ParallelMesh, parallelize
     engine = parallelize(model, ParallelMesh(pp=2, dp=2, tp=2), ParallelConfig(zero=1))
 """
 
+from ..mesh import ParallelMesh
+from ..plans.plan import ContextRequest, Layer, Plan
 from .config import ParallelConfig, StepResult
-from .mesh import ParallelMesh
 from .parallelize import ParallelModel, parallelize, plan_for
-from .plan import ContextRequest, Layer, Plan
 
 __all__ = ["ContextRequest", "Layer", "ParallelConfig", "ParallelMesh", "ParallelModel", "Plan",
            "StepResult", "parallelize", "plan_for"]

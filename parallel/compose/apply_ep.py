@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..moe.dispatch import dispatch_combine
+from ..plans.plan import Plan, matching, under_any
 from .materialize import is_meta
-from .plan import Plan, matching, under_any
 
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 

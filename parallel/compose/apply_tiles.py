@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..plans.plan import under_any
 from .materialize import Materializer, is_meta
-from .plan import under_any
 from .tiles import TiledLinear, tiled
 
 

@@ -25,10 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..tensor import comms
-from ..tensor.sharding import spec_of
-from .plan import Plan, matches, under_any
-from .styles import (
+from ..plans.plan import Plan, matches, under_any
+from ..plans.styles import (
     Colwise,
     Rowwise,
     Style,
@@ -36,6 +34,8 @@ from .styles import (
     VocabHead,
     style_of,
 )
+from ..tensor import comms
+from ..tensor.sharding import spec_of
 
 _SPLITTING = (Colwise, Rowwise)
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .plan import MODEL_INPUTS, ModelInputs, Plan, matching
+from ..plans.plan import MODEL_INPUTS, ModelInputs, Plan, matching
 
 
 def vocab_of(model: nn.Module, plan: Plan) -> int | None:

@@ -13,7 +13,7 @@ from torch import nn
 from ..data.sync_batchnorm import batchnorm_paths, sync_batchnorm
 from ..moe.balance import RoutingStats, track_router
 from ..moe.capacity import DropCounter, limit_capacity
-from .plan import matching, under_any
+from ..plans.plan import matching, under_any
 
 
 def batchnorm_over_batch(engine: Any) -> None:

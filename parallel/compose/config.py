@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from ..mesh import ParallelMesh
 from ..moe.capacity import POLICIES
-from .mesh import ParallelMesh
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOADS = ("none", "cpu", "disk")

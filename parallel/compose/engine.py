@@ -9,14 +9,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpointing import parallel_model
+from ..mesh import ParallelMesh
 from ..pipeline.forward_only import forward_loss
 from ..pipeline.microbatch import split_batch
 from ..pipeline.pipeline import Pipeline
+from ..plans.plan import ModelInputs, Plan
 from ..precision import widened
 from ..rng import seed_streams
 from ..tensor import comms
 from ..tensor.sharding import mark_tensor_parallel_group, spec_of
-from . import checkpoint
 from . import stage as build
 from .apply_ep import expert_parallel, is_expert
 from .apply_tiles import tile_large_layers
@@ -35,10 +37,8 @@ from .finalize import (
 from .generate import Sampling, generate
 from .loss import StepLoss, not_ignored
 from .loss_scale import LossScaler
-from .mesh import ParallelMesh
 from .naming import ParamNames
 from .plain_dp import PlainDataParallel
-from .plan import ModelInputs, Plan
 from .pretrained import load_pretrained
 from .recompute_units import checkpoint_units, zero3_units
 from .tied import CrossStageTies
@@ -259,7 +259,7 @@ class ParallelModel:
         loss (that of one process on the whole batch: targets equal to
         ``config.ignore_index`` are not counted) and the gradient norm, on every rank.
         ``attention_mask`` and ``position_ids`` (``(batch, seq)``, HuggingFace's
-        conventions, see :class:`~pycomm.parallel.compose.plan.ModelInputs`) go to the model
+        conventions, see :class:`~pycomm.parallel.plans.plan.ModelInputs`) go to the model
         where the plan takes them. Under fp16 a step whose gradients overflowed is
         skipped (``skipped``), on every rank."""
         scale = self.scaler.scale if self.scaler else 1.0
@@ -415,11 +415,11 @@ class ParallelModel:
 
     def save(self, directory: str, extra: dict[str, Any]) -> None:
         """Write parameters, optimizer and scheduler state and ``extra``; collective."""
-        checkpoint.save(self, directory, extra)
+        parallel_model.save(self, directory, extra)
 
     def load(self, directory: str) -> dict[str, Any]:
         """Load a checkpoint written in any layout; returns its ``extra``; collective."""
-        return checkpoint.load(self, directory)
+        return parallel_model.load(self, directory)
 
     def load_pretrained(self, directory: str) -> int:
         """This rank's pieces of HuggingFace safetensors weights (``save_pretrained``'s

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .._optional import require
-from . import dcp_chunks
+from ..checkpointing import dcp_chunks
 
 SHARD_BYTES = 2 << 30  # safetensors files of at most this much (HF's default is 5 GB)
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..plans.plan import ContextRequest, ModelInputs, Plan, ResolvedLayer, resolve_layers
 from ..rng import TENSOR_PARALLEL, TRACKER
 from ..tensor import comms
-from .plan import ContextRequest, ModelInputs, Plan, ResolvedLayer, resolve_layers
 
 
 class ContextCache:

@@ -175,7 +175,7 @@ def materialize(model: nn.Module, seed: int, init: InitFn | None = None,
     ``parallelize(model, ..., ParallelConfig(seed=seed))`` starts from (one process: the
     reference the layouts are compared with); ``init`` and ``experts`` are the plan's
     (``Plan.init``, ``Plan.experts``). Returns ``model``."""
-    from .plan import matching
+    from ..plans.plan import matching
     from .tied import canonical_names, tie_groups
 
     paths = matching(experts, model) if experts is not None else []

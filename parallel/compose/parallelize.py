@@ -1,7 +1,7 @@
 """Every strategy at once, applied in one fixed order to any model on a mesh.
 
 As torchtitan's ``parallelize_*``, and driven by the model's plan
-(:mod:`pycomm.parallel.compose.plan`): the model is the same on every rank (built from one
+(:mod:`pycomm.parallel.plans.plan`): the model is the same on every rank (built from one
 seed, or on the meta device), then, in this order,
 
 1. **pipeline split**: this rank keeps its stage's layers (``pp``); the others go;
@@ -33,12 +33,12 @@ import inspect
 
 from torch import nn
 
+from ..mesh import ParallelMesh
+from ..plans.plan import MODEL_INPUTS, Plan
 from .compiled import uncompiled
 from .config import ParallelConfig, StepResult
 from .engine import ParallelModel
 from .materialize import is_meta
-from .mesh import ParallelMesh
-from .plan import MODEL_INPUTS, Plan
 
 __all__ = ["ParallelConfig", "ParallelModel", "StepResult", "parallelize", "plan_for"]
 
@@ -133,7 +133,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig,
         # A plan's layers must compute what the model's own forward does; checked on a
         # tiny batch while the whole model is still here (a family whose forward the
         # derivation does not reproduce is refused, not trained wrong).
-        from ..models.hf_check import check_plan_forward
+        from .hf_check import check_plan_forward
 
         check_plan_forward(model, plan)
     return ParallelModel(model, mesh, config, plan)

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpointing.optim_groups import ensure_state, param_groups
 from ..data.grad_average import GradAverager
+from ..mesh import ParallelMesh
 from .apply_ep import is_expert
-from .mesh import ParallelMesh
-from .optim_groups import ensure_state, param_groups
 
 # (parameter, its shape, flat start, master values, optimizer state tensors, scalar state)
 Piece = tuple[nn.Parameter, torch.Size, int, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]

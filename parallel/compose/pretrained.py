@@ -2,8 +2,9 @@
 only the pieces it holds (its tensor-parallel part, its ZeRO range of it, its pipeline
 stage's layers), as torchtitan and DCP do, never the whole model.
 
-The pieces are those a checkpoint saves (:func:`pycomm.parallel.compose.checkpoint.tensor_state`:
-chunks in the whole tensor's coordinates, views of this rank's fp32 masters), read with
+The pieces are those a checkpoint saves
+(:func:`pycomm.parallel.checkpointing.parallel_model.tensor_state`: chunks in the whole
+tensor's coordinates, views of this rank's fp32 masters), read with
 ``safe_open(...).get_slice(name)[box]`` from the memory-mapped files, then published to the
 model as after a checkpoint's load. The optimizer state starts fresh. A model built on the
 meta device (``--init meta``) so never holds the whole model on any rank.
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .._optional import require
-from .checkpoint import tensor_state
+from ..checkpointing.parallel_model import tensor_state
 
 INDEX = "model.safetensors.index.json"
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from torch import nn
 
+from ..plans.plan import Plan, matches, under_any
 from ..recompute.apply import checkpoint_module
-from .plan import Plan, matches, under_any
 
 
 def _units(patterns: list[str], stage: Any, model: nn.Module) -> list[nn.Module]:

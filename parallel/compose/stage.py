@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..mesh import ParallelMesh
+from ..plans.plan import Plan, ResolvedLayer, matching, resolve_layers, under_any
 from .apply_tp import (
     apply_styles,
     check_coverage,
@@ -28,8 +30,6 @@ from .layers import (
     stage_balance,
 )
 from .materialize import Materializer
-from .mesh import ParallelMesh
-from .plan import Plan, ResolvedLayer, matching, resolve_layers, under_any
 from .tied import canonical_names, retie, tie_groups
 
 

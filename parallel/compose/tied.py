@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..mesh import ParallelMesh
 from ..precision import widened
 from ..tensor.sharding import spec_of
-from .mesh import ParallelMesh
 
 
 def tie_groups(model: nn.Module) -> list[list[str]]:

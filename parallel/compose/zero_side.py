@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checkpointing.optim_groups import ensure_state
+from ..mesh import ParallelMesh
 from ..zero import ZeroOptimizer, shard_model
-from ..zero.checkpoint import owned_pieces, state_slices
 from ..zero.offload import OffloadConfig
 from ..zero.offload_step import optimizer_state_layout
+from ..zero.sharded_checkpoint import owned_pieces, state_slices
 from ..zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD, LiveBudget
-from .mesh import ParallelMesh
-from .optim_groups import ensure_state
 
 # (parameter, its shape, flat start, master values, optimizer state tensors, scalar state)
 Piece = tuple[nn.Parameter, torch.Size, int, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]

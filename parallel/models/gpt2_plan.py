@@ -51,8 +51,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
-from ..compose.styles import Colwise, LocalSizes, Rowwise
+from ..plans.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
+from ..plans.styles import Colwise, LocalSizes, Rowwise
 from .hf import attention_mask, hf_init, logits_of
 
 H = "transformer.h.*"  # every block

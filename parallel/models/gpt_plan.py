@@ -21,9 +21,9 @@ from typing import Any
 
 from torch import nn
 
-from ..compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
-from ..compose.styles import Colwise, LocalSizes, PerRankRandom
 from ..moe.balance import RouterBalance
+from ..plans.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
+from ..plans.styles import Colwise, LocalSizes, PerRankRandom
 from .masks import attention_mask_of, with_mask
 
 

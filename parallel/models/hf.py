@@ -5,7 +5,7 @@ A HuggingFace config that declares ``base_model_pp_plan`` names the base model's
 as modules in order (``embed_tokens``, the decoder ``layers``, ``norm``) and
 ``base_model_tp_plan`` its tensor-parallel styles; the ``*ForCausalLM`` class adds its
 ``lm_head`` (``_pp_plan``, ``_tp_plan``). :func:`hf_causal_lm_plan` turns them into a
-:class:`~pycomm.parallel.compose.plan.Plan`: the embedding, one block per decoder layer, the final
+:class:`~pycomm.parallel.plans.plan.Plan`: the embedding, one block per decoder layer, the final
 norm and the head, with a context that computes, for the whole sequence, what the base
 model's forward computes between them (position ids, the rotary table, the attention masks
 by transformers' own ``masking_utils``). Whatever that forward does beyond this (an
@@ -25,7 +25,7 @@ sequence length (``hidden_states.shape[:-1]``), so it must be given the whole se
 split along it, the heads come out scrambled. GPT-2's attention reads the projections'
 own shapes and works on either.
 
-:func:`pycomm.parallel.models.hf_check.check_plan_forward` runs a plan and the model on one small
+:func:`pycomm.parallel.compose.hf_check.check_plan_forward` runs a plan and the model on one small
 batch and refuses a plan whose logits differ: :func:`pycomm.parallel.compose.parallelize` calls it
 for a model with real weights, so an adapter that does not reproduce a family is refused,
 not trained wrong.
@@ -34,7 +34,7 @@ Example::
 
     model = AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B")
     plan = hf_causal_lm_plan(model)
-    check_plan_forward(model, plan)   # pycomm.parallel.models.hf_check
+    check_plan_forward(model, plan)   # pycomm.parallel.compose.hf_check
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ import torch
 from torch import nn
 
 from .._optional import require
-from ..compose.plan import MODEL_INPUTS, ContextRequest, Layer, Plan, matching
-from ..compose.styles import MlaKvAProj, style_of
 from ..moe.balance import RouterBalance
+from ..plans.plan import MODEL_INPUTS, ContextRequest, Layer, Plan, matching
+from ..plans.styles import MlaKvAProj, style_of
 from .hf_scales import ScaledSequence, applied_here, factor, scaled
 
 # transformers' mask builders by layer type (``config.layer_types``).

@@ -10,7 +10,7 @@ share workers never deadlock, and clients share an island by weight.
 Example::
 
     import torch, torch.distributed as dist
-    from .. import pathways as pw
+    from pycomm.parallel import pathways as pw
 
     @pw.function(out=pw.spec((4,), torch.float64))
     def summed(ctx, x):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..compose.parallelize import ParallelModel
-from ..train.config import TrainConfig
+from ..job.config import TrainConfig
 from ..train.data import Corpus, load_corpus, train_batch
 from ..train.loop import build, seed_step
 from .client import Client, Mesh

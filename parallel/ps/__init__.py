@@ -6,7 +6,7 @@ sequential (BSP), bounded-delay (SSP) or eventual (async) consistency. Start a j
 ``python -m pycomm.parallel.ps.launch --servers S --workers W -- python my_job.py``; in
 ``my_job.py``::
 
-    from . import KVWorker
+    from pycomm.parallel.ps import KVWorker
     kv = KVWorker()
     kv.declare("emb", dim=16, updater={"name": "adagrad", "lr": 0.1})
     ts = kv.pull(keys, table="emb"); rows = kv.result(ts)

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from ..zero.units import default_unit_modules
+from ..blocks import default_unit_modules
 from .arena import CheckpointArena
 from .checkpoint import checkpoint
 from .partition import refuse_sequence_parallel

@@ -1,6 +1,5 @@
 """Megatron-LM tensor parallelism, with sequence parallelism."""
 
-from ..recompute.checkpoint import checkpoint
 from ..rng import TRACKER, model_parallel_seed
 from .apply import apply_tensor_parallel, gather_tensor_parallel_state_dict
 from .comms import (
@@ -32,7 +31,6 @@ __all__ = [
     "TrackedDropout",
     "VocabParallelEmbedding",
     "apply_tensor_parallel",
-    "checkpoint",
     "copy_to_tp_region",
     "count_comms",
     "gather_from_sequence_region",

@@ -2,7 +2,8 @@
 
 The tracker, its streams and :func:`model_parallel_seed` live in :mod:`pycomm.parallel.rng`
 (every strategy uses them, recomputation replays them); they are re-exported here, where
-earlier code imports them from, as is :func:`pycomm.parallel.recompute.checkpoint`.
+earlier code imports them from. Recomputation is :func:`pycomm.parallel.recompute.checkpoint`
+(a floor above: it replays this tracker).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..recompute.checkpoint import checkpoint
 from ..rng import (
     REPLICATED,
     TENSOR_PARALLEL,
@@ -21,7 +21,7 @@ from ..rng import (
 )
 
 __all__ = ["REPLICATED", "TENSOR_PARALLEL", "TRACKER", "RNGTracker", "TrackedDropout",
-           "checkpoint", "model_parallel_seed"]
+           "model_parallel_seed"]
 
 
 class TrackedDropout(nn.Module):

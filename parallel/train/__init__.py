@@ -2,7 +2,7 @@
 mesh with every strategy of ``parallel/`` at once, as torchtitan's and nanoGPT's
 ``train.py`` do, on bytes or on a tokenized dataset.
 
-- :mod:`~pycomm.parallel.train.config`: the settings (TOML file, then flags);
+- :mod:`~pycomm.parallel.job.config`: the settings (TOML file, then flags);
 - :mod:`~pycomm.parallel.train.data`: the byte corpus and batches drawn from (seed, step);
 - :mod:`~pycomm.parallel.train.tokenizer`, :mod:`~pycomm.parallel.train.hf_data`,
   :mod:`~pycomm.parallel.train.batches`: ``--tokenizer``, ``--dataset`` and their padded or
@@ -19,7 +19,7 @@ Example::
     torchrun --nproc-per-node 4 -m pycomm.parallel.train --config train.toml --pp 2 --dp 2
 """
 
-from .config import TrainConfig, parse
+from ..job.config import TrainConfig, parse
 from .launch import launch, main
 
 __all__ = ["TrainConfig", "launch", "main", "parse"]

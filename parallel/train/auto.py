@@ -1,7 +1,7 @@
-"""``--plan auto``: the trainer takes the layout :mod:`pycomm.parallel.plan` ranks first for its
+"""``--plan auto``: the trainer takes the layout :mod:`pycomm.parallel.planner` ranks first for its
 ranks and memory (the fastest predicted that fits), in place of dp, tp, pp, zero,
 recompute and partition_activations. Without it, ``--memory-gb`` checks the layout
-given against the limit (:mod:`pycomm.parallel.plan.fit`: refused with its predicted peak, or
+given against the limit (:mod:`pycomm.parallel.planner.fit`: refused with its predicted peak, or
 with ZeRO-3 offload the read-ahead and live budget picked to fit). Under torchrun rank
 0 plans and every rank takes its choice (ranks measuring on their own could choose
 differently and never meet)."""
@@ -13,7 +13,7 @@ import sys
 
 import torch.distributed as dist
 
-from .config import TrainConfig
+from ..job.config import TrainConfig
 
 
 def planned(cfg: TrainConfig, world: int) -> TrainConfig:
@@ -25,9 +25,9 @@ def planned(cfg: TrainConfig, world: int) -> TrainConfig:
     """
     if cfg.plan != "auto":
         return fitted(cfg) if cfg.memory_gb else cfg
-    from ..plan.cli import memory_gib
-    from ..plan.layouts import with_layout
-    from ..plan.planner import GIB, choose
+    from ..planner.cli import memory_gib
+    from ..planner.layouts import with_layout
+    from ..planner.planner import GIB, choose
 
     limit = memory_gib(cfg.memory_gb, world)
     row = choose(dataclasses.replace(cfg, nproc=world, plan=""), world, limit,
@@ -41,8 +41,8 @@ def planned(cfg: TrainConfig, world: int) -> TrainConfig:
 
 def fitted(cfg: TrainConfig) -> TrainConfig:
     """The layout given, checked against ``--memory-gb`` (its settings picked to fit)."""
-    from ..plan.fit import PREDICTION_MARGIN, fit_memory
-    from ..plan.planner import GIB
+    from ..planner.fit import PREDICTION_MARGIN, fit_memory
+    from ..planner.planner import GIB
 
     chosen, mem = fit_memory(cfg, cfg.memory_gb)
     changed = [f"--{f.replace('_', '-')} {getattr(chosen, f):g}"

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .config import TrainConfig
+from ..job.config import TrainConfig
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")  # "step_000010.partial" (an unfinished save) is not
 _MODEL_KEYS = ("model", "n_layer", "n_head", "n_embd", "block_size", "tie_embeddings")
@@ -90,7 +90,7 @@ def export_hf(engine: Any, cfg: TrainConfig) -> Path:
     import torch.distributed as dist
 
     from ..compose.export import save_pretrained
-    from .models import hf_config
+    from ..job.models import hf_config
 
     out = Path(cfg.export_hf)
     staging = out.with_name(out.name + ".checkpoint")

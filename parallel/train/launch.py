@@ -18,8 +18,8 @@ import sys
 
 import torch.distributed as dist
 
+from ..job.config import TrainConfig, parse
 from .auto import planned, planned_everywhere
-from .config import TrainConfig, parse
 from .loop import train_rank
 from .sources import check_source
 

@@ -9,38 +9,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..compose.mesh import ParallelMesh
-from ..compose.parallelize import ParallelConfig, ParallelModel, parallelize
+from ..compose.parallelize import ParallelModel, parallelize
+from ..job.config import TrainConfig, parallel_config
+from ..job.models import VOCAB, build_model, describe_model
+from ..mesh import ParallelMesh
 from ..rng import seed_streams
 from . import ckpt
 from .batches import Batch
-from .config import TrainConfig
 from .data import derive_seed
 from .metrics import Metrics, peak_rss_mb
-from .models import VOCAB, build_model, describe_model
-from .schedule import WarmupCosine
 from .sources import DataSource, load_source
-
-
-def parallel_config(cfg: TrainConfig) -> ParallelConfig:
-    return ParallelConfig(
-        zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
-        compile=cfg.compile,
-        partition_activations=cfg.partition_activations,
-        microbatches=cfg.effective_microbatches(), schedule=cfg.schedule,
-        max_grad_norm=cfg.max_grad_norm or None, optimizer=torch.optim.AdamW,
-        # fused: 3.6x the per-tensor loop on the host, as fast as DeepSpeed's CPU Adam
-        # (bench/results/offload/host-adam.md)
-        optimizer_kwargs={"lr": cfg.lr, "betas": (0.9, 0.95), "fused": True},
-        weight_decay=cfg.weight_decay, seed=cfg.seed, precision=cfg.precision,
-        bucket_mb=cfg.bucket_mb,
-        offload=cfg.offload, offload_dir=cfg.offload_dir,
-        offload_prefetch=cfg.offload_prefetch,
-        max_live_bytes=int(cfg.max_live_mb * 2**20) or None,
-        max_live_units=cfg.max_live_units or None,
-        max_unit_bytes=int(cfg.max_unit_mb * 2**20) or None,
-        capacity_factor=cfg.moe_capacity_factor or None, drop_policy=cfg.moe_drop_policy,
-        lr_lambda=WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))
 
 
 def build(cfg: TrainConfig, vocab: int = VOCAB) -> tuple[ParallelModel, int, str]:

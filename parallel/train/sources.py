@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..job.config import TrainConfig
+from ..job.models import VOCAB
 from .batches import Batch, Documents, packed_batch, padded_batch
-from .config import TrainConfig
 from .data import Corpus, derive_seed, load_corpus, train_batch, val_batches
 from .hf_data import hold_out, read_records, tokenize
-from .models import VOCAB
 from .tokenizer import load_tokenizer, model_vocab
 
 

@@ -6,7 +6,7 @@ the model's parameters (stages 1-2 under mixed precision) and every group's opti
 beside a *signature*: stage, world size, rank, precisions, the inner optimizer's class,
 the layout (parameter sizes, buckets, pieces) and the grouping. Loading compares the
 signature key by key and names the first that differs; resharding onto another world
-size is :mod:`pycomm.parallel.zero.checkpoint`'s job.
+size is :mod:`pycomm.parallel.zero.sharded_checkpoint`'s job.
 """
 
 from __future__ import annotations

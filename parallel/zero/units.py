@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..blocks import default_unit_modules
 from .shard_layout import ShardLayout
 
 
@@ -34,21 +35,6 @@ class UnitPlan:
     names: list[str] = field(default_factory=list)
     persistent: bool = False
     aliases: dict[str, list[str]] = field(default_factory=dict)  # name -> its other names
-
-
-def default_unit_modules(model: nn.Module) -> list[nn.Module]:
-    """Every child of every ``nn.ModuleList`` (outermost lists only), in module order."""
-    units: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if isinstance(child, nn.ModuleList):
-                units.extend(child)
-            else:
-                visit(child)
-
-    visit(model)
-    return units
 
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..train.config import TrainConfig, parse
+from ..job.config import TrainConfig, parse
 
 
-def build_parser(prog: str = "python -m pycomm.parallel.plan") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m pycomm.parallel.planner") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="Every layout pycomm.parallel.train accepts for --world ranks, "
         "with its predicted per-rank memory and step time; what does not fit in "

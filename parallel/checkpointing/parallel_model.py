@@ -4,7 +4,7 @@ only what it holds, and any layout loads any other.
 A parameter (and each of its optimizer state tensors, Adam's moments) is saved as the
 whole tensor of the unsplit model, under its model name: every rank contributes its
 pieces — its tensor-parallel part, or under ZeRO its flat range of that part — as
-chunks in the whole tensor's coordinates (:mod:`pycomm.parallel.compose.dcp_chunks`);
+chunks in the whole tensor's coordinates (:mod:`pycomm.parallel.checkpointing.dcp_chunks`);
 data-parallel replicas hold the same chunks, which DCP writes once. No rank gathers a
 parameter. Loading in another layout asks for the chunks this layout holds, and DCP
 reads what overlaps them: pipeline stages, TP size, DP size and ZeRO stage may all
@@ -23,22 +23,13 @@ import os
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..tensor.sharding import spec_of
 from . import dcp_chunks
+from .chunks import whole_shape
 from .dcp_chunks import Chunk, ChunkedTensor, chunks_of
 
 FORMAT = "pycomm-dcp/1"
-
-
-def _whole_shape(local: torch.Size, p: nn.Parameter, tp: int) -> torch.Size:
-    spec = spec_of(p)
-    if spec.dim is None:
-        return local
-    shape = list(local)
-    shape[spec.dim] *= tp
-    return torch.Size(shape)
 
 
 def _shifted(chunk: Chunk, first: int) -> Chunk:
@@ -64,7 +55,7 @@ def tensor_state(engine: Any, owned_only: bool = False
         name = engine.names.of(p)
         if owned_only and stage_of.get(name, stage) != stage:
             continue
-        whole = _whole_shape(local, p, tp)
+        whole = whole_shape(local, p, tp)
         first, rows = getattr(p, "row_slice", (0, whole[0] if whole else 0))
         for key, flat in [("model", values), *((f"optim.{k}", t) for k, t in tensors.items())]:
             target = state.setdefault(f"{key}/{name}", ChunkedTensor(

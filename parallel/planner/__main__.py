@@ -1,4 +1,5 @@
-"""``python -m pycomm.parallel.plan``: the layouts of a model on N ranks, predicted and ranked."""
+"""``python -m pycomm.parallel.planner``: the layouts of a model on N ranks, predicted and
+ranked."""
 
 from __future__ import annotations
 

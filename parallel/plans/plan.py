@@ -8,7 +8,7 @@
 - ``blocks``: which of those layers are the repeated ones (the transformer blocks). They
   are what the pipeline balances over its stages, the default recompute and ZeRO-3
   units, and the sequence-parallel region;
-- ``tp``: module path pattern -> style (:mod:`pycomm.parallel.compose.styles`), e.g.
+- ``tp``: module path pattern -> style (:mod:`pycomm.parallel.plans.styles`), e.g.
   ``{"blocks.*.mlp.c_fc": "colwise", "blocks.*.mlp.c_proj": "rowwise"}``;
 - ``context``: values every block receives, computed once per micro-batch from the
   batch's shape and its :class:`ModelInputs` (a rotary table, the attention masks), so

@@ -1,9 +1,9 @@
 """Collective times from the collective benchmark: pycomm's measured all-reduce time per
 message size, interpolated between sizes. The installed planner reads the table shipped
-with it (``parallel/plan/data/all_reduce.json``: seconds by ranks and bytes, and where
+with it (``parallel/planner/data/all_reduce.json``: seconds by ranks and bytes, and where
 they were measured); ``--comm-results FOLDER`` reads a benchmark's summaries instead
 (``mpirun-{N}r-fp32-barrier.json``: ``best.best_us["all_reduce|pycomm|<bytes>"]``, the
-median over the jobs, in microseconds), and ``python -m pycomm.parallel.plan.comms FOLDER``
+median over the jobs, in microseconds), and ``python -m pycomm.parallel.planner.comms FOLDER``
 refreshes the shipped table from them.
 
 The benchmark measured all-reduce only; the other collectives follow from the ring

@@ -1,5 +1,5 @@
-"""Predicted step time of a layout: measured compute (:mod:`pycomm.parallel.plan.calibrate`),
-collectives at the benchmark's measured times (:mod:`pycomm.parallel.plan.comms`), the
+"""Predicted step time of a layout: measured compute (:mod:`pycomm.parallel.planner.calibrate`),
+collectives at the benchmark's measured times (:mod:`pycomm.parallel.planner.comms`), the
 pipeline's bubble, and for offload the disk's measured bandwidth.
 
 - compute: per micro-batch, each block's forward + backward (plus one more forward
@@ -29,7 +29,7 @@ pipeline's bubble, and for offload the disk's measured bandwidth.
   record), at stages 1-2 (ZeRO-Offload) the optimizer state read and written by the
   step, at the measured bandwidth, hidden behind compute with a prefetch depth k >= 1;
 - waiting for peers: each blocking collective between stretches of compute costs what
-  :mod:`pycomm.parallel.plan.sync_probe` measured on this machine for the job's ranks at that
+  :mod:`pycomm.parallel.planner.sync_probe` measured on this machine for the job's ranks at that
   stretch's length (a rank reaching it first waits for peers the scheduler has not run;
   where ranks outnumber the CPUs, a time slice): per micro-batch and block the tensor-
   parallel all-reduces, per micro-batch the pipeline's receives, ZeRO-3's gathers and

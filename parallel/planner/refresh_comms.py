@@ -1,5 +1,5 @@
-"""``python -m pycomm.parallel.plan.refresh_comms FOLDER``: the planner's shipped all-reduce table
-(:data:`pycomm.parallel.plan.comms.SHIPPED`) written again from the collective benchmark's
+"""``python -m pycomm.parallel.planner.refresh_comms FOLDER``: the planner's shipped all-reduce
+table (:data:`pycomm.parallel.planner.comms.SHIPPED`) written again from the collective benchmark's
 summaries in ``FOLDER`` (``python -m bench.collectives`` runs)."""
 
 from __future__ import annotations

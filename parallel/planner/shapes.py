@@ -8,8 +8,8 @@ from typing import Any
 
 from ..compose.apply_tp import check_divisible
 from ..compose.layers import stage_balance
-from ..compose.plan import Plan, ResolvedLayer, matching, under_any
-from ..compose.styles import Colwise, Rowwise, VocabEmbedding, VocabHead
+from ..plans.plan import Plan, ResolvedLayer, matching, under_any
+from ..plans.styles import Colwise, Rowwise, VocabEmbedding, VocabHead
 
 VOCAB = 256  # the trainer's models are byte-level
 
@@ -118,8 +118,8 @@ def from_model(model: Any, plan: Plan, kind: str, cfg: Any,
     plan resolves, each parameter split where the plan's style splits its module.
     ``dims``: (heads, hidden, MLP width, vocabulary), by default the trainer's GPT's."""
     from ..compose.apply_tp import styles_by_path
-    from ..compose.plan import resolve_layers
     from ..compose.tied import canonical_names, tie_groups
+    from ..plans.plan import resolve_layers
 
     canonical = canonical_names(tie_groups(model))
     resolved = resolve_layers(plan, model)
@@ -187,7 +187,7 @@ def model_shape(cfg: Any) -> ModelShape:
 
     from .._optional import available
     from ..compose.parallelize import plan_for
-    from ..train.models import build_model
+    from ..job.models import build_model
 
     if cfg.model == "llama" and available("transformers") is None:
         return llama_shape(cfg)

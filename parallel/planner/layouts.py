@@ -10,7 +10,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from ..compose.mesh import MeshShape
+from ..mesh import MeshShape
 from .shapes import ModelShape
 
 OFFLOADS = ("none", "disk")
@@ -65,7 +65,7 @@ class _ShapeMesh:
 
 def offload_supported() -> bool:
     """Whether this checkout's trainer has an ``offload`` setting."""
-    from ..train.config import TrainConfig
+    from ..job.config import TrainConfig
 
     return "offload" in {f.name for f in dataclasses.fields(TrainConfig)}
 
@@ -90,7 +90,7 @@ def with_layout(cfg: Any, layout: Layout) -> Any:
 def refusal(cfg: Any, layout: Layout, shape: ModelShape) -> str | None:
     """Why the trainer would refuse ``layout`` (None: it accepts it): the first
     ValueError of the project's own checks, or a TypeError for a setting it lacks."""
-    from ..train.loop import parallel_config
+    from ..job.config import parallel_config
 
     if layout.offload != "none" and not offload_supported():
         return f"offload={layout.offload}: this checkout's pycomm.parallel.train has no --offload"

@@ -2,7 +2,7 @@
 parameter (its tensor-parallel part, or a flat ZeRO range of that part) as a few
 rectangular :class:`Chunk` s whose data are views of the live buffer
 (:func:`chunks_of`), the form a sharded checkpoint saves and loads
-(:mod:`pycomm.parallel.compose.dcp_chunks`).
+(:mod:`pycomm.parallel.checkpointing.dcp_chunks`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
-from ..tensor.sharding import TPSpec
+from ..tensor.sharding import TPSpec, spec_of
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -77,6 +78,16 @@ def chunks_of(full_shape: torch.Size | tuple[int, ...], spec: TPSpec, tp_world: 
             block = local[dim] // spec.interleave
             out += _to_global(offsets, data, dim, block, tp_world, tp_rank)
     return out
+
+
+def whole_shape(local: torch.Size, p: nn.Parameter, tp: int) -> torch.Size:
+    """The unsplit tensor's shape of ``p``'s tensor-parallel-local shape ``local``."""
+    dim = spec_of(p).dim
+    if dim is None:
+        return local
+    whole = list(local)
+    whole[dim] *= tp
+    return torch.Size(whole)
 
 
 def _local_shape(full: tuple[int, ...], spec: TPSpec, world: int,

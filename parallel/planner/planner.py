@@ -1,6 +1,6 @@
 """The planner itself: every layout the trainer accepts, its predicted per-rank memory
 and step time, whether it fits, and the best one (``pycomm.parallel.train --plan auto``).
-(Not :mod:`pycomm.parallel.compose.plan`, which is a model's module-path plan.)"""
+(Not :mod:`pycomm.parallel.plans.plan`, which is a model's module-path plan.)"""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class Row:
     time: StepTime
     fits: bool
     # the trainer's settings it fits with, where not those given (offload's read-ahead
-    # and live budget, :func:`pycomm.parallel.plan.fit.fitting_job`)
+    # and live budget, :func:`pycomm.parallel.planner.fit.fitting_job`)
     settings: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:

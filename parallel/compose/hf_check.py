@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compose.layers import sequential_forward
-from ..compose.plan import ModelInputs, Plan
-from .hf import accepted_kwargs, logits_of
+from ..models.hf import accepted_kwargs, logits_of
+from ..plans.plan import ModelInputs, Plan
+from .layers import sequential_forward
 
 
 def _probe_tokens(model: nn.Module, device: torch.device) -> torch.Tensor:

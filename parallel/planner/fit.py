@@ -1,5 +1,5 @@
 """Fitting a layout in a memory size: its predicted per-rank peak
-(:mod:`pycomm.parallel.plan.memory`) against the limit, and with ZeRO-3 offload the two
+(:mod:`pycomm.parallel.planner.memory`) against the limit, and with ZeRO-3 offload the two
 settings that trade memory for overlap picked to fit: the read-ahead depth
 (``--offload-prefetch``, from the one given down to 0: each unit read ahead is one more
 record in memory) and, where the gathered units' pool is what does not fit, a live
@@ -148,5 +148,5 @@ def fit_memory(cfg: Any, limit_gib: float) -> tuple[Any, Memory]:
                      f"per rank{tried}, more than --memory-gb {limit_gib:g} less "
                      f"{PREDICTION_MARGIN:.0%} for the prediction's error "
                      f"({usable(want) / GIB:.2f}): "
-                     f"{describe(smallest)} (python -m pycomm.parallel.plan with the same flags "
+                     f"{describe(smallest)} (python -m pycomm.parallel.planner with the same flags "
                      "ranks the layouts that fit)")

@@ -16,7 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..compose.mesh import MeshShape
+import torch
+
+from ..compose.config import ParallelConfig
+from ..mesh import MeshShape
+from .schedule import WarmupCosine
 
 MODELS = ("gpt", "llama", "qwen2", "mistral", "gpt2")
 
@@ -131,9 +135,10 @@ class TrainConfig:
     max_unit_mb: float = _opt("parallel", 0.0, "ZeRO-3's largest unit, MiB of masters: a "
                               "larger embedding is split by rows and the head by vocabulary "
                               "chunks (the loss taken in them), each tile a unit (0: whole)")
-    plan: str = _opt("parallel", "", "auto: train the layout python -m pycomm.parallel.plan ranks "
-                     "first for nproc ranks (0: dp * tp * pp) within --memory-gb; it sets dp, "
-                     "tp, pp, zero, recompute and partition_activations", ("", "auto"))
+    plan: str = _opt("parallel", "", "auto: train the layout python -m "
+                     "pycomm.parallel.planner ranks first for nproc ranks (0: dp * tp * pp) "
+                     "within --memory-gb; it sets dp, tp, pp, zero, recompute and "
+                     "partition_activations", ("", "auto"))
     memory_gb: float = _opt("parallel", 0.0, "per-rank memory, GiB, beyond the runtime: "
                             "--plan auto's layout must fit in it (0: this machine's memory "
                             "over the ranks); without --plan auto, the layout given is "
@@ -253,7 +258,7 @@ def _check_experts(cfg: TrainConfig) -> None:
         raise ValueError("train: --plan auto times a dense GPT's blocks (the experts' "
                          "compute and activations are not calibrated); with --moe-experts "
                          "give the layout (--dp, --ep, --tp, --pp) yourself (python -m "
-                         "pycomm.parallel.plan lists them with the experts' memory)")
+                         "pycomm.parallel.planner lists them with the experts' memory)")
     from ..models.gpt import GPTConfig
 
     try:
@@ -363,3 +368,25 @@ def parse(argv: list[str] | None = None) -> TrainConfig:
     cfg = TrainConfig(**settings)
     cfg.check()
     return cfg
+
+
+def parallel_config(cfg: TrainConfig) -> ParallelConfig:
+    """The engine's settings for this job (what parallelize takes besides the mesh)."""
+    return ParallelConfig(
+        zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+        compile=cfg.compile,
+        partition_activations=cfg.partition_activations,
+        microbatches=cfg.effective_microbatches(), schedule=cfg.schedule,
+        max_grad_norm=cfg.max_grad_norm or None, optimizer=torch.optim.AdamW,
+        # fused: 3.6x the per-tensor loop on the host, as fast as DeepSpeed's CPU Adam
+        # (bench/results/offload/host-adam.md)
+        optimizer_kwargs={"lr": cfg.lr, "betas": (0.9, 0.95), "fused": True},
+        weight_decay=cfg.weight_decay, seed=cfg.seed, precision=cfg.precision,
+        bucket_mb=cfg.bucket_mb,
+        offload=cfg.offload, offload_dir=cfg.offload_dir,
+        offload_prefetch=cfg.offload_prefetch,
+        max_live_bytes=int(cfg.max_live_mb * 2**20) or None,
+        max_live_units=cfg.max_live_units or None,
+        max_unit_bytes=int(cfg.max_unit_mb * 2**20) or None,
+        capacity_factor=cfg.moe_capacity_factor or None, drop_policy=cfg.moe_drop_policy,
+        lr_lambda=WarmupCosine(cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio))

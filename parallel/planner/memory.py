@@ -33,7 +33,7 @@ buffers the project holds beside them:
   as the dense ones' are sharded over ``dp``; with ``edp = 1`` (or ZeRO 0) they are
   stage 0's whole states.
 
-Activations (:mod:`pycomm.parallel.plan.activations`) peak either while the head's backward
+Activations (:mod:`pycomm.parallel.planner.activations`) peak either while the head's backward
 runs or while a block's does (the largest of those phases).
 """
 

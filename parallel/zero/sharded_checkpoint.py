@@ -6,7 +6,7 @@ Every parameter is saved as the whole tensor of the unsplit model under
 ``param/<name>`` (the fp32 masters under mixed precision), each of its optimizer state
 tensors (Adam's moments) as ``optim/<key>/<name>``: a rank contributes the flat ranges
 its master shards hold as chunks in the whole tensor's coordinates
-(:mod:`pycomm.parallel.compose.dcp_chunks`, as the composed engine's checkpoints); chunks that
+(:mod:`pycomm.parallel.checkpointing.dcp_chunks`, as the composed engine's checkpoints); chunks that
 tensor-parallel ranks hold alike (a replicated LayerNorm) are written once. Loading
 asks for the chunks the loading layout holds and DCP reads what overlaps them. Beside
 them: the model's buffers (``buffer/<name>``, whole) and, as objects, the format, the
@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpointing import dcp_chunks
+from ..checkpointing.chunks import ChunkedTensor, chunks_of, whole_shape
+from ..checkpointing.optim_groups import ensure_state
 from ..tensor.sharding import model_parallel_groups, spec_of
 from .param_groups import options
 from .zero_optimizer import ZeroOptimizer
-
-# pycomm.parallel.compose (DCP's chunks, ensure_state) is imported inside the functions that
-# use it: it imports pycomm.parallel.zero, so a module-level import would be a cycle.
 
 FORMAT = "pycomm.zero-dcp/1"
 META = ("meta/format", "meta/groups", "meta/scalar_state")
@@ -78,7 +78,6 @@ def state_slices(opt: ZeroOptimizer, k: int, at: int, n: int) -> dict[str, torch
 class _Where:
     """Where a rank's checkpoint is, the group that writes it, and the tensor-parallel
     split its tensors are chunks of (1, 0: the tensors as this rank holds them)."""
-
     folder: Path
     group: Any
     tp: int
@@ -108,16 +107,6 @@ def _where(path: str | os.PathLike, opt: ZeroOptimizer, shard_key: str | None) -
     return _Where(Path(path), None, tp, dist.get_rank(tp_group))
 
 
-def _whole_shape(shape: torch.Size, p: nn.Parameter, tp: int) -> torch.Size:
-    """The unsplit tensor's shape of a TP-local ``shape``."""
-    dim = spec_of(p).dim
-    if dim is None:
-        return shape
-    whole = list(shape)
-    whole[dim] *= tp
-    return torch.Size(whole)
-
-
 def _buffers(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
     """The state that is not a parameter (stage 3's shards are parameters too)."""
     params = set(names)
@@ -129,11 +118,9 @@ def _tensors(model: nn.Module, opt: ZeroOptimizer, names: list[str],
              where: _Where) -> dict[str, Any]:
     """This rank's chunks of every parameter (a key even where it holds none) and of
     its optimizer state, views of the shards (load fills them in place); the buffers."""
-    from ..compose.chunks import ChunkedTensor, chunks_of
-
     shapes = opt.param_shapes()
     out: dict[str, Any] = {
-        f"param/{n}": ChunkedTensor(_whole_shape(s, p, where.tp), opt.precision.master)
+        f"param/{n}": ChunkedTensor(whole_shape(s, p, where.tp), opt.precision.master)
         for n, s, p in zip(names, shapes, opt.params, strict=True)}
     for i, k, lo, hi, at in owned_pieces(opt):
         p, whole = opt.params[i], out[f"param/{names[i]}"].shape
@@ -160,8 +147,6 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
                  shard_key: str | None = None) -> None:
     """Every rank writes its shards (collective over the optimizer's group; over the
     world for a tensor-parallel model). See the module docstring for ``shard_key``."""
-    from ..compose import dcp_chunks
-
     opt._refuse_offload("save_sharded", state_only=True)  # its state is not in memory
     where = _where(path, opt, shard_key)
     names = opt.param_names(model)
@@ -172,8 +157,6 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
 def _open(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The checkpoint's keys ((shape, dtype), None for an object) and its ``meta/``
     objects, checked: they are read from files, not trusted."""
-    from ..compose import dcp_chunks
-
     saved = dcp_chunks.saved_keys(folder)
     if missing := [k for k in META if k not in saved or saved[k] is not None]:
         raise ValueError(f"{folder}: not a pycomm ZeRO checkpoint (no {', '.join(missing)})")
@@ -192,7 +175,7 @@ def _open(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 def _check_model(where: _Where, saved: dict[str, Any], model: nn.Module, opt: ZeroOptimizer,
                  names: list[str]) -> None:
     """The same parameter and buffer names and (whole) shapes as the checkpoint's."""
-    mine = {f"param/{n}": tuple(_whole_shape(s, p, where.tp))
+    mine = {f"param/{n}": tuple(whole_shape(s, p, where.tp))
             for n, s, p in zip(names, opt.param_shapes(), opt.params, strict=True)}
     mine.update({f"buffer/{n}": tuple(b.shape) for n, b in _buffers(model, names).items()})
     theirs = {k: tuple(v[0]) for k, v in saved.items()
@@ -244,8 +227,6 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
             state this optimizer keeps (named in the message).
     """
     opt._refuse_offload("load_sharded", state_only=True)
-    from ..compose import dcp_chunks
-    from ..compose.optim_groups import ensure_state
 
     where = _where(path, opt, shard_key)
     names = opt.param_names(model)
@@ -267,8 +248,6 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, opt: ZeroOptimizer,
 def consolidate(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """A plain, full ``state_dict`` (parameters whole, and buffers), in one process
     without any process group."""
-    from ..compose import dcp_chunks
-
     saved, _ = _open(Path(path))
     keys = [k for k in saved if k.startswith(("param/", "buffer/"))]
     return {k.partition("/")[2]: v for k, v in dcp_chunks.read_whole(path, keys).items()}
