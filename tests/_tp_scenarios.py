@@ -11,6 +11,7 @@ from _errors import error_message
 from torch import nn
 
 from pycomm.parallel.models import GPT, GPTConfig, lm_loss, synthetic_batch
+from pycomm.parallel.recompute import checkpoint
 from pycomm.parallel.tensor import (
     TRACKER,
     ColumnParallelLinear,
@@ -18,7 +19,6 @@ from pycomm.parallel.tensor import (
     ParallelSelfAttention,
     RowParallelLinear,
     apply_tensor_parallel,
-    checkpoint,
     count_comms,
     gather_tensor_parallel_state_dict,
     model_parallel_seed,
