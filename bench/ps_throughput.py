@@ -1,4 +1,4 @@
-"""parallel.ps request throughput, and a dense GPT step through it against torch DDP.
+"""pycomm.parallel.ps request throughput, and a dense GPT step through it against torch DDP.
 
 ``python -m bench.ps_throughput`` starts one job per (servers, workers) cell with
 ``python -m pycomm.parallel.ps.launch --consistency async``; every worker (this module with

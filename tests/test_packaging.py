@@ -156,6 +156,9 @@ def test_sdist_installs_names_of_our_own_and_not_bench(sdist):
     assert "parallel/train/loop.py" in sources.decode().split()
     assert not [f for f in sdist if f.startswith("bench/")]
     assert "pycomm/__init__.py" in sdist and "parallel/__init__.py" in sdist
+    # the examples install as pycomm.examples, their data files with them
+    assert {"examples/__init__.py", "examples/train_ddp.py", "examples/mixtral-tiny.json",
+            "examples/train_gpt.toml", "pycomm/_torch_entry/__init__.py"} <= set(sdist)
     (entry_points,) = [v for k, v in sdist.items() if k.endswith(".egg-info/entry_points.txt")]
     assert entry_points.decode().split() == [
         "[console_scripts]", "pycomm-env", "=", "pycomm.env:main", "pycomm-plan", "=",
