@@ -20,19 +20,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
-def _strategies() -> tuple[object, ...]:
-    from pycomm.parallel.compose import ParallelConfig, ParallelMesh, parallelize
-    from pycomm.parallel.models import GPT, GPTConfig
-    return ParallelConfig, ParallelMesh, parallelize, GPT, GPTConfig
+from pycomm.parallel.compose import ParallelConfig, ParallelMesh, parallelize
+from pycomm.parallel.models import GPT, GPTConfig
 
 
 def walk(config_kwargs: dict) -> list[str]:
     """The files (relative to parallel/) of every call that received the model."""
-    config_cls, mesh_cls, parallelize, gpt, gpt_config = _strategies()
     package_root = Path(sys.modules[parallelize.__module__].__file__).resolve().parents[1]
-    model = gpt(gpt_config())
-    mesh = mesh_cls()
+    model = GPT(GPTConfig())
+    mesh = ParallelMesh()
     stops: list[str] = []
 
     def profile(frame, event, arg):  # sys.setprofile's signature
@@ -46,7 +42,7 @@ def walk(config_kwargs: dict) -> list[str]:
 
     sys.setprofile(profile)
     try:
-        parallelize(model, mesh, config_cls(**config_kwargs))
+        parallelize(model, mesh, ParallelConfig(**config_kwargs))
     finally:
         sys.setprofile(None)
     return stops
