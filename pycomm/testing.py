@@ -185,15 +185,23 @@ def _collect(procs: list, conns: list[Connection], deadline: float, grace_s: flo
 
 def _poll(proc: Any, conn: Connection) -> tuple | None:
     """The rank's message if one is ready, ("died", why) if it exited, else None."""
+    msg = _ready_message(conn)
+    if msg is not None or proc.is_alive():
+        return msg
+    proc.join()
+    # A rank may send its last message and exit between the read above and the liveness
+    # check (the shutdown's answer always is): only an exit with nothing in the pipe died.
+    return _ready_message(conn) or ("died", _exit_text(proc.exitcode))
+
+
+def _ready_message(conn: Connection) -> tuple | None:
+    """The message waiting in ``conn``, or None (none yet, or the pipe is closed)."""
     try:
         if conn.poll():
             return pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         pass
-    if proc.is_alive():
-        return None
-    proc.join()
-    return ("died", _exit_text(proc.exitcode))
+    return None
 
 
 def _stop(procs: list, grace_s: float = 2.0) -> None:

@@ -186,3 +186,35 @@ def test_a_held_store_keeps_its_port_until_the_block_ends():
         client.set("k", "v")
         assert client.get("k") == b"v"
         del client
+
+
+class _ExitsAfterSending:
+    """A rank (its pipe and process) that sends its answer and exits just after the
+    parent looked at the pipe and before it asks whether the process lives."""
+
+    exitcode = 0
+
+    def __init__(self):
+        self.polls = 0
+
+    def poll(self) -> bool:
+        self.polls += 1
+        return self.polls > 1  # empty at the first look, the answer there after
+
+    def recv_bytes(self) -> bytes:
+        import pickle
+
+        return pickle.dumps(("result", None))
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self) -> None:
+        pass
+
+
+def test_a_rank_that_answers_and_exits_at_once_is_not_reported_dead():
+    from pycomm.testing import _poll
+
+    rank = _ExitsAfterSending()
+    assert _poll(rank, rank) == ("result", None)
