@@ -4,10 +4,11 @@
 is the last one; a composed job (a pipeline runs many backwards per step, tensor
 parallelism sums partial gradients first) reduces once, when told, in the order the
 job's :func:`pycomm.parallel.compose.finalize.finalize_grads` fixes. The gradients live in one
-preallocated flat buffer (C_B-sized buckets of it are all-reduced, each started before
-the next; shared memory on pycomm, so the all-reduces are zero-copy): once attached,
-every ``.grad`` is a view of it (torch's ``gradient_as_bucket_view``), so backward
-accumulates into it, the average is taken in place, and no gradient exists twice.
+preallocated flat arena laid out by :class:`GradLayout`, as :class:`DataParallel`'s do
+(C_B-sized buckets of it are all-reduced, each started before the next; shared memory
+on pycomm, so the all-reduces are zero-copy): once attached, every ``.grad`` is a view
+of it (torch's ``gradient_as_bucket_view``), so backward accumulates into it, the
+average is taken in place, and no gradient exists twice.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from pycomm.flat_arena import Arena
 
 from .data_comms import averaging_op
+from .grad_layout import GradLayout
 
 MB = 1 << 20
 
@@ -50,14 +52,12 @@ class GradAverager:
         self.divisor = self.world
         if divide_by is not None and divide_by != self.world:
             self.op, self.divide_after, self.divisor = dist.ReduceOp.SUM, True, divide_by
-        numel = sum(p.numel() for p in self.params)
-        self.buffer = Arena.for_group(numel, dtype, group).buffer[:numel]
-        self.views, offset = [], 0
-        for p in self.params:
-            self.views.append(self.buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        self.buckets = _buckets([p.numel() for p in self.params], int(bucket_mb * MB) //
-                                max(1, dtype.itemsize))
+        arena = Arena.for_group(GradLayout.arena_numel(self.params, dtype), dtype, group)
+        cap = int(bucket_mb * MB)
+        # Registration order, every bucket the same cap: reduced at one moment, not in
+        # backward's order as DataParallel's are.
+        layout = GradLayout(self.params, range(len(self.params)), arena, cap, cap)
+        self.buffer, self.views, self.spans = arena.buffer, layout.views, layout.slices
 
     @torch.no_grad()
     def zero(self) -> None:
@@ -72,12 +72,8 @@ class GradAverager:
         self._gather_grads()
         if self.world == 1 and self.divisor == 1:
             return
-        works = []
-        for first, last in self.buckets:
-            start = self.views[first].data_ptr() - self.buffer.data_ptr()
-            stop = start + sum(p.numel() for p in self.params[first:last]) * self.buffer.itemsize
-            span = self.buffer[start // self.buffer.itemsize : stop // self.buffer.itemsize]
-            works.append(dist.all_reduce(span, op=self.op, group=self.group, async_op=True))
+        works = [dist.all_reduce(span, op=self.op, group=self.group, async_op=True)
+                 for span in self.spans]
         for work in works:
             work.wait()
         if self.divide_after:
@@ -92,16 +88,3 @@ class GradAverager:
             elif p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)
             p.grad = view
-
-
-def _buckets(numels: list[int], cap: int) -> list[tuple[int, int]]:
-    """Consecutive parameter ranges of at most ``cap`` elements (one alone if larger)."""
-    out, first, size = [], 0, 0
-    for i, n in enumerate(numels):
-        if size and size + n > cap:
-            out.append((first, i))
-            first, size = i, 0
-        size += n
-    if first < len(numels):
-        out.append((first, len(numels)))
-    return out
