@@ -240,7 +240,7 @@ def _zero3(mem: Memory, m: ModelShape, layout: Layout, stage: int, job: Job) -> 
                    (gathered + (1 + MAX_IN_FLIGHT) * reducing) * largest)
     mem.buffers["zero3 pool"] = pool
     if gathered != F32 and layout.offload == "none":
-        # the shards cast to the compute dtype, gathered from (ShardedModel.comm_arena)
+        # the shards cast to the compute dtype, gathered from (ShardsInMemory.compute_copy)
         mem.buffers["zero3 compute-dtype shards"] = gathered * sl.shard_numel
     if layout.offload != "none":
         _offloaded_records(mem, [sizes[id(u)] // layout.dp for u in kinds["sequence"]],

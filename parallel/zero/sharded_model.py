@@ -33,7 +33,8 @@ from pycomm.arena import return_freed_memory
 from pycomm.flat_arena import Arena
 
 from . import zero_comms as comms
-from .offload import OffloadConfig, UnitOffload
+from .offload import OffloadConfig
+from .shard_homes import OffloadedShards, ShardHome, ShardsInMemory
 from .shard_layout import ShardLayout
 from .slot_pool import SlotPool
 from .unit_grads import UnitGradReducer
@@ -107,12 +108,8 @@ class ShardedModel:
             return_freed_memory()  # a buffer the pool drops goes back to the system
         self.units = [Unit(k, plan, [self.params[i] for i in ids], ids, self.layout, k)
                       for k, (plan, ids) in enumerate(zip(plans, groups, strict=True))]
-        # offloaded: the masters live in the unit store, not in memory
-        device = next((p.device for p in self.params if not p.is_meta), torch.device("cpu"))
-        self.offload = None if offload is None else UnitOffload(  # files by world rank
-            offload, self.units, self.dtype, device, dist.get_rank())
-        self.masters = None if offload else Arena.for_group(self.layout.shard_numel,
-                                                            self.dtype, group)
+        self.home = self._home(offload)
+        self.offload = self.home.offload  # the unit store, where the reducer steps units
         self.unit_of = {i: u for u in self.units for i in u.ids}
         self._ext = _extension()
         self._empty = torch.empty(0, dtype=self.dtype)
@@ -130,6 +127,14 @@ class ShardedModel:
         self.reducer = UnitGradReducer(self)
 
     # -- construction ------------------------------------------------------------------------
+
+    def _home(self, offload: OffloadConfig | None) -> ShardHome:
+        """Where the master shards live: in memory, or (``offload``) in the unit store."""
+        if offload is None:
+            return ShardsInMemory(self.layout.shard_numel, self.dtype, self.group)
+        device = next((p.device for p in self.params if not p.is_meta), torch.device("cpu"))
+        return OffloadedShards(offload, self.units, self.dtype, device,  # files by world rank
+                               dist.get_rank())
 
     def _materialized(self, u: Unit) -> None:
         """A model built on the meta device gets ``u``'s weights now, just before they
@@ -154,13 +159,7 @@ class ShardedModel:
                         p.data = torch.empty(0, dtype=p.dtype)
                 dist.broadcast(full, src=comms.src_rank(self.group), group=self.group)
                 mine = full[self.rank * u.shard_numel : (self.rank + 1) * u.shard_numel]
-                if self.offload is not None:  # the shard goes to the store; none in memory
-                    self.offload.write_initial(u, mine)
-                    view = torch.empty(0, dtype=self.dtype)
-                else:
-                    assert self.masters is not None
-                    view = self.masters.allocate(u.shard_numel)
-                    view.copy_(mine)
+                view = self.home.place(u, mine)
                 u.shard = nn.Parameter(view)
                 u.shard.zero3 = (self, u.index)  # type: ignore[attr-defined]
                 u.comm_shard = view
@@ -197,22 +196,20 @@ class ShardedModel:
             raise RuntimeError("set_precision: call it before the first forward")
         self.compute_dtype = compute_dtype
         self.reducer.set_reduce_dtype(reduce_dtype)
-        # offloaded, each gather casts the master it reads (see _gather_into_slot)
-        if compute_dtype != self.dtype and self.offload is None:
-            self.comm_arena = Arena.for_group(self.layout.shard_numel, compute_dtype, self.group)
-            for u, view in zip(self.units, self.shard_views(self.comm_arena), strict=True):
-                u.comm_shard = view
+        self.home.set_compute_dtype(self.units, compute_dtype)
         self._make_homes()
         self.publish_shards()
 
     def shard_views(self, arena: Arena) -> list[torch.Tensor]:
-        """Each unit's shard in ``arena`` (of any dtype), at the masters' offsets."""
-        views = []
-        assert self.masters is not None, "offloaded shards have no arena"
-        for u in self.units:
-            at = self.masters.offset_of(u.shard.detach())
-            views.append(arena.buffer[at : at + u.shard_numel])
-        return views
+        """Each unit's shard in ``arena`` (of any dtype), at the masters' offsets.
+
+        Raises:
+            TypeError: offloaded (the shards are in the unit store, in no arena).
+        """
+        if not isinstance(self.home, ShardsInMemory):
+            raise TypeError("shard_views: offloaded shards are in the unit store, not in "
+                            "an arena")
+        return self.home.shard_views(self.units, arena)
 
     def _install_hooks(self) -> None:
         self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
@@ -227,9 +224,8 @@ class ShardedModel:
 
     def _begin_forward(self, _module: nn.Module, args: Any, kwargs: Any) -> Any:
         self.adopt_model_writes()
-        if self.offload is not None:
-            persistent = [u.index for u in self.units if u.persistent]
-            self.offload.begin_pass(False, persistent + (self.order or []))
+        persistent = [u.index for u in self.units if u.persistent]
+        self.home.begin_forward(persistent + (self.order or []))
         if self._persistent_stale:
             for u in self.units:
                 if u.persistent:
@@ -269,8 +265,7 @@ class ShardedModel:
         if self.order is None:
             self.order = list(dict.fromkeys(self._recording))
             self._position = {index: j for j, index in enumerate(self.order)}
-        if self.offload is not None and not self.offload.backward:
-            self.offload.begin_pass(True, self.backward_unit_order())
+        self.home.begin_backward(self.backward_unit_order)
         self.reducer.begin_backward()
 
     def _pre_backward(self, u: Unit) -> None:
@@ -288,8 +283,7 @@ class ShardedModel:
 
     def _bind_and_prefetch(self, u: Unit, step: int) -> None:
         self.bind(u)
-        if self.offload is not None:
-            self.offload.ahead(u)  # reads run ahead of the gathers
+        self.home.ahead(u)  # offloaded, its reads run ahead of the gathers
         self._prefetch(u, step)
 
     def _prefetch(self, u: Unit, step: int) -> None:
@@ -298,8 +292,8 @@ class ShardedModel:
         j = self._position[u.index] + step
         if 0 <= j < len(self.order):
             nxt = self.units[self.order[j]]
-            if self.offload is not None and self.offload.depth < 2:
-                return  # its read was issued just now (or never): gathering would wait on it
+            if not self.home.can_prefetch():
+                return
             if not nxt.bound and nxt.pending is None:
                 if not self._within_budget(nxt):
                     self.stats["held_back"] += 1
@@ -319,9 +313,8 @@ class ShardedModel:
     def _gather_into_slot(self, u: Unit) -> None:
         if u.slot is None:
             u.slot = self.pool.take(u.full_numel, self.compute_dtype)
-        if self.offload is not None:  # the record's fp32 master, in the compute dtype
-            u.comm_shard = self.offload.master(u).to(self.compute_dtype)
-        u.pending = comms.gather_unit(u.slot, u.comm_shard, self.group)
+        source = self.home.gather_source(u, self.compute_dtype)
+        u.pending = comms.gather_unit(u.slot, source, self.group)
         self.stats["gathers"] += 1
         gathered = sum(v.slot is not None for v in self.units)
         self.stats["max_gathered_units"] = max(self.stats["max_gathered_units"], gathered)
@@ -343,9 +336,7 @@ class ShardedModel:
     def _gathered(self, u: Unit) -> None:
         u.pending.wait()
         u.pending = None
-        if self.offload is not None:
-            u.comm_shard = self._empty  # a cast copy (or the record's): not kept
-            self.offload.gathered(u)
+        self.home.gathered(u)
 
     def release(self, u: Unit) -> None:
         """Free ``u``'s gathered parameters (the slot goes back to the pool)."""
@@ -367,10 +358,7 @@ class ShardedModel:
         """After the masters changed (a step, a checkpoint load): refresh the compute-dtype
         shards, and let the next forward gather everything afresh."""
         self.release_all()
-        if self.compute_dtype != self.dtype and self.offload is None:
-            with torch.no_grad():
-                for u in self.units:
-                    u.comm_shard.copy_(u.shard)
+        self.home.publish(self.units)
         self._persistent_stale = True
         self._versions = [u.shard._version for u in self.units]
 
@@ -401,8 +389,7 @@ class ShardedModel:
         out: dict[str, torch.Tensor] = {}
         for u in self.units:
             full = torch.empty(u.full_numel, dtype=self.dtype)
-            shard = u.shard.detach() if self.offload is None else self.offload.read_master(u)
-            comms.gather_unit(full, shard, self.group).wait()
+            comms.gather_unit(full, self.home.master(u), self.group).wait()
             for j, name in enumerate(u.names):
                 out[name] = u.piece(full, j).view_as(u.homes[j]).clone()
         for name, t in self.model.state_dict(keep_vars=True).items():

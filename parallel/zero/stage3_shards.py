@@ -96,7 +96,6 @@ class Stage3Shards:
             engine.set_precision(precision.compute, precision.reduce)
         self.params, self.layout = engine.params, engine.layout
         self.shard_params = [u.shard for u in engine.units]  # layout order
-        self.flat = engine.masters
         self.offload = engine.offload  # None, or units stepped in backward from their store
 
     @property
@@ -138,11 +137,11 @@ class Stage3Shards:
         gradients, optimizer state (``state_bytes``), and the pooled whole-unit buffers
         (gathered parameters, including the persistent unit, and gradients being
         reduced)."""
-        comm = getattr(self.engine, "comm_arena", None)
-        masters = self.flat.stats()["reserved_bytes"] if self.flat is not None else 0
+        comm, masters = (arena.stats()["reserved_bytes"] if arena is not None else 0
+                         for arena in self.engine.home.arenas())
         grads = self.grads.stats()["reserved_bytes"] if self.grads is not None else 0
         return {
-            "param_bytes": comm.stats()["reserved_bytes"] if comm else masters,
+            "param_bytes": comm or masters,
             "master_bytes": masters if comm else 0,
             "grad_bytes": grads,
             "optimizer_state_bytes": state_bytes,
