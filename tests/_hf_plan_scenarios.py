@@ -90,7 +90,7 @@ def apply_tp(model: nn.Module, plan: Any, group: Any, world: int) -> list[str]:
     """Every tp style of ``plan`` on the modules its pattern matches (a module replaced
     is set on its parent); returns the paths changed, in order."""
     from pycomm.parallel.plans.plan import matching
-    from pycomm.parallel.plans.styles import TPContext, style_of
+    from pycomm.parallel.tensor.styles import TPContext, style_of
 
     done = []
     for pattern, spec in plan.tp.items():

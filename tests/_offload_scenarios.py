@@ -126,7 +126,7 @@ def run_all(root: str) -> dict[Any, Any]:
 def budget_run(directory: str) -> dict[str, Any]:
     """The Llama offloaded in bf16 under a live budget of about two of its blocks, its
     embedding and head (over ``OWN_UNIT_NUMEL`` here) units of their own."""
-    import pycomm.parallel.compose.recompute_units as units
+    import pycomm.parallel.zero.plan_units as units
 
     units.OWN_UNIT_NUMEL = SPLIT_NUMEL
     try:

@@ -106,14 +106,16 @@ def test_the_finder_sees_a_cycle():
 
 # pycomm.parallel's floors, bottom up. A package imports packages of lower floors only
 # (inside functions too; not under TYPE_CHECKING): the strategies stand on the ground
-# (the mesh shape, the RNG tracker, a model's blocks), the composition on the strategies,
-# the job's description on the composition, the planner on the job, the trainer on the
-# planner, the single controller on the trainer. A new package is given its floor here.
+# (the mesh shape, the RNG tracker, a model's blocks, the Plan type), each owning its
+# plan-driven side (tensor's styles, recompute's and ZeRO-3's units from a plan), the
+# composition on the strategies, the job's description on the composition, the planner on
+# the job, the trainer on the planner, the single controller on the trainer. A new
+# package is given its floor here.
 FLOORS = [
-    {"_optional", "rng", "grad_hooks", "precision", "mesh", "blocks"},
+    {"_optional", "rng", "grad_hooks", "precision", "mesh", "blocks", "plans"},
     {"tensor", "recompute", "pipeline", "ps"},
     {"data", "checkpointing", "moe"},
-    {"zero", "plans"},
+    {"zero"},
     {"models"},
     {"compose"},
     {"job"},

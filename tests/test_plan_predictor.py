@@ -75,13 +75,13 @@ def test_activations_are_korthikantis_without_masks_in_fp32():
 def _trainer_accepts(cfg: TrainConfig, layout: Layout) -> bool:
     """What the trainer itself checks before any step (config, then the engine's
     ParallelConfig.check and plan checks, run here without ranks)."""
-    from pycomm.parallel.compose.apply_tp import check_divisible
     from pycomm.parallel.compose.layers import stage_balance
     from pycomm.parallel.compose.parallelize import plan_for
     from pycomm.parallel.job.config import parallel_config
     from pycomm.parallel.job.models import build_model
     from pycomm.parallel.planner.layouts import _ShapeMesh
     from pycomm.parallel.plans.plan import resolve_layers
+    from pycomm.parallel.tensor.from_plan import check_divisible
 
     run = with_layout(cfg, layout)
     try:

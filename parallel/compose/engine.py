@@ -16,13 +16,15 @@ from ..pipeline.microbatch import split_batch
 from ..pipeline.pipeline import Pipeline
 from ..plans.plan import ModelInputs, Plan
 from ..precision import widened
+from ..recompute.from_plan import checkpoint_units
 from ..rng import seed_streams
 from ..tensor import comms
+from ..tensor.from_plan import partial_grad_params
 from ..tensor.sharding import mark_tensor_parallel_group, spec_of
+from ..zero.plan_units import zero3_units
 from . import stage as build
 from .apply_ep import expert_parallel, is_expert
 from .apply_tiles import tile_large_layers
-from .apply_tp import partial_grad_params
 from .batch import check_targets, model_inputs, vocab_of
 from .batch_layers import batchnorm_over_batch, expert_capacity, routing_stats
 from .compiled import compile_blocks
@@ -40,7 +42,6 @@ from .loss_scale import LossScaler
 from .naming import ParamNames
 from .plain_dp import PlainDataParallel
 from .pretrained import load_pretrained
-from .recompute_units import checkpoint_units, zero3_units
 from .tied import CrossStageTies
 from .zero_side import ZeroPlan
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..mesh import ParallelMesh
 from ..plans.plan import Plan, ResolvedLayer, matching, resolve_layers, under_any
-from .apply_tp import (
+from ..tensor.from_plan import (
     apply_styles,
     check_coverage,
     check_divisible,
@@ -99,7 +99,8 @@ def drop_other_stages(model: nn.Module, stage: Stage) -> None:
 
 def tensor_parallel(model: nn.Module, plan: Plan, stage: Stage, mesh: ParallelMesh,
                     sequence_parallel: bool, parallel_loss: bool) -> None:
-    """The plan's styles on this stage's modules (checked first, see apply_tp)."""
+    """The plan's styles on this stage's modules (checked first: see
+    :mod:`pycomm.parallel.tensor.from_plan`)."""
     group = mesh.group("tp")
     check_divisible(plan, mesh.size("tp"))
     styles = styles_by_path(plan, model, stage.held)

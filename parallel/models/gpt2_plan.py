@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from ..plans.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
-from ..plans.styles import Colwise, LocalSizes, Rowwise
+from ..tensor.styles import Colwise, LocalSizes, Rowwise
 from .hf import attention_mask, hf_init, logits_of
 
 H = "transformer.h.*"  # every block

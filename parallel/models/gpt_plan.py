@@ -23,7 +23,7 @@ from torch import nn
 
 from ..moe.balance import RouterBalance
 from ..plans.plan import MODEL_INPUTS, ContextRequest, Layer, Plan
-from ..plans.styles import Colwise, LocalSizes, PerRankRandom
+from ..tensor.styles import Colwise, LocalSizes, PerRankRandom
 from .masks import attention_mask_of, with_mask
 
 

@@ -51,7 +51,7 @@ from torch import nn
 from .._optional import require
 from ..moe.balance import RouterBalance
 from ..plans.plan import MODEL_INPUTS, ContextRequest, Layer, Plan, matching
-from ..plans.styles import MlaKvAProj, style_of
+from ..tensor.styles import MlaKvAProj, style_of
 from .hf_scales import ScaledSequence, applied_here, factor, scaled
 
 # transformers' mask builders by layer type (``config.layer_types``).

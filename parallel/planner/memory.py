@@ -45,9 +45,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compose.recompute_units import OWN_UNIT_NUMEL
 from ..compose.tiles import row_bounds
 from ..zero.offload import MAX_WRITES
+from ..zero.plan_units import OWN_UNIT_NUMEL
 from ..zero.shard_layout import ShardLayout
 from ..zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD
 from ..zero.unit_grads import MAX_IN_FLIGHT
@@ -149,7 +149,7 @@ def _zero3_units(m: ModelShape, layout: Layout, stage: int, max_numel: int = 0
     blocks, the ties and the layers of their own).
     Offloaded, nothing persists (the small parameters join their layer's unit) and a
     layer outside the blocks of ``OWN_UNIT_NUMEL`` parameters or more is a unit of its
-    own (``own``, one each), as :func:`pycomm.parallel.compose.recompute_units.zero3_units`
+    own (``own``, one each), as :func:`pycomm.parallel.zero.plan_units.zero3_units`
     makes them. ``max_numel`` (``max_unit_bytes``): a parameter outside the blocks
     holding more is split by rows into units of at most that many (``tiles``), as
     :mod:`pycomm.parallel.compose.apply_tiles` splits them (at tp = 1, where they run)."""

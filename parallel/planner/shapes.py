@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..compose.apply_tp import check_divisible
 from ..compose.layers import stage_balance
 from ..plans.plan import Plan, ResolvedLayer, matching, under_any
-from ..plans.styles import Colwise, Rowwise, VocabEmbedding, VocabHead
+from ..tensor.from_plan import check_divisible
+from ..tensor.styles import Colwise, Rowwise, VocabEmbedding, VocabHead
 
 VOCAB = 256  # the trainer's models are byte-level
 
@@ -117,9 +117,9 @@ def from_model(model: Any, plan: Plan, kind: str, cfg: Any,
     """The shape of ``model`` (built on the meta device) under ``plan``: the layers the
     plan resolves, each parameter split where the plan's style splits its module.
     ``dims``: (heads, hidden, MLP width, vocabulary), by default the trainer's GPT's."""
-    from ..compose.apply_tp import styles_by_path
     from ..compose.tied import canonical_names, tie_groups
     from ..plans.plan import resolve_layers
+    from ..tensor.from_plan import styles_by_path
 
     canonical = canonical_names(tie_groups(model))
     resolved = resolve_layers(plan, model)

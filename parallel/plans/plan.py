@@ -8,7 +8,7 @@
 - ``blocks``: which of those layers are the repeated ones (the transformer blocks). They
   are what the pipeline balances over its stages, the default recompute and ZeRO-3
   units, and the sequence-parallel region;
-- ``tp``: module path pattern -> style (:mod:`pycomm.parallel.plans.styles`), e.g.
+- ``tp``: module path pattern -> style (:mod:`pycomm.parallel.tensor.styles`), e.g.
   ``{"blocks.*.mlp.c_fc": "colwise", "blocks.*.mlp.c_proj": "rowwise"}``;
 - ``context``: values every block receives, computed once per micro-batch from the
   batch's shape and its :class:`ModelInputs` (a rotary table, the attention masks), so
@@ -34,13 +34,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..moe.balance import RouterBalance
-from .styles import Style
+if TYPE_CHECKING:  # the plan names them; it needs neither to be one
+    from ..moe.balance import RouterBalance
+    from ..tensor.styles import Style
 
 # call(modules, x, context) -> x: one pipeline layer's forward.
 LayerCall = Callable[[Sequence[nn.Module], Any, dict[str, Any]], Any]
@@ -179,6 +180,23 @@ def matches(pattern: str, path: str) -> bool:
 def under_any(path: str, prefixes: list[str]) -> bool:
     """Whether module ``path`` is one of ``prefixes`` or inside one ("" is the root)."""
     return any(p == "" or path == p or path.startswith(p + ".") for p in prefixes)
+
+
+def planned_units(patterns: list[str], planned: Sequence[Any], model: nn.Module
+                  ) -> list[nn.Module]:
+    """The modules of a pipeline stage's ``planned`` layers (each with ``.layer.paths``)
+    that ``patterns`` name: a whole planned layer where a pattern names the layer's one
+    module, else the submodule itself (a recompute unit, a ZeRO-3 gather unit)."""
+    out: list[nn.Module] = []
+    for layer in planned:
+        paths: tuple[str, ...] = layer.layer.paths
+        if len(paths) == 1 and any(matches(pat, paths[0]) for pat in patterns):
+            out.append(layer)
+            continue
+        for path, module in model.named_modules(remove_duplicate=False):
+            if under_any(path, list(paths)) and any(matches(pat, path) for pat in patterns):
+                out.append(module)
+    return out
 
 
 def matching(pattern: str, model: nn.Module) -> list[str]:

@@ -26,7 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plans.plan import Plan, matches, under_any
-from ..plans.styles import (
+from . import comms
+from .sharding import spec_of
+from .styles import (
     Colwise,
     Rowwise,
     Style,
@@ -34,8 +36,6 @@ from ..plans.styles import (
     VocabHead,
     style_of,
 )
-from ..tensor import comms
-from ..tensor.sharding import spec_of
 
 _SPLITTING = (Colwise, Rowwise)
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..tensor import comms
-from ..tensor.parallel_linear import (
+from . import comms
+from .parallel_linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -255,7 +255,7 @@ class TorchMultiheadAttention(Style):
     """``nn.MultiheadAttention`` (self-attention) with this rank's heads."""
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        from ..tensor.multihead import ParallelMultiheadAttention
+        from .multihead import ParallelMultiheadAttention
 
         if not isinstance(module, nn.MultiheadAttention):
             raise TypeError(f"tensor parallel: {ctx.path} is a {type(module).__name__}, not "
@@ -333,7 +333,7 @@ _NAMED: dict[str, Style] = {
     "replicated_with_grad_allreduce": PartialGrad(),
     "partial_grad": PartialGrad(),
     "replicated": Replicated(),
-    "sequence_parallel": Replicated(),  # a norm: its region decides (see apply_tp)
+    "sequence_parallel": Replicated(),  # a norm: its region decides (see from_plan)
     "per_rank_random": PerRankRandom(),
     "mha": TorchMultiheadAttention(),
     "moe_tp_experts": TPExperts(),

@@ -1,6 +1,6 @@
-"""Which modules of this stage a plan makes activation-checkpointing units and ZeRO-3
-gather units: the layers its patterns name (the blocks, by default), or modules inside
-them. A recompute asked for where the plan names no unit is refused, not skipped."""
+"""ZeRO-3's gather units of a pipeline stage, from the plan: the modules its patterns
+name (the blocks, by default), a tie across stages alone, and (offloaded) each large
+layer outside them."""
 
 from __future__ import annotations
 
@@ -8,41 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from ..plans.plan import Plan, matches, under_any
-from ..recompute.apply import checkpoint_module
-
-
-def _units(patterns: list[str], stage: Any, model: nn.Module) -> list[nn.Module]:
-    """The stage's modules ``patterns`` name: a whole planned layer where a pattern
-    names the layer's module, else the submodule itself."""
-    out: list[nn.Module] = []
-    for planned in stage.modules:
-        paths = planned.layer.paths
-        if len(paths) == 1 and any(matches(pat, paths[0]) for pat in patterns):
-            out.append(planned)
-            continue
-        for path, module in model.named_modules(remove_duplicate=False):
-            if under_any(path, list(paths)) and any(matches(pat, path) for pat in patterns):
-                out.append(module)
-    return out
-
-
-def checkpoint_units(plan: Plan, stage: Any, partition_group: Any) -> None:
-    """Checkpoint every recompute unit of the stage (``partition_group``: P_a).
-
-    Raises:
-        ValueError: the plan names no recompute unit in the model.
-    """
-    patterns = plan.recompute_patterns()
-    model = stage.materializer.root
-    if not any(matches(pat, path) for pat in patterns
-               for path, _ in model.named_modules(remove_duplicate=False)):
-        raise ValueError(f"recompute: the plan for {plan.name} names no recompute units "
-                         f"(Plan.recompute, or Plan.blocks: {plan.blocks!r}); nothing would be "
-                         "checkpointed")
-    for module in _units(patterns, stage, model):
-        checkpoint_module(module, partition_group=partition_group)
-
+from ..plans.plan import Plan, planned_units
 
 OWN_UNIT_NUMEL = 1 << 20  # offloaded: a layer this large outside the blocks is a unit
 
@@ -60,7 +26,7 @@ def zero3_units(plan: Plan, stage: Any, ties: Any, names: Any, own_large_layers:
         ValueError: a tie across stages whose module holds other parameters too.
     """
     model = stage.materializer.root
-    units = _units(plan.zero3_patterns(), stage, model)
+    units = planned_units(plan.zero3_patterns(), stage.modules, model)
     keep = []
     for path, module, p in _tied_owners(stage, ties, names):
         others = [n for n, q in module.named_parameters() if q is not p]
