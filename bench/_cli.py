@@ -144,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path("bench/results/collectives.json"),
+        default=Path("bench/out/collectives.json"),
         help="JSON path; the PNG goes beside it",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")

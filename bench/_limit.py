@@ -148,7 +148,8 @@ def timed_bytes(nbytes: int) -> int:
 
 def rmw_pass(buf: torch.Tensor) -> None:
     """One read-modify-write pass over ``buf``: the unit of an op's tensor traffic that the
-    limit's local rate is measured in (time_local, time_one_core, bench.limit_states)."""
+    limit's local rate is measured in (time_local, time_one_core,
+    records.investigations.limit_states)."""
     buf.mul_(1.0)
 
 

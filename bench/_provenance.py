@@ -54,23 +54,26 @@ def _mpi_library() -> str:
     return done.stdout.splitlines()[0] if done.stdout else "unknown"
 
 
-# What the benchmarks write into the checkout themselves (bench/run_i30.sh: each table's
+# What the benchmarks write into the checkout themselves (bench/run_tables.sh: each table's
 # results, then the READMEs' tables and quotes, then the headline plot). A table made
 # after another in the same checkout must not read as made from changed code.
-BENCH_OUTPUTS = ("bench/results", "bench/README.md", "README.md", "docs/headline.png")
+BENCH_OUTPUTS = ("records", "bench/README.md", "README.md", "docs/headline.png")
+# ...but records/investigations/ is code that runs (python -m records.investigations.NAME)
+CODE_IN_OUTPUTS = ("records/investigations",)
 
 
 def git_commit(root: Path | None = None) -> str:
-    """The checkout's commit (with '+dirty' when files other than BENCH_OUTPUTS differ),
-    or '' outside git."""
+    """The checkout's commit (with '+dirty' when files other than BENCH_OUTPUTS differ, or
+    files of CODE_IN_OUTPUTS), or '' outside git."""
     root = root or Path(__file__).resolve().parent.parent
     ignore = [f":(exclude){p}" for p in BENCH_OUTPUTS]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno",
-                                "--", ".", *ignore],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = "".join(
+            subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno", "--",
+                            *paths], capture_output=True, text=True, timeout=10).stdout.strip()
+            for paths in ([".", *ignore], CODE_IN_OUTPUTS))
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return head + ("+dirty" if head and dirty else "")

@@ -2,7 +2,7 @@
 the steps after the compiling ones, with the range) and the largest loss difference per
 step, for the GPT and a Llama in a layout of its own.
 
-    python -m bench.compile_step --out bench/results/compile/step.json
+    python -m bench.compile_step --out records/compile/step.json
 """
 
 from __future__ import annotations

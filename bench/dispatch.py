@@ -11,7 +11,7 @@ bytes at the core-to-core handoff rate), and the ratio to pycomm. ``--jobs N`` r
 fresh jobs and writes their medians and ranges, with the A/A column (``pycomm#2``:
 pycomm again on its own group).
 
-    python -m bench.dispatch --nproc 2 --jobs 3 --out bench/results/moe/dispatch-2r.json
+    python -m bench.dispatch --nproc 2 --jobs 3 --out records/moe/dispatch-2r.json
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="skip cases whose rows per rank exceed this (MiB)")
     # Open MPI pins each rank to a core by default: the c2c reading needs two
     p.add_argument("--mpirun-args", default="--bind-to none")
-    p.add_argument("--out", type=Path, default=Path("bench/results/dispatch.json"))
+    p.add_argument("--out", type=Path, default=Path("bench/out/dispatch.json"))
     args = p.parse_args(argv)
     args.backends = args.backends.split(",")
     return args

@@ -2,9 +2,9 @@
 the median over one or more fresh `python -m bench.collectives` jobs.
 
     python -m bench.headline [JSON ...] --out docs/headline.png
-    python -m bench.headline --summary bench/results/i30/mpirun-2r-fp32-barrier.json
+    python -m bench.headline --summary records/collectives/mpirun-2r-fp32-barrier.json
 
-Each JSON is one job's `bench/results/collectives.json` (copy it aside between jobs).
+Each JSON is one job's `bench/out/collectives.json` (copy it aside between jobs).
 With several, every point is the median across the jobs and its error bar spans their
 minimum to maximum; the jobs must agree on ranks and dtype.
 """
@@ -22,9 +22,9 @@ from bench._report import LATENCY_MAX
 from bench._timing import busbw_gbs
 from pycomm.parallel._optional import available, note
 
-DEFAULT_JSON = Path("bench/results/collectives.json")
+DEFAULT_JSON = Path("bench/out/collectives.json")
 DEFAULT_OUT = Path("docs/headline.png")
-README_SUMMARY = Path("bench/results/i30/mpirun-2r-fp32-barrier.json")
+README_SUMMARY = Path("records/collectives/mpirun-2r-fp32-barrier.json")
 
 # one backend's curve: (bytes, median, min, max) per size, sizes ascending
 Curve = list[tuple[int, float, float, float]]

@@ -10,7 +10,7 @@ DeepSpeed's ``DeepSpeedCPUAdam`` where it builds. ``fused (A/A)`` times the fuse
 a second time in the same job: the spread between equal things. Each cell is the
 median over jobs of each job's median of ``--steps`` steps, with the range over jobs;
 the ratio is to the per-tensor loop. Raw results and the machine's load go to
-``bench/results/offload/host-adam.json`` and the table to ``host-adam.md``.
+``records/offload/host-adam.json`` and the table to ``host-adam.md``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from bench import _c2c
 from bench._provenance import write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results", "offload")
+RESULTS = os.path.join(ROOT, "records", "offload")
 NUMEL = 22_151_168  # a TinyLlama block (44.3M parameters) at dp=2
 OPTIONS = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
 LOOP = "AdamW (per-tensor loop)"

@@ -14,7 +14,7 @@ that fails says why in its row (a ZeRO stage the engine does not offer yet, say)
 
 Example::
 
-    python -m bench.layouts --steps 10 --out bench/results/layouts.md
+    python -m bench.layouts --steps 10 --out bench/out/layouts.md
     python -m bench.layouts --layouts 2x2x1,1x1x4 --zero 0,1 --n-layer 8   # trainer flags too
 """
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "pycomm.parallel.train --help); dropout is always 0.")
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="DPxTPxPP,... ((dp, tp, pp) order)")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages for layouts with dp > 1")
-    p.add_argument("--out", type=Path, default=Path("bench/results/layouts.md"))
+    p.add_argument("--out", type=Path, default=Path("bench/out/layouts.md"))
     args, trainer_flags = p.parse_known_args(argv)
     base = parse(BENCH_DEFAULTS + trainer_flags)
     runs = plan([parse_layout(t) for t in args.layouts.split(",")],

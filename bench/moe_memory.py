@@ -7,7 +7,7 @@ many gradient elements and AdamW's two moments; where edp = dp / ep ranks hold t
 experts, ZeRO 1-2 over them (2 under 3) shards the state (and at stage 2+ the gradients)
 edp ways.
 
-    python -m bench.moe_memory --out bench/results/moe/memory.json
+    python -m bench.moe_memory --out records/moe/memory.json
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def measure(ep: int, zero: int) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/moe/memory.json"))
+    parser.add_argument("--out", type=Path, default=Path("records/moe/memory.json"))
     args = parser.parse_args()
     rows = []
     with RankPool(4, backend="pycomm") as pool:

@@ -15,7 +15,7 @@ files need about 12 bytes per parameter of free disk). ``cap-ci``: the same for
 tests/test_offload_cap.py's case (one rank, a 320 MiB cap). Peak RSS, the cgroup's peak
 usage, bytes read and written, step times.
 
-Raw results go to ``bench/results/offload/<name>.json`` and a table to ``<name>.md``
+Raw results go to ``records/offload/<name>.json`` and a table to ``<name>.md``
 (run under ``nice -n 19 ionice -c3``; the cap needs root: see bench._memcap).
 """
 
@@ -35,7 +35,7 @@ from bench._memcap import available, run_capped
 from bench._offload_rank import CI_CAP, CI_CASE, param_count, state_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results", "offload")
+RESULTS = os.path.join(ROOT, "records", "offload")
 # small batches: compute of the order of the I/O, so hiding the one behind the other shows
 OVERLAP = dict(vocab=256, seq=32, n_layer=24, n_head=8, n_embd=512, batch=2, steps=8,
                ranks=2)

@@ -12,7 +12,7 @@ process tree in one uncapped cgroup (bench._memcap), 3 steps, clipping 1.0:
 - ``zero-offload``: ZeRO-1 and ZeRO-2 in memory and with ``--offload disk`` (the
   optimizer state in the store): the same measures, and the planner's optimizer bytes.
 
-Raw results go to ``bench/results/offload/memory.json``, tables to ``memory.md``.
+Raw results go to ``records/offload/memory.json``, tables to ``memory.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from bench._memcap import available, run_capped
 from bench._provenance import write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results", "offload")
+RESULTS = os.path.join(ROOT, "records", "offload")
 MIB = 2**20
 MODEL = ["--model", "gpt", "--n-layer", "8", "--n-embd", "512", "--n-head", "8",
          "--block-size", "64", "--batch-size", "4", "--dp", "2", "--steps", "3",

@@ -15,7 +15,7 @@ from its config, through ``python -m pycomm.parallel.train`` with the whole proc
    against the engine's (fp32, dp=1, offloaded, from the export's checkpoint).
 
 Each run's exit, OOM kills, cgroup peak, largest per-rank peak RSS, step times and
-(rank 0's) bytes read and written go to ``bench/results/offload/recipe-1b.json`` and a
+(rank 0's) bytes read and written go to ``records/offload/recipe-1b.json`` and a
 table to ``recipe-1b.md``.
 
 ``--fit G [G ...]``: instead, the offloaded run (2 steps) with ``--memory-gb G`` and no
@@ -42,7 +42,7 @@ from bench._provenance import write_report
 from pycomm.parallel._optional import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results", "offload")
+RESULTS = os.path.join(ROOT, "records", "offload")
 GIB = 2**30
 TINYLLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
              "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,

@@ -19,7 +19,7 @@ calls and compiled graphs (``bench/ray_dispatch.py``), in the same job.
 
 ``--jobs K`` runs K fresh jobs and reports medians with their ranges::
 
-    python -m bench.pathways --ranks 2 --chain 200 --jobs 3 --out bench/results/pathways
+    python -m bench.pathways --ranks 2 --chain 200 --jobs 3 --out records/pathways
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kind", choices=["sleep", "spin"], default="sleep")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--no-ray", action="store_true", help="leave Ray's column out")
-    p.add_argument("--out", default="bench/results/pathways")
+    p.add_argument("--out", default="records/pathways")
     p.add_argument("--one-job", default="", help=argparse.SUPPRESS)  # a job's JSON path
     p.add_argument("--summarize", action="store_true", help="only the tables of the jobs "
                    "already in --out (job*.json)")

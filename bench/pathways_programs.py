@@ -10,7 +10,7 @@
 
 The programs are ``bench/_pathways_programs.py`` (the tests assert on the same)::
 
-    python -m bench.pathways_programs --out bench/results/pathways/programs.json
+    python -m bench.pathways_programs --out records/pathways/programs.json
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def killed() -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.pathways_programs")
-    p.add_argument("--out", default="bench/results/pathways/programs.json")
+    p.add_argument("--out", default="records/pathways/programs.json")
     a = p.parse_args()
     report: dict = {}
     with pw.Cluster([2, 2], timeout_s=60, env=ENV) as cluster:

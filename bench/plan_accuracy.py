@@ -1,5 +1,5 @@
 """The planner against measurements: ``python -m bench.plan_accuracy --model gpt
-[trainer model flags] --world 4 --out bench/results/plan/NAME``.
+[trainer model flags] --world 4 --out records/planner/NAME``.
 
 Every layout ``python -m pycomm.parallel.planner`` lists for the model and world (offload none: the
 trainer's in-memory layouts) is built by the trainer's own code on one pool of ranks
@@ -12,8 +12,8 @@ against the fastest one measured.
 
 Example::
 
-    python -m bench.plan_accuracy --world 4 --steps 4 --out bench/results/plan/gpt-default
-    python -m bench.plan_accuracy --world 4 --out bench/results/plan/gpt-default --report
+    python -m bench.plan_accuracy --world 4 --steps 4 --out records/planner/gpt-default
+    python -m bench.plan_accuracy --world 4 --out records/planner/gpt-default --report
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ materializes only what it holds; the reference materializes the whole model).
 
 Example::
 
-    python -m bench.plans --out bench/results/plans/fp32.md
+    python -m bench.plans --out records/model-plans/fp32.md
     python -m bench.plans --models gpt,llama --layouts 2x2x1 --precision bf16
     python -m bench.plans --layouts 2x2x1,1x2x2,2x2x2 \
         --config '{"sequence_parallel": true, "recompute": true}'

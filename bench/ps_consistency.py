@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "after each step (about one step of the others on this machine)")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {list(MODELS)}")
     p.add_argument("--bin", type=float, default=0.25, help="seconds per loss-curve bin")
-    p.add_argument("--out", type=Path, default=Path("bench/results/ps"))
+    p.add_argument("--out", type=Path, default=Path("records/ps"))
     return p.parse_args(argv)
 
 

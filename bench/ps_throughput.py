@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpt-steps", type=int, default=20, help="timed steps per round")
     p.add_argument("--gpt-warmup", type=int, default=3)
     p.add_argument("--gpt-rounds", type=int, default=2)
-    p.add_argument("--out", type=Path, default=Path("bench/results/ps"))
+    p.add_argument("--out", type=Path, default=Path("records/ps"))
     p.add_argument("--worker", action="store_true", help="(inside a job) the push/pull loop")
     p.add_argument("--gpt-worker", action="store_true", help="(inside a job) the GPT loop")
     p.add_argument("--result", default="", help="(inside a job) JSON lines file to append to")

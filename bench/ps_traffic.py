@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--thresholds", default="1e-3,2e-3,5e-3", help="significance filter "
                    "thresholds besides 0 (a step's gradient rows start at 0.5/256 ~ 2e-3 "
                    "for a feature seen once)")
-    p.add_argument("--out", type=Path, default=Path("bench/results/ps"))
+    p.add_argument("--out", type=Path, default=Path("records/ps"))
     return p.parse_args(argv)
 
 

@@ -5,8 +5,8 @@
 
 Each quote stands in the README between two invisible markers,
 ``<!-- q:NAME -->PHRASE<!-- /q -->``; tests/test_readme_figures.py recomputes every phrase
-from ``bench/results/i30/`` and fails when the README says anything else there. After a
-benchmark's results land, ``--write-readme`` rewrites the phrases (bench/run_i30.sh does it
+from ``records/collectives/`` and fails when the README says anything else there. After a
+benchmark's results land, ``--write-readme`` rewrites the phrases (bench/run_tables.sh does it
 with the tables, so results never land without the figures quoted from them).
 """
 
@@ -23,7 +23,8 @@ from bench.tables import machine
 from bench.tables import size_label as _size
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "i30"
+RESULTS = ROOT / "records" / "collectives"
+STEP_TIMES = ROOT / "records" / "step-time"  # bench.step_time's committed runs
 
 DASH, TIMES = "\u2013", "\u00d7"  # the README's typography
 
@@ -105,7 +106,7 @@ def step_ratio(names: tuple[str, ...] = ("step_time-1thread", "step_time-default
     training step over gloo's, per (model, layout, threads), from bench.step_time's
     committed results."""
     rows = [r for name in names
-            for r in json.loads((RESULTS / f"{name}.json").read_text())["rows"]
+            for r in json.loads((STEP_TIMES / f"{name}.json").read_text())["rows"]
             if r.get("pycomm_over_gloo")]
     ratios = [r["pycomm_over_gloo"] for r in rows]
     cells = {(r["model"], r["layout"]) for r in rows}
@@ -117,7 +118,7 @@ def step_ratio(names: tuple[str, ...] = ("step_time-1thread", "step_time-default
 def arena_exposed(name: str = "step_time-1thread") -> str:
     """'DDP's exposed communication per step from A to B ms (GPT), C to D ms (Llama)':
     torch DDP on pycomm without and with pycomm.use_arena, from bench.step_time."""
-    rows = json.loads((RESULTS / f"{name}.json").read_text())["rows"]
+    rows = json.loads((STEP_TIMES / f"{name}.json").read_text())["rows"]
     exposed = {(r["model"], r["layout"]): r["exposed_ms"] for r in rows
                if r["backend"] == "pycomm" and r["exposed_ms"] is not None}
     parts = [f"{exposed[(m, 'ddp')]:.1f} to {exposed[(m, 'ddp-arena')]:.1f} ms ({label})"
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     quotes = all_quotes()
     for name, text in quotes.items():
         print(f"{name}: {text}")
-    print(f"# from {RESULTS.relative_to(ROOT)}: medians over each summary's jobs")
+    print(f"# from {RESULTS.relative_to(ROOT)} and {STEP_TIMES.relative_to(ROOT)}: medians "
+          "over each summary's jobs")
     if args.write_readme:
         README.write_text(write_readme(README.read_text(), quotes))
 

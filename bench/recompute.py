@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
     p.add_argument("--kernels-only", action="store_true",
                    help="only the fused-kernel table (one process)")
-    p.add_argument("-o", "--out", type=Path, default=Path("bench/results/recompute.json"))
+    p.add_argument("-o", "--out", type=Path, default=Path("bench/out/recompute.json"))
     args = p.parse_args(argv)
     cfg = dataclasses.replace(TINY if args.tiny else CFG, dropout=args.dropout)
     shapes = [(2, 16, 64)] if args.tiny else [(4, 64, 1536), (8, 128, 1536), (8, 128, 6144)]

@@ -82,7 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="global sequences per step")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: size's)")
     p.add_argument("--jobs", type=int, default=1, help="fresh jobs; cells: median over them")
-    p.add_argument("--out", type=Path, default=Path("bench/results/step_time.json"))
+    p.add_argument("--out", type=Path, default=Path("bench/out/step_time.json"))
     args = p.parse_args(argv)
     if args.batch % NPROC:
         p.error(f"--batch must be even: dp splits it over {NPROC} ranks, pp into 2 micro-batches")

@@ -1,6 +1,6 @@
 """Markdown tables of a ``--jobs`` summary, every backend at its best (bench._best).
 
-    python -m bench.tables bench/results/i30/mpirun-2r-fp32-barrier.json [...]
+    python -m bench.tables records/collectives/mpirun-2r-fp32-barrier.json [...]
 
 One table per summary and op: each family's best time (median [min-max] over the jobs,
 and which setting won most often), every pycomm entry's ratio to the best peer (below 1:
@@ -165,12 +165,13 @@ def render_summary(s: dict, name: str) -> list[str]:
 
 
 README = Path(__file__).resolve().parent / "README.md"
-BEGIN, END = "<!-- i30 tables: begin -->", "<!-- i30 tables: end -->"
+BEGIN, END = "<!-- collective tables: begin -->", "<!-- collective tables: end -->"
 
 
 def replace_in_readme(text: str, sections: dict[str, list[str]]) -> str:
-    """``text`` with each named ``#### NAME`` section between the i30 markers replaced by
-    its new lines (a name not there yet is added at the end, before the end marker)."""
+    """``text`` with each named ``#### NAME`` section between the collective-table markers
+    replaced by its new lines (a name not there yet is added at the end, before the end
+    marker)."""
     head, rest = text.split(BEGIN + "\n", 1)
     block, tail = rest.split(END, 1)
     order: list[str] = []
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rebuild", action="store_true",
                    help="first make each summary again from the raw files it lists")
     p.add_argument("--write-readme", action="store_true",
-                   help=f"replace each summary's section between the i30 markers of {README}")
+                   help="replace each summary's section between the collective-table "
+                        f"markers of {README}")
     args = p.parse_args(argv)
     sections = {}
     for path in args.summaries:

@@ -84,7 +84,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="pipeline: fresh jobs measuring the bubble; the median is reported "
                    "(where the OS puts each stage varies per job, not per step)")
     args = p.parse_args(argv)
-    args.out = args.out or Path("bench/results") / f"training_{args.what}_{args.nproc}ranks.json"
+    args.out = args.out or Path("bench/out") / f"training_{args.what}_{args.nproc}ranks.json"
     args.model = args.model or ("tp" if args.what == "tensor" else "bench")
     default = {"zero": ZERO_STRATEGIES, "tensor": TENSOR_STRATEGIES,
                "pipeline": dict.fromkeys(PIPE_STRATEGIES)}.get(args.what, STRATEGIES)

@@ -6,8 +6,8 @@ loss) and of the pre-clip gradient norm per cell, as Markdown, and writes them a
 With ``--precision bf16`` (compute in bf16, fp32 masters) the reference is one process
 of the same recipe: the engine on one rank.
 
-    python -m tests.moe_table --steps 20 --out bench/results/moe/fp32.json
-    python -m tests.moe_table --steps 20 --precision bf16 --out bench/results/moe/bf16.json
+    python -m tests.moe_table --steps 20 --out records/moe/fp32.json
+    python -m tests.moe_table --steps 20 --precision bf16 --out records/moe/bf16.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ tests/test_zero_offload.py (the same runs, 2 ranks) as one Markdown table of the
 absolute difference of any parameter, on any rank, between the offloaded run and the
 same recipe in memory (0: ``torch.equal``), with the refused combinations and why.
 
-    python -m tests.offload_table --out bench/results/offload/identity.json
+    python -m tests.offload_table --out records/offload/identity.json
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``--steps`` steps against one process; prints the largest relative difference of the loss
 and of the pre-clip gradient norm per cell, as Markdown, and writes them as JSON.
 
-    python -m tests.real_batch_table --steps 20 --out bench/results/real_batches/fp32.json
+    python -m tests.real_batch_table --steps 20 --out records/real_batches/fp32.json
 """
 
 from __future__ import annotations

@@ -322,8 +322,9 @@ def test_torch_floor_column_times_dist_all_reduce_on_the_fake_backend(tmp_path):
 
 @pytest.mark.usefixtures("require_pycomm")
 def test_barrier_skew_times_every_barrier_and_op_pair():
-    """bench.barrier_skew: the four (barrier, op) cases, each a positive time."""
-    from bench import barrier_skew
+    """records.investigations.barrier_skew: the four (barrier, op) cases, each a positive
+    time."""
+    from records.investigations import barrier_skew
 
     got = barrier_skew.main(["--nproc", "2", "--calls", "20", "--rounds", "2"])
     barriers, ops = {"dist.barrier", "barrier_now"}, {"dist.all_reduce", "pycomm.all_reduce_"}
@@ -336,9 +337,9 @@ def test_barrier_skew_times_every_barrier_and_op_pair():
 
 @pytest.mark.usefixtures("require_pycomm")
 def test_sched_share_accounts_each_ranks_call(capsys):
-    """bench.sched_share: a row per rank, with a positive wall time and counters that are
-    counts."""
-    from bench import sched_share
+    """records.investigations.sched_share: a row per rank, with a positive wall time and
+    counters that are counts."""
+    from records.investigations import sched_share
 
     sched_share.main(["--backends", "pycomm", "--size", "1M", "--iters", "3", "--rounds", "1",
                       "--load", "1"])

@@ -162,24 +162,29 @@ def test_jobs_summary_takes_medians_of_in_job_ratios_and_the_best_mpi():
 
 
 def test_a_table_is_not_dirty_from_the_results_a_benchmark_wrote(tmp_path):
-    """bench/run_i30.sh writes each table's results (and the READMEs) into the checkout
+    """bench/run_tables.sh writes each table's results (and the READMEs) into the checkout
     before the next table runs: those must not mark the next one's commit '+dirty';
-    a changed source file must."""
+    a changed source file must, an investigation's among them (records/investigations/)."""
     from bench import _provenance
 
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
 
     git("init", "-q")
-    for path in ("bench/results/t.json", "README.md", "csrc/a.cc"):
+    for path in ("records/collectives/t.json", "README.md", "csrc/a.cc",
+                 "records/investigations/i.py"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("0\n")
     git("add", "-A")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
     clean = _provenance.git_commit(tmp_path)
     assert clean and not clean.endswith("+dirty")
-    (tmp_path / "bench/results/t.json").write_text("1\n")
+    (tmp_path / "records/collectives/t.json").write_text("1\n")
     (tmp_path / "README.md").write_text("1\n")
+    assert _provenance.git_commit(tmp_path) == clean
+    (tmp_path / "records/investigations/i.py").write_text("1\n")
+    assert _provenance.git_commit(tmp_path) == clean + "+dirty"
+    (tmp_path / "records/investigations/i.py").write_text("0\n")
     assert _provenance.git_commit(tmp_path) == clean
     (tmp_path / "csrc/a.cc").write_text("1\n")
     assert _provenance.git_commit(tmp_path) == clean + "+dirty"

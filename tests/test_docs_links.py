@@ -1,8 +1,8 @@
-"""Every link in README.md, bench/README.md and docs/*.md to a file of the repository names
-a file that exists in this checkout (and a heading that exists, when it has a #fragment):
-relative links, and README.md's absolute ones under the repository's URL (README.md is
-the package index's page too, where relative links break: it links by blob/main/ URLs,
-images by raw/main/, which map back to the checkout's files)."""
+"""Every link in README.md, bench/README.md, records/README.md and docs/*.md to a file of
+the repository names a file that exists in this checkout (and a heading that exists, when
+it has a #fragment): relative links, and README.md's absolute ones under the repository's
+URL (README.md is the package index's page too, where relative links break: it links by
+blob/main/ URLs, images by raw/main/, which map back to the checkout's files)."""
 
 import re
 from pathlib import Path
@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *DOCS]
+PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "records" / "README.md", *DOCS]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 # Reference-style definitions: "[name]: target" on a line of its own.
 REFERENCE = re.compile(r"(?m)^ {0,3}\[[^\]]+\]:\s*(\S+)")

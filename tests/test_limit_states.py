@@ -1,6 +1,7 @@
-"""bench.limit_states: the interleaved iterations fall into the machine's two states."""
+"""records.investigations.limit_states: the interleaved iterations fall into the machine's
+two states."""
 
-from bench.limit_states import describe, split_by_pass_time
+from records.investigations.limit_states import describe, split_by_pass_time
 
 
 def rows(*pass_ms: float) -> list[dict]:
@@ -33,7 +34,7 @@ def test_a_short_job_runs_end_to_end_and_writes_its_groups(tmp_path):
     # (it once bound the launcher's port itself and died with EADDRINUSE).
     import json
 
-    from bench import limit_states
+    from records.investigations import limit_states
 
     out = tmp_path / "states.json"
     limit_states.main(["--bytes", "1M", "--iters", "3", "--out", str(out)])

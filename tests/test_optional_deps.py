@@ -28,8 +28,8 @@ else:  # pytest brings tomli to Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUIRED = {"torch", "pycomm", "parallel", "bench"}
-SCANNED = ("pycomm", "parallel", "bench")
+REQUIRED = {"torch", "pycomm", "parallel", "bench", "records"}
+SCANNED = ("pycomm", "parallel", "bench", "records/investigations")
 
 # pycomm.parallel.ps's modules one by one: a stand-in for the package (its __init__ imports the
 # worker, whose own error would come first) lets each module's import site be reached.
@@ -200,8 +200,7 @@ def _scan() -> tuple[set[tuple[str, str]], list[str]]:
     not go through parallel/_optional.py."""
     sites: set[tuple[str, str]] = set()
     bare: list[str] = []
-    files = [p for d in SCANNED for p in sorted((ROOT / d).rglob("*.py"))
-             if "results" not in p.relative_to(ROOT).parts]
+    files = [p for d in SCANNED for p in sorted((ROOT / d).rglob("*.py"))]
     for path in files:
         rel = path.relative_to(ROOT).as_posix()
         tree = ast.parse(path.read_text())

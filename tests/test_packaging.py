@@ -154,7 +154,7 @@ def test_sdist_installs_names_of_our_own_and_not_bench(sdist):
     assert sorted(top_level.decode().split()) == ["pycomm", "pycomm_autoload"]
     (sources,) = [v for k, v in sdist.items() if k.endswith(".egg-info/SOURCES.txt")]
     assert "parallel/train/loop.py" in sources.decode().split()
-    assert not [f for f in sdist if f.startswith("bench/")]
+    assert not [f for f in sdist if f.startswith(("bench/", "records/"))]
     assert "pycomm/__init__.py" in sdist and "parallel/__init__.py" in sdist
     # the examples install as pycomm.examples, their data files with them
     assert {"examples/__init__.py", "examples/train_ddp.py", "examples/mixtral-tiny.json",
@@ -465,8 +465,9 @@ def test_every_install_command_names_this_distribution():
     (1.0.8, which also installs a top-level ``pycomm``)."""
     wrong = []
     for rel in _checkout_files():
-        if rel.startswith("bench/results/") or not rel.endswith((".md", ".py", ".toml", ".sh",
-                                                                 "run")):
+        a_record = rel.startswith("records/") and rel.count("/") > 1 and not rel.startswith(
+            "records/investigations/")  # a kept run's files, as they ran
+        if a_record or not rel.endswith((".md", ".py", ".toml", ".sh", "run")):
             continue
         for line_no, line in enumerate((ROOT / rel).read_text(errors="replace").splitlines()):
             for args in INSTALL.findall(line):
@@ -489,9 +490,9 @@ def test_every_install_command_names_this_distribution():
 def test_the_planner_ships_its_collective_table(sdist):
     """An installed planner reads the all-reduce table shipped with it (not the benchmark's
     records, which are not installed); the table is the committed summaries' (refreshed
-    by ``python -m pycomm.parallel.planner.refresh_comms bench/results/i30``)."""
+    by ``python -m pycomm.parallel.planner.refresh_comms records/collectives``)."""
     from pycomm.parallel.planner.comms import SHIPPED, CommModel
 
     assert "parallel/planner/data/all_reduce.json" in sdist
     assert sdist["parallel/planner/data/all_reduce.json"] == SHIPPED.read_bytes()
-    assert CommModel().tables == CommModel(ROOT / "bench" / "results" / "i30").tables
+    assert CommModel().tables == CommModel(ROOT / "records" / "collectives").tables

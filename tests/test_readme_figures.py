@@ -28,9 +28,8 @@ def test_write_readme_rewrites_each_marked_phrase_and_refuses_a_missing_marker()
 
 
 def _summaries() -> list[Path]:
-    """The committed collective summaries (not their jobs' raw files, not step times)."""
-    found = sorted(p for p in quotes.RESULTS.glob("*.json")
-                   if ".job" not in p.name and not p.name.startswith("step_time"))
+    """The committed collective summaries (not their jobs' raw files)."""
+    found = sorted(p for p in quotes.RESULTS.glob("*.json") if ".job" not in p.name)
     assert found, f"no summaries in {quotes.RESULTS}"
     return found
 
@@ -81,14 +80,14 @@ def test_write_readme_replaces_only_the_named_sections():
 
 
 def test_tables_over_a_results_folder_skip_what_is_no_summary(capsys):
-    """``python -m bench.tables bench/results/i30/*.json`` (the documented form) meets each
+    """``python -m bench.tables records/collectives/*.json`` (the documented form) meets each
     job's own results beside the summaries: it renders the summaries and names what it
     skipped, rather than failing on the first job file."""
     from pathlib import Path
 
     from bench import tables
 
-    folder = Path(__file__).resolve().parent.parent / "bench" / "results" / "i30"
+    folder = Path(__file__).resolve().parent.parent / "records" / "collectives"
     summary = folder / "mpirun-2r-fp32-barrier.json"
     job = folder / "mpirun-2r-fp32-barrier.job1.json"
     tables.main([str(job), str(summary)])

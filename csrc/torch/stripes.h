@@ -6,7 +6,7 @@
 // time it is preempted mid-op its peer waits for it (four ticks, 16 ms, beside four
 // loops); gloo's several threads per rank get several shares. Four pycomm groups per
 // rank took 4.8-18 ms for a 32 MB all_reduce beside four busy loops per CPU against
-// 20-28 ms for one (bench/results/i30/sched-share/lanes-cpu4-32M.txt). With a core per
+// 20-28 ms for one (records/collectives/sched-share/lanes-cpu4-32M.txt). With a core per
 // rank and nothing else running, more threads than cores only contend: opt-in.
 //
 // Every rank decides alike: the group's settings are rank 0's (group_segment.h), and

@@ -379,7 +379,7 @@ def parallel_config(cfg: TrainConfig) -> ParallelConfig:
         microbatches=cfg.effective_microbatches(), schedule=cfg.schedule,
         max_grad_norm=cfg.max_grad_norm or None, optimizer=torch.optim.AdamW,
         # fused: 3.6x the per-tensor loop on the host, as fast as DeepSpeed's CPU Adam
-        # (bench/results/offload/host-adam.md)
+        # (records/offload/host-adam.md)
         optimizer_kwargs={"lr": cfg.lr, "betas": (0.9, 0.95), "fused": True},
         weight_decay=cfg.weight_decay, seed=cfg.seed, precision=cfg.precision,
         bucket_mb=cfg.bucket_mb,

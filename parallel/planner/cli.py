@@ -24,7 +24,7 @@ def build_parser(prog: str = "python -m pycomm.parallel.planner") -> argparse.Ar
                         "~/.cache/pycomm/plan_calibration.json)")
     parser.add_argument("--comm-results", default="",
                         help="folder of the collective benchmark's summaries (default: the "
-                        "checkout's bench/results/i30)")
+                        "checkout's records/collectives)")
     parser.add_argument("--other-load", type=float, default=0.0,
                         help="runnable processes beside the job, sharing its CPUs (e.g. "
                         "the load average before it starts; default 0: a machine of its own)")

@@ -5,7 +5,7 @@ settings that trade memory for overlap picked to fit: the read-ahead depth
 record in memory) and, where the gathered units' pool is what does not fit, a live
 budget (``--max-live-mb``) of the room the rest leaves it. The deepest read-ahead that
 fits is taken first (the step time falls with it:
-``bench/results/offload/recipe-1b-overlap.md``), with the largest budget that fits
+``records/offload/recipe-1b-overlap.md``), with the largest budget that fits
 beside it. At ZeRO-3 (offloaded or not, tp = 1), where a layer outside the blocks (an
 embedding, a head) is a larger unit than a block, splitting it into tiles no larger
 than a block (``--max-unit-mb``, :mod:`pycomm.parallel.compose.tiles`) is tried too, before a
@@ -20,7 +20,7 @@ A layout fits where its prediction leaves ``PREDICTION_MARGIN`` of the limit fre
 accuracy the tests hold the predictor to (``tests/test_plan_predictor.py``, within 10% of
 a measured run), so a prediction off by that much still fits (the 1.1B recipe at
 ``--memory-gb 1.8`` without it: predicted 1.80 GiB a rank, OOM-killed at a cap of
-2 x 1.8 GiB + 3 runtimes, measured 1.82; ``bench/results/offload/recipe-1b-tiles-fit.md``).
+2 x 1.8 GiB + 3 runtimes, measured 1.82; ``records/offload/recipe-1b-tiles-fit.md``).
 
 The prediction counts what the layout holds beyond the process's runtime (the
 interpreter, torch and the libraries it loads: a few hundred MiB a rank, the same for

@@ -4,7 +4,7 @@
 // reduced part out of that rank's area (the all-gather shot). Two steps per piece where
 // the ring takes 2(n-1) per chunk, for about the ring's memory traffic: what a rank
 // that shares its core waits for is the scheduler, once per step, so fewer steps win
-// (bench/README.md). Each part is reduced by one rank, sources in rank order, so every
+// (records/README.md). Each part is reduced by one rank, sources in rank order, so every
 // rank gets bit-identical results.
 //
 // Messages longer than a piece go in pieces, alternately in the two halves of the area.

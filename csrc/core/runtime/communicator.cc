@@ -30,7 +30,7 @@ std::string hostname() {
 }
 
 // Oversubscribed ranks (more ranks than cores) must not burn the core the peer they wait
-// for needs, so they yield from the first poll (measured, bench/README.md: 4 ranks on
+// for needs, so they yield from the first poll (measured, records/README.md: 4 ranks on
 // 2 cores, 16 B all_reduce 13.8 us with 2 us of spinning, 7.2 us with none).
 uint32_t spin_us_for(const Config& cfg, int world) {
   unsigned cores = std::thread::hardware_concurrency();
@@ -268,7 +268,7 @@ void Communicator::reduce_scatter(const void* in, void* out, size_t count, DType
   // More than two ranks take the two-shot up to its size, as all_reduce does (at two the
   // ring is one step per chunk already), but direct keeps its size: unlike all_reduce's,
   // this two-shot was not ahead of direct below 256 KiB where ranks share cores
-  // (bench/results/i30/two-shot/rs-ag/).
+  // (records/collectives/two-shot/rs-ag/).
   static constexpr BulkAlgorithms kTwoShot{reduce_scatter_direct, reduce_scatter_two_shot,
                                            reduce_scatter_zero_copy, "two-shot"};
   static constexpr BulkAlgorithms kRing{reduce_scatter_direct, reduce_scatter_ring,

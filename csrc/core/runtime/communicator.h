@@ -37,7 +37,7 @@ struct BulkAlgorithms {
 
 // Where ranks share cores the direct size (64 KiB) was measured against the ring; the
 // two-shot is within 10% of direct at 8-16 KiB and ahead from 32 KiB
-// (bench/results/i30/crossover/crossover-4r.log), so all_reduce takes direct only up to
+// (records/collectives/crossover/crossover-4r.log), so all_reduce takes direct only up to
 // 4 KiB, as it does with a core per rank.
 constexpr size_t kTwoShotDirectBytes = 4096;
 

@@ -95,7 +95,7 @@ std::string mib(size_t bytes) {
 
 // The direct algorithm takes one step where the ring takes 2(n-1), but every rank reads
 // every rank's whole message. Measured here (python -m bench.algo_crossover, both in one
-// job; bench/README.md): with a core per rank (2 ranks) the ring, zero-copy negotiation
+// job; records/README.md): with a core per rank (2 ranks) the ring, zero-copy negotiation
 // included, is as fast at 4 KiB and faster from 8 KiB (16 KiB: 2.8 us against 3.4), so
 // direct stops at 4 KiB; oversubscribed, every ring step waits for a descheduled peer
 // and direct wins up to 64 KiB.
@@ -108,7 +108,7 @@ size_t direct_bytes_for(const Config& cfg, int world) {
 
 // The two-shot all_reduce (two_shot.cc) takes two steps per piece where the ring takes
 // 2(n-1) per chunk, for about the ring's memory traffic. Measured here (4 ranks on 2
-// CPUs, bench/results/i30/two-shot/all-reduce/): the ring took a median 1.07-1.39x its
+// CPUs, records/collectives/two-shot/all-reduce/): the ring took a median 1.07-1.39x its
 // time from 64 KiB to 64 MiB, so it takes every size. Two ranks have the pair exchange,
 // faster still (the two-shot took 1.03-1.16x its time: two-shot/pair-2r/).
 // reduce_scatter and all_gather take it too, one step per piece where the ring takes

@@ -3,7 +3,7 @@
 // for a shorter slice (sched_setattr's sched_runtime, 0.1-100 ms). It keeps its weight,
 // so its share of the core is unchanged; what changes is how soon it runs once woken:
 // with its default slice a rank that slept for its peer waited behind every busy thread
-// on its core (10-20 ms beside four busy loops, bench/results/i30/wait-slice), with a
+// on its core (10-20 ms beside four busy loops, records/collectives/wait-slice), with a
 // short one it preempts them when woken. So a rank that goes to sleep for a peer asks for
 // a short slice, and takes its own back once awake: while it works, the scheduler's
 // slice lets it run longer before a busy thread may preempt it (asking for the short

@@ -2,7 +2,7 @@
 # A/B of two builds of pycomm._C (OLD_SO, NEW_SO), alternating which runs first, 4 fresh
 # jobs each: 2 ranks (a core each), the ops given, 8 KB to 8 MB. Usage, from the root:
 #   OLD_SO=/tmp/old_C.so NEW_SO=/tmp/new_C.so OUT=dir OPS=all_gather,broadcast bash ab.sh
-# then: python bench/results/ring-plan-ab/summary.py dir
+# then: python records/ring-vs-plan/summary.py dir
 set -eu
 SO=$(ls pycomm/_C.*.so)
 cp "$SO" /tmp/ab_keep.so

@@ -12,7 +12,8 @@ more of it (more runnable threads).
 
 Example::
 
-    python -m bench.sched_share --load 4 --load-kind cpu --size 32M --backends pycomm,gloo
+    python -m records.investigations.sched_share --load 4 --load-kind cpu --size 32M \
+        --backends pycomm,gloo
 """
 
 from __future__ import annotations

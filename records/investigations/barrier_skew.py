@@ -9,7 +9,7 @@ for ranks still running Python, so what precedes the op counts as much as the op
 
 Example::
 
-    python -m bench.barrier_skew --nproc 4
+    python -m records.investigations.barrier_skew --nproc 4
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def _time_rank(rank: int, world: int, calls: int, rounds: int, queue) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the ranks; print and return {(barrier, op): µs}."""
-    p = argparse.ArgumentParser(prog="python -m bench.barrier_skew", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m records.investigations.barrier_skew",
+                                description=__doc__)
     p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--calls", type=int, default=500, help="timed calls per case and round")
     p.add_argument("--rounds", type=int, default=2, help="rounds (the first is warm-up)")

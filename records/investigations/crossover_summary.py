@@ -4,7 +4,7 @@ job's ratio taken inside the job), and the first variant's own time.
 
 Example::
 
-    python -m bench.crossover_summary bench/results/i30/two-shot/rs-ag
+    python -m records.investigations.crossover_summary records/collectives/two-shot/rs-ag
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def summary(folder: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.crossover_summary", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m records.investigations.crossover_summary",
+                                description=__doc__)
     p.add_argument("folder", help="a folder of bench.algo_crossover --out files")
     print(summary(p.parse_args(argv).folder), end="")
 

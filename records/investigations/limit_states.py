@@ -1,6 +1,6 @@
 """The limit column's two machine states, side by side in one job.
 
-``python -m bench.limit_states [--bytes 64M] [--iters 120] [--out FILE.json]``
+``python -m records.investigations.limit_states [--bytes 64M] [--iters 120] [--out FILE.json]``
 
 2 pinned ranks repeat, each iteration: a pycomm all_reduce of ``--bytes`` of an ordinary
 tensor (a barrier before it), the same of an arena tensor (``pycomm.empty``: the peers
@@ -117,7 +117,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.limit_states", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m records.investigations.limit_states",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bytes", type=parse_size, default=64 << 20)
     p.add_argument("--iters", type=int, default=120)

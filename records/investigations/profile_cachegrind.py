@@ -1,8 +1,8 @@
 """Count what one float32 all_reduce costs each rank: ring (ordinary tensor) vs zero-copy (arena).
 
 Why this exists: arena tensors were meant to reach 1.5x the busbw of ordinary ones from
-4 MB, and reached 1.08-1.38x (bench/README.md). The suspicion is that both paths move
-about the same bytes to and from DRAM (the ring's slots stay in cache), so the zero-copy
+4 MB, and reached 1.08-1.38x (bench/README.md at the time). The suspicion is that both
+paths move about the same bytes to and from DRAM (the ring's slots stay in cache), so the zero-copy
 path saves only instructions and cache-level copies. This VM has no hardware counters,
 so every rank runs under valgrind's cachegrind, which counts instructions (Ir), data
 references, D1 misses and last-level (LL) misses; LL misses x 64 B is the implied
@@ -25,7 +25,8 @@ counts line fills only (no write-backs), and an instruction once however wide it
 
 Usage::
 
-    python -m bench.profile_cachegrind --nproc 2 --sizes 4M,16M,64M [--ll 1048576,16,64]
+    python -m records.investigations.profile_cachegrind --nproc 2 --sizes 4M,16M,64M \
+        [--ll 1048576,16,64]
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def launch(nproc: int, nbytes: int, path: str, ops: int, args, prefix: str) -> l
     procs, outs = [], []
     tool = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", "--trace-children=no"]
     tool += [f"--LL={args.ll}"] if args.ll else []
-    child = [sys.executable, "-m", "bench.profile_cachegrind", "--rank", str(nbytes), path]
+    child = [sys.executable, "-m", "records.investigations.profile_cachegrind", "--rank",
+             str(nbytes), path]
     # The ranks join a store held here on a port bound once (bench._ports).
     with hosted_store(nproc):
         try:

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Issue 30's tables: every peer at its best, 3 fresh jobs each, both timing modes, 2 and
-# 4 ranks, fp32 and bf16, 2 ranks under load (K = 1, 2, 4 per CPU, cpu and mem), small
-# messages beside torch's dispatch floor, and pycomm's own algorithm crossover.
-# Results (each job's raw JSON and the summary) go to bench/results/i30/; each summary's
+# The collective tables of bench/README.md: every peer at its best, 3 fresh jobs each,
+# both timing modes, 2 and 4 ranks, fp32 and bf16, 2 ranks under load (K = 1, 2, 4 per
+# CPU, cpu and mem), small messages beside torch's dispatch floor, and pycomm's own
+# algorithm crossover.
+# Results (each job's raw JSON and the summary) go to records/collectives/; each summary's
 # table goes into bench/README.md and the README's quotes are remade from them.
 #
-#   bash bench/run_i30.sh                      # main loaded small crossover
-#   bash bench/run_i30.sh main                 # one group
-#   bash bench/run_i30.sh mpirun-2r-fp32-b2b small loaded-2r-fp32-cpu4   # by name
+#   bash bench/run_tables.sh                      # main loaded small crossover
+#   bash bench/run_tables.sh main                 # one group
+#   bash bench/run_tables.sh mpirun-2r-fp32-b2b small loaded-2r-fp32-cpu4   # by name
 set -u
 cd "$(dirname "$0")/.."
-OUT=bench/results/i30
+OUT=records/collectives
 mkdir -p "$OUT/crossover"
 PEERS_MPI=pycomm,pycomm-api,pycomm-registered,gloo,deepspeed,mpi
 PEERS_BF16=pycomm,pycomm-api,pycomm-registered,gloo,deepspeed   # MPI has no bfloat16 reductions
