@@ -197,6 +197,19 @@ def scenario_bad_input(kv: KVWorker, arg: str) -> dict[str, Any]:
     return {"errors": errors}
 
 
+def scenario_no_close(kv: KVWorker, arg: str) -> dict[str, Any]:
+    """Every worker's script ends without KVWorker.close() (see main)."""
+    updater = {"name": "sgd", "lr": 0.1}
+    sent, _ = train(kv, updater)
+    return {"diff": final_diff(kv, reference(updater, list(range(kv.num_workers)), STEPS)),
+            "sent": sent}
+
+
+def scenario_exit0(kv: KVWorker, arg: str) -> dict[str, Any]:
+    """Worker 1 leaves by os._exit(0) once its result is written (see main): no close."""
+    return scenario_no_close(kv, arg)
+
+
 def main() -> None:
     scenario, out = sys.argv[1], sys.argv[2]
     arg = sys.argv[3] if len(sys.argv) > 3 else ""
@@ -212,7 +225,10 @@ def main() -> None:
     result["seconds"] = time.perf_counter() - started
     with open(os.path.join(out, f"rank{kv.rank}.json"), "w") as f:
         json.dump(result, f)
-    kv.close()
+    if scenario == "exit0" and kv.rank == 1:
+        os._exit(0)  # no close, no interpreter exit
+    if scenario != "no_close":
+        kv.close()  # no_close: the interpreter's exit closes it
 
 
 if __name__ == "__main__":

@@ -192,6 +192,25 @@ def test_a_killed_worker_is_named_and_the_others_finish(tmp_path):
     assert results[0]["diff"] <= 1e-5, results[0]  # BSP went on with the live worker
 
 
+def test_a_script_that_ends_without_close_has_finished(tmp_path):
+    """Before: each worker was reported dead ("by": "heartbeat") once its process had gone;
+    the interpreter's exit now closes it."""
+    results, done = job(tmp_path, "no_close")
+    assert done.returncode == 0 and len(results) == 2, done.stderr[-3000:]
+    assert "worker_dead" not in done.stderr, done.stderr[-3000:]
+    assert results[0]["diff"] <= 1e-5, results[0]
+
+
+def test_a_worker_that_exits_0_without_close_is_named_by_its_exit(tmp_path):
+    """os._exit(0) skips the interpreter's exit: the launcher sees the process end before
+    it was done, at once, not after the heartbeats' deadline (30 s here)."""
+    results, done = job(tmp_path, "exit0")
+    assert len(results) == 2, done.stderr[-3000:]
+    assert "worker_dead: {'worker': 1" in done.stderr, done.stderr[-3000:]
+    assert "'by': 'exit', 'code': 0" in done.stderr, done.stderr[-3000:]
+    assert "worker_dead: {'worker': 0" not in done.stderr, done.stderr[-3000:]
+
+
 def test_a_checkpoint_restarts_the_job_on_another_number_of_servers(tmp_path):
     """Saved by 3 servers after step 4, restored on 2: steps 5.. continue, and the final
     model is the uninterrupted run's."""

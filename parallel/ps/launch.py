@@ -55,10 +55,11 @@ class Job:
         self.servers: list[subprocess.Popen[Any]] = []
         self.workers: list[subprocess.Popen[Any]] = []
         self.incarnations: dict[int, int] = {}
-        # Told when a worker process exits non-zero: its exit code is surer and sooner than
-        # the heartbeat timeout, and a replacement must not register before its rank is
-        # known dead (the scheduler would refuse it as "taken").
-        self.on_worker_exit: Callable[[int, int], None] = lambda rank, code: None
+        # Told when a worker process exits (rank, exit code); answers whether it counts as
+        # dead (it exited before it was done: a crash, or exit 0 without KVWorker.close).
+        # The exit is surer and sooner than the heartbeat timeout, and a replacement must
+        # not register before its rank is known dead (the scheduler would refuse it).
+        self.on_worker_exit: Callable[[int, int], bool] = lambda rank, code: code != 0
         # Told when a server process exits while the job runs (pid, exit code): a killed
         # server is known dead at once, not after its heartbeats' deadline.
         self.on_server_exit: Callable[[int, int], None] = lambda pid, code: None
@@ -91,11 +92,12 @@ class Job:
                 self._servers_reported.add(server.pid)
                 self.on_server_exit(server.pid, code)
         for rank, code in enumerate(codes):
-            if started and code is not None and code != 0:
-                self.on_worker_exit(rank, code)
-                if self.cfg.on_worker_death == "wait":  # start its replacement
-                    self.spawn_worker(rank)
-                    codes[rank] = None
+            if not started or code is None:
+                continue
+            dead = self.on_worker_exit(rank, code)  # told whatever the policy
+            if dead and self.cfg.on_worker_death == "wait":  # start its replacement
+                self.spawn_worker(rank)
+                codes[rank] = None
         if not started and any(c is not None for c in codes):
             return f"worker exit codes {codes} before every process registered"
         if codes and all(c is not None for c in codes):

@@ -243,12 +243,17 @@ class Scheduler:
                 self._worker_died(rank, node, by="heartbeat",
                                   silent_s=round(now - node.last_seen, 2))
 
-    def worker_exited(self, rank: int, code: int | None = None) -> None:
-        """The launcher saw this worker's process exit with an error: dead now, without
-        waiting for its heartbeats to stop."""
+    def worker_exited(self, rank: int, code: int | None = None) -> bool:
+        """The launcher saw this worker's process exit: unless it was done (it closed), it
+        is dead now, without waiting for its heartbeats to stop (exit code 0 too: it
+        ended without ``KVWorker.close``, e.g. by ``os._exit``). Returns whether it is
+        dead."""
+        if rank in self.done:
+            return False
         node = self.workers.get(rank)
-        if node is not None and rank not in self.dead_workers and rank not in self.done:
+        if node is not None and rank not in self.dead_workers:
             self._worker_died(rank, node, by="exit", code=code)
+        return True
 
     def server_exited(self, pid: int, code: int | None = None) -> None:
         """The launcher saw a server process exit while the job runs: dead now (its

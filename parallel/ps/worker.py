@@ -9,6 +9,7 @@ applied once: servers remember each key's last push per worker).
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from collections.abc import Mapping
@@ -86,6 +87,10 @@ class KVWorker:
         if self.replacement:  # go on from the step the dead worker did not finish
             reply = self._stats_of(min(self.servers))
             self.clock_value = int(reply["vc"][str(self.rank)])
+        self._closed = False
+        # A script that ends without close() has finished all the same: say so, or the
+        # scheduler would report this worker dead once its process is gone.
+        atexit.register(self.close)
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -234,7 +239,12 @@ class KVWorker:
         return got
 
     def close(self) -> None:
-        """Tell the scheduler this worker is done (the job ends when all are)."""
+        """Tell the scheduler this worker is done (the job ends when all are). Called
+        again, or at the interpreter's exit after a call, it does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         rid = self._control({"op": "done", "worker": self.rank})
         # Acknowledged, so the scheduler has counted this worker done before its process
         # exits (else the launcher may see every worker gone first and end the job as
