@@ -107,3 +107,95 @@ def failure_record_scribbled(word: int) -> str:
         message = str(e)
     dist.distributed_c10d._get_default_store().set(f"told/{dist.get_rank()}", "1")
     return message
+
+
+def _word_address(victim: int, name: str, peer: int) -> int:
+    from pycomm import _C
+
+    offset = _C._control_word(dist.get_world_size(), victim, name, peer)
+    return _segment_base() + offset
+
+
+def recv_after_p2p_head_scribbled(value: int) -> str:
+    """Rank 0 writes ``value`` into rank 1's head of its send/recv channel to rank 0 (rank
+    1 never sends), then receives from rank 1: what it is told. Rank 1 only waits."""
+    store = dist.distributed_c10d._get_default_store()
+    assert _all_reduce()  # the segment exists
+    dist.barrier()
+    if dist.get_rank() != 0:
+        store.wait(["p2p/told"])
+        return ""
+    ctypes.c_uint64.from_address(_word_address(1, "p2p_head", 0)).value = value
+    try:
+        dist.recv(torch.empty(4), src=1)
+        message = "no error"
+    except dist.DistBackendError as e:
+        message = str(e)
+    store.set("p2p/told", "1")
+    return message
+
+
+def coll_counter_scribbled(victim: int, name: str, peer: int, ops: int = 30
+                           ) -> list[bool | str]:
+    """Rank 0 keeps writing 2**62 into the victim's ``name`` channel counter (a thread)
+    while every rank runs ``ops`` ring all_reduces (PYCOMM_ALGO=ring): each is right, or
+    the job fails naming the counter."""
+    import threading
+
+    assert _all_reduce()
+    dist.barrier()
+    stop = threading.Event()
+
+    def keep_writing() -> None:
+        address = _word_address(victim, name, peer)  # rank 0's mapping of the segment
+        while not stop.wait(0.00002):
+            ctypes.c_uint64.from_address(address).value = HUGE
+
+    writer = threading.Thread(target=keep_writing)
+    if dist.get_rank() == 0:
+        writer.start()
+    try:
+        return _outcomes(ops)
+    finally:
+        stop.set()
+        if writer.is_alive():
+            writer.join()
+
+
+def descriptor_garbled(count: int) -> str:
+    """Rank 0 writes a descriptor no rank could publish (kind 0xDEAD, ``count``) into rank
+    1's record of its next call, while rank 1 is late to it: what ranks 0 and 2, waiting
+    for it, are told (rank 1 then fails with the group)."""
+    import threading
+    import time
+
+    assert _all_reduce()
+    dist.barrier()
+    rank = dist.get_rank()
+    words = ctypes.c_uint64 * 16  # 4 descriptors of 4 words: seq, kind|dtype, count, op|root
+    stop = threading.Event()
+
+    def keep_writing(last: int) -> None:  # on rank 0, which maps the segment itself
+        theirs = words.from_address(_word_address(1, "recent", -1))
+        at = 4 * ((last + 1) % 4)
+        while not stop.wait(0.0005):
+            theirs[at + 1], theirs[at + 2], theirs[at + 3] = 0xDEAD << 32, count, 0
+            theirs[at] = last + 1
+
+    if rank == 0:  # rank 0's last seq (every rank's), read before it enters the next
+        mine = words.from_address(_word_address(0, "recent", -1))
+        last = max(mine[4 * i] for i in range(4))
+    writer = threading.Thread(target=keep_writing, args=(last if rank == 0 else 0,))
+    if rank == 0:
+        writer.start()
+    try:
+        if rank == 1:
+            time.sleep(0.5)
+        _all_reduce()
+        return "no error"
+    except dist.DistBackendError as e:
+        return str(e)
+    finally:
+        stop.set()
+        if writer.is_alive():
+            writer.join()

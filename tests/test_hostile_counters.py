@@ -9,6 +9,8 @@ import pytest
 
 from pycomm.testing import run_ranks
 
+HUGE = 1 << 62
+
 pytestmark = pytest.mark.usefixtures("require_pycomm")
 
 ENV = {"PYCOMM_STRIPES": "1"}  # one segment for the group: the one rank 0 made
@@ -53,3 +55,59 @@ def test_a_failure_record_naming_no_rank_is_said_to_be_that(word):
     for message in results[1:]:
         assert f"the group's failure record reads {word}, which names no rank of the 3" in (
             message), message
+
+
+def test_a_send_recv_head_beyond_its_slots_is_named():
+    """A job that never sends: 2**62 in rank 1's head of its send/recv channel to rank 0.
+    Before: "rank 1 sent all_reduce float32[0] SUM ... but it is not the start of
+    message 1"."""
+    from _hostile_counter_ranks import recv_after_p2p_head_scribbled
+
+    told = run_ranks(recv_after_p2p_head_scribbled, 2, HUGE, env=ENV, pg_timeout_s=30.0,
+                     timeout_s=120.0)[0]
+    assert f"rank 1's head reads {HUGE}, outside what it can have published" in told, told
+    assert "send/recv channel from rank 1 to rank 0" in told, told
+    assert "written by something other than pycomm" in told, told
+
+
+def test_a_send_recv_message_nobody_wrote_is_named_by_its_header():
+    """The head one ahead, over a message never written (its header all zeros)."""
+    from _hostile_counter_ranks import recv_after_p2p_head_scribbled
+
+    told = run_ranks(recv_after_p2p_head_scribbled, 2, 1, env=ENV, pg_timeout_s=30.0,
+                     timeout_s=120.0)[0]
+    assert "rank 1's send/recv message header reads seq 0" in told, told
+    assert "which no pycomm rank publishes" in told, told
+
+
+@pytest.mark.parametrize(("victim", "name", "peer"), [(1, "coll_head", 2), (2, "coll_tail", 1)])
+def test_a_collective_channel_counter_beyond_its_bounds_is_named_not_followed(victim, name,
+                                                                             peer):
+    """2**62 written, again and again, into a channel counter of the ring all_reduces the
+    ranks run: no wrong sum, and the error names the counter."""
+    from _hostile_counter_ranks import coll_counter_scribbled
+
+    results = run_ranks(coll_counter_scribbled, 3, victim, name, peer,
+                        env={**ENV, "PYCOMM_ALGO": "ring"}, pg_timeout_s=30.0, timeout_s=120.0)
+    named = []
+    for rank, outcomes in enumerate(results):
+        assert False not in outcomes, f"rank {rank}: a wrong sum while the counter was bad"
+        named += [o for o in outcomes if isinstance(o, str) and "collective channel" in o]
+    assert named, f"no rank read the scribbled counter in 30 all_reduces: {results}"
+    counter = name.split("_")[1]
+    assert f"rank {victim}'s {counter} reads {HUGE}" in named[0], named[0]
+
+
+def test_a_descriptor_no_rank_could_publish_is_named_as_such():
+    """Before: "rank 0 called reduce_scatter float32[17510165073331455298]", read as if a
+    rank had called it."""
+    from _hostile_counter_ranks import descriptor_garbled
+
+    count = 17510165073331455298
+    told = run_ranks(descriptor_garbled, 3, count, env=ENV, pg_timeout_s=30.0,
+                     timeout_s=120.0)
+    waiting = [told[0], told[2]]
+    named = [m for m in waiting if "rank 1's descriptor of its call reads" in m]
+    assert named, told
+    assert f"kind {0xDEAD}, dtype 0, count {count}" in named[0], named[0]
+    assert "which no pycomm rank publishes" in named[0], named[0]

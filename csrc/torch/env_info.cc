@@ -82,7 +82,20 @@ py::dict segment_bytes(int world) {
   return d;
 }
 
-size_t control_word(int world, int rank, const std::string& name) {
+// A channel's counter that `rank` writes: the head of its channel to `peer` (it sends),
+// or the tail of peer's channel to it (it receives).
+size_t channel_word(const pycomm::Layout& layout, int world, int rank, int peer,
+                    const std::string& name) {
+  TORCH_CHECK_VALUE(peer >= 0 && peer < world && peer != rank, "control_word: ", name,
+                    " needs a peer other than rank ", rank, ", got ", peer);
+  const pycomm::Lane lane = name.rfind("p2p_", 0) == 0 ? pycomm::P2P : pycomm::COLL;
+  if (name.size() > 5 && name.compare(name.size() - 5, 5, "_head") == 0) {
+    return layout.channel_offset(lane, rank, peer) + offsetof(pycomm::ChannelCtl, head);
+  }
+  return layout.channel_offset(lane, peer, rank) + offsetof(pycomm::ChannelCtl, tail);
+}
+
+size_t control_word(int world, int rank, const std::string& name, int peer) {
   TORCH_CHECK_VALUE(world >= 1 && rank >= 0 && rank < world, "control_word: rank ", rank, " of ",
                     world);
   pycomm::Config cfg = pycomm_torch::translated([] { return pycomm::Config::from_env(); });
@@ -91,12 +104,19 @@ size_t control_word(int world, int rank, const std::string& name) {
   if (name == "abort_flag") {  // the group's, in its header
     return offsetof(pycomm::SegmentHeader, abort_flag);
   }
+  if (name == "coll_head" || name == "coll_tail" || name == "p2p_head" || name == "p2p_tail") {
+    return channel_word(layout, world, rank, peer, name);
+  }
   if (name == "stage") {
     field = offsetof(pycomm::RankControl, stage);
   } else if (name == "completed_seq") {
     field = offsetof(pycomm::RankControl, completed_seq);
+  } else if (name == "recent") {
+    field = offsetof(pycomm::RankControl, recent);
   } else {
-    TORCH_CHECK_VALUE(false, "control_word: ", name, " is not stage, completed_seq or abort_flag");
+    TORCH_CHECK_VALUE(false, "control_word: ", name,
+                      " is not stage, completed_seq, recent, abort_flag or a channel's "
+                      "coll_head, coll_tail, p2p_head, p2p_tail");
   }
   return layout.controls_offset() + rank * sizeof(pycomm::RankControl) + field;
 }
@@ -173,9 +193,11 @@ void register_env_info(py::module_& m) {
       "The core's defaults of its numeric PYCOMM_* settings (the documented ones are "
       "checked against these).");
   m.def("_control_word", &control_word, py::arg("world"), py::arg("rank"), py::arg("name"),
+        py::arg("peer") = -1,
         "Byte offset in a group's segment (this process's settings) of rank's control "
-        "word `name` (stage, completed_seq; abort_flag: the group's): for tests that play "
-        "a hostile writer.");
+        "word `name` (stage, completed_seq, recent: its last descriptors; abort_flag: the "
+        "group's; coll_head, p2p_head: of its channel to `peer`; coll_tail, p2p_tail: of "
+        "peer's channel to it): for tests that play a hostile writer.");
   m.def("_segment_bytes", &segment_bytes, py::arg("world"),
         "Bytes of a group's segment with this process's settings: eager (at creation), "
         "channel (one), channels (how many), total (every channel in use).");

@@ -116,6 +116,25 @@ std::string describe(const OpDesc& d) {
   return s;
 }
 
+bool publishable(const OpDesc& d) {
+  constexpr uint64_t kMostBytes = uint64_t{1} << 48;  // 256 TiB: beyond any host's memory
+  uint64_t bytes = 0;
+  return d.seq != 0 &&
+         static_cast<uint32_t>(d.kind) <= static_cast<uint32_t>(OpKind::ALL_TO_ALL_COUNTED) &&
+         static_cast<uint32_t>(d.dtype) <= static_cast<uint32_t>(DType::BOOL) &&
+         static_cast<uint32_t>(d.op) <= static_cast<uint32_t>(RedOp::NONE) &&
+         !__builtin_mul_overflow(d.count, dtype_size(d.dtype), &bytes) && bytes < kMostBytes;
+}
+
+std::string unpublishable(int peer, const char* word, const OpDesc& d) {
+  return "pycomm: rank " + std::to_string(peer) + "'s " + word + " reads seq " +
+         std::to_string(d.seq) + ", kind " + std::to_string(static_cast<uint32_t>(d.kind)) +
+         ", dtype " + std::to_string(static_cast<uint32_t>(d.dtype)) + ", count " +
+         std::to_string(d.count) + ", op " + std::to_string(static_cast<uint32_t>(d.op)) +
+         ", which no pycomm rank publishes: the group's shared segment was written by "
+         "something other than pycomm";
+}
+
 bool same_call(const OpDesc& a, const OpDesc& b) {
   if (a.kind != b.kind) return false;
   if (a.kind == OpKind::BARRIER) return true;

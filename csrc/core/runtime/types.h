@@ -44,4 +44,12 @@ struct OpDesc {
 std::string describe(const OpDesc& d);
 bool same_call(const OpDesc& a, const OpDesc& b);
 
+// Whether some pycomm rank could have published `d`: a sequence number from 1, a kind,
+// dtype and op that exist, and a count whose bytes fit a host (a descriptor a peer
+// publishes is read from shared memory that anything of the same user can write).
+bool publishable(const OpDesc& d);
+// The message for rank `peer`'s `word` (a descriptor it published) that no pycomm rank
+// could have: its raw fields, and that the segment was written by something else.
+std::string unpublishable(int peer, const char* word, const OpDesc& d);
+
 }  // namespace pycomm

@@ -59,6 +59,7 @@ void Waiter::check_agreement(const OpCall& op) const {
     if (r == shared_.rank()) continue;
     OpDesc theirs;
     if (!shared_.control(r)->recent[seq % 4].load(seq, &theirs)) continue;
+    if (!publishable(theirs)) fail(unpublishable(r, "descriptor of its call", theirs));
     if (!same_call(theirs, op.desc)) {
       fail("pycomm: ranks disagree at seq " + std::to_string(seq) + ": rank " +
            std::to_string(shared_.rank()) + " called " + describe(op.desc) + " but rank " +

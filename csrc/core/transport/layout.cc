@@ -83,10 +83,12 @@ size_t Layout::channel_index(Lane lane, int src, int dst) const {
   return lane * per_lane + static_cast<size_t>(src) * (world_ - 1) + d;
 }
 
+size_t Layout::channel_offset(Lane lane, int src, int dst) const {
+  return ctls_off_ + channel_index(lane, src, dst) * sizeof(ChannelCtl);
+}
+
 ChannelCtl* Layout::channel(void* base, Lane lane, int src, int dst) const {
-  auto* p =
-      static_cast<char*>(base) + ctls_off_ + channel_index(lane, src, dst) * sizeof(ChannelCtl);
-  return reinterpret_cast<ChannelCtl*>(p);
+  return reinterpret_cast<ChannelCtl*>(static_cast<char*>(base) + channel_offset(lane, src, dst));
 }
 
 Extent Layout::channel_extent(Lane lane, int src, int dst) const {

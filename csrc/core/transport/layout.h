@@ -160,7 +160,8 @@ class Layout {
   size_t total_bytes() const { return total_; }
   // The part reserved when the segment is created; the payloads follow it.
   size_t eager_bytes() const { return payloads_off_; }
-  size_t controls_offset() const { return controls_off_; }  // rank 0's RankControl
+  size_t controls_offset() const { return controls_off_; }   // rank 0's RankControl
+  size_t channel_offset(Lane lane, int src, int dst) const;  // its ChannelCtl
   SegmentHeader* header(void* base) const { return static_cast<SegmentHeader*>(base); }
   RankControl* control(void* base, int rank) const;
   ChannelCtl* channel(void* base, Lane lane, int src, int dst) const;

@@ -278,6 +278,11 @@ void P2PEngine::finish_message(int peer) {
 }
 
 void P2PEngine::protocol_error(int peer, const SlotHeader& h, const std::string& why) {
+  if (h.desc.kind != OpKind::SEND || !publishable(h.desc) || h.offset > h.msg_bytes) {
+    throw CommError(unpublishable(peer, "send/recv message header", h.desc) + " (chunk of " +
+                    std::to_string(h.bytes) + " bytes at " + std::to_string(h.offset) + " of " +
+                    std::to_string(h.msg_bytes) + ")");
+  }
   throw CommError("pycomm: send/recv on rank " + std::to_string(shared_.rank()) + ": rank " +
                   std::to_string(peer) + " sent " + describe(h.desc) + " (message " +
                   std::to_string(h.desc.seq) + ", " + std::to_string(h.bytes) + " bytes at " +

@@ -32,8 +32,11 @@ void Transport::reserve(int peer) {
 void Transport::retire(int peer) {
   Outbox& o = out_[peer];
   ChannelCtl* ch = shared_.layout().channel(shared_.base(), lane_, rank(), peer);
-  // The receiver writes `tail`: no further than what was sent, whatever it wrote.
-  const uint64_t tail = std::min(ch->tail.load(std::memory_order_acquire), sent_[peer]);
+  // The receiver releases what was sent, in order: never more, never back.
+  const uint64_t tail = ch->tail.load(std::memory_order_acquire);
+  if (tail > sent_[peer] || tail < o.retired) {
+    implausible_channel(rank(), peer, peer, "tail", tail, o.retired, sent_[peer]);
+  }
   for (; o.retired < tail; ++o.retired) o.busy &= ~(uint64_t{1} << o.buffer_of[o.retired % slots_]);
 }
 
@@ -93,7 +96,13 @@ void Transport::publish(int peer, const OpCall& op, uint64_t offset, uint64_t by
 
 const SlotHeader* Transport::peek(int peer) const {
   ChannelCtl* ch = shared_.layout().channel(shared_.base(), lane_, peer, rank());
-  if (ch->head.load(std::memory_order_acquire) == received_[peer]) return nullptr;
+  const uint64_t head = ch->head.load(std::memory_order_acquire);
+  if (head == received_[peer]) return nullptr;
+  // The sender publishes in order, at most a channel's slots ahead of what was released.
+  if (head < received_[peer] || head - received_[peer] > slots_) {
+    implausible_channel(peer, rank(), peer, "head", head, received_[peer],
+                        received_[peer] + slots_);
+  }
   return shared_.layout().slot(shared_.base(), lane_, peer, rank(), received_[peer]);
 }
 
@@ -131,6 +140,9 @@ void Transport::chunk_mismatch(int peer, const OpCall& op, const SlotHeader& h, 
                                uint64_t bytes, uint64_t msg_bytes) {
   std::string me = std::to_string(rank());
   std::string them = std::to_string(peer);
+  // (A header of another seq is a disagreement: a rank that called another op may not
+  // have sent this rank anything at this seq.)
+  if (!publishable(h.desc)) waiter_.fail(unpublishable(peer, "message header", h.desc));
   if (h.desc.seq != op.desc.seq || !same_call(h.desc, op.desc)) {
     waiter_.fail("pycomm: ranks disagree at seq " + std::to_string(op.desc.seq) + ": rank " + me +
                  " called " + describe(op.desc) + " but rank " + them + " sent " +
@@ -216,6 +228,16 @@ void Transport::implausible(int peer, const OpCall& op, const char* counter, uin
                "something other than pycomm");
 }
 
+void Transport::implausible_channel(int src, int dst, int writer, const char* counter,
+                                    uint64_t value, uint64_t low, uint64_t high) const {
+  waiter_.fail("pycomm: the " + std::string(lane_ == COLL ? "collective" : "send/recv") +
+               " channel from rank " + std::to_string(src) + " to rank " + std::to_string(dst) +
+               ": rank " + std::to_string(writer) + "'s " + counter + " reads " +
+               std::to_string(value) + ", outside what it can have published (" +
+               std::to_string(low) + " to " + std::to_string(high) +
+               "): the group's shared segment was written by something other than pycomm");
+}
+
 void Transport::post_direct(const OpCall& op) {
   DirectHeader* h = shared_.layout().direct(shared_.base(), rank(), op.desc.seq & 1);
   h->desc = op.desc;
@@ -228,6 +250,9 @@ const void* Transport::wait_direct(int peer, const OpCall& op) {
   auto ready = [&] { return h->ready_seq.load(std::memory_order_acquire) == op.desc.seq; };
   if (!ready()) {
     waiter_.wait(op, ready, [&](std::vector<int>& who) { who.push_back(peer); });
+  }
+  if (!publishable(h->desc) || h->desc.seq != op.desc.seq) {
+    waiter_.fail(unpublishable(peer, "direct buffer's descriptor", h->desc));
   }
   if (!same_call(h->desc, op.desc)) {
     waiter_.fail("pycomm: ranks disagree at seq " + std::to_string(op.desc.seq) + ": rank " +

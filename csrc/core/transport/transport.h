@@ -82,6 +82,10 @@ class Transport {
   // was written by something other than pycomm): fails the job naming it.
   [[noreturn]] void implausible(int peer, const OpCall& op, const char* counter, uint64_t value,
                                 uint64_t bound);
+  // The same for a counter of the channel from `src` to `dst` outside [low, high]:
+  // head (the sender's) or tail (the receiver's); `writer` is the rank that writes it.
+  [[noreturn]] void implausible_channel(int src, int dst, int writer, const char* counter,
+                                        uint64_t value, uint64_t low, uint64_t high) const;
   // Waits until every peer has finished the op before the last one that used this
   // rank's areas of op's parity (seq - 2).
   void wait_parity_free(const OpCall& op);
