@@ -77,3 +77,11 @@ def wrong_shape(ctx: Any) -> torch.Tensor:
     return torch.zeros(3)
 
 
+
+
+def hangs_on_rank_zero(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+    """Rank 0 hangs ``seconds`` (longer than the cluster's timeout) before the all-reduce
+    rank 1 waits in."""
+    if ctx.index == 0:
+        time.sleep(seconds)
+    return summed(ctx, x)

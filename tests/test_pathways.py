@@ -286,6 +286,32 @@ def test_a_function_that_raises_while_its_peer_waits_in_a_collective_frees_it(cl
     assert time.monotonic() - t0 < 20
 
 
+def test_a_function_that_hangs_on_one_rank_leaves_the_island_usable_once_it_returns():
+    """Rank 0 sleeps past the timeout before the all-reduce rank 1 waits in: the node fails
+    at the timeout, the next node on its mesh at once (aborted), a mesh asked for while
+    rank 0 still sleeps fails naming why (before: "mesh 1 is not on this worker
+    (released?)"), and once rank 0 is back a new mesh runs."""
+    with pw.Cluster([2], timeout_s=5, env=ENV) as cluster, cluster.client(timeout_s=60) as c:
+        mesh = c.mesh(0, (2,))
+        hung = c.call(fns.hangs_on_rank_zero, mesh, torch.ones(8, dtype=F64), 12.0, out=V8)
+        err = str(hung.exception())
+        assert "timed out after 5" in err and "rank(s) [0] did not arrive" in err, err
+        err = str(c.call(fns.summed, mesh, torch.ones(8, dtype=F64), out=V8).exception())
+        assert "was aborted after node" in err, err
+        busy = c.mesh(0, (2,))
+        err = str(c.call(fns.summed, busy, torch.ones(8, dtype=F64), out=V8).exception())
+        assert f"mesh {busy.id} of island 0 could not be made" in err, err
+        assert "did not arrive" in err, err
+        deadline = time.monotonic() + 90
+        while True:  # a new mesh per try: one asked for while rank 0 sleeps fails too
+            later = c.mesh(0, (2,))
+            out = c.call(fns.summed, later, torch.ones(8, dtype=F64), out=V8)
+            if out.exception() is None or time.monotonic() > deadline:
+                break
+        assert out.exception() is None, out.exception()
+        assert out.result(0)[0] == 2
+
+
 def test_functions_from_a_script_travel_by_value(client):
     mesh = client.mesh(1, (2,))
     assert client.call(lambda ctx, k: k + ctx.index, mesh, 40).result() == [40, 41]

@@ -77,6 +77,7 @@ class Worker:
         self.objects = Objects()
         self.meshes: dict[int, MeshContext] = {}  # the meshes this worker is in
         self.mesh_groups: dict[int, MeshGroups] = {}  # every mesh of the island
+        self.unmade: dict[int, str] = {}  # meshes whose groups failed here, and why
         self._functions: dict[bytes, Any] = {}
         self.pool = GroupPool()
         self._nodes: queue.SimpleQueue[tuple[Node, dict[int, PendingRecv]] | None] = (
@@ -193,15 +194,26 @@ class Worker:
     def _call(self, node: Node, pending: dict[int, PendingRecv]) -> list[Any]:
         if node.kind == "mesh":  # on every worker of the island
             ranks, shape, names = (a.value for a in node.args[0])  # type: ignore[union-attr]
-            groups = self.mesh_groups[node.mesh] = MeshGroups(self.pool, ranks, shape)
+            try:  # collective over the island: a worker still busy elsewhere fails it
+                groups = self.mesh_groups[node.mesh] = MeshGroups(self.pool, ranks, shape)
+            except Exception as e:
+                self.unmade[node.mesh] = f"{type(e).__name__}: {_quoted(str(e))}"
+                raise
             if self.s.rank in ranks:
                 self.meshes[node.mesh] = MeshContext(self.s.island, groups, names)
             return [None]
         if node.kind == "drop":
             self.meshes.pop(node.mesh, None)
+            if self.unmade.pop(node.mesh, None) is not None:  # no groups to give back
+                return [None]
             self.mesh_groups.pop(node.mesh).release(reuse=bool(node.args[0][0].value))  # type: ignore[union-attr]
             return [None]
         ctx = self.meshes.get(node.mesh)
+        if ctx is None and node.mesh in self.unmade:
+            raise RuntimeError(f"mesh {node.mesh} of island {self.s.island} could not be made "
+                               f"(every worker of the island makes its groups, and one did not "
+                               f"come: still running an earlier node?): "
+                               f"{self.unmade[node.mesh]}; ask for a new mesh")
         if ctx is None:
             raise LookupError(f"mesh {node.mesh} is not on this worker (released?)")
         if ctx.broken:
