@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,11 +26,15 @@ def _segment_base() -> int:
     return starts[0]
 
 
-def _scribble(victim: int, counter: str) -> None:
+def _word_address(victim: int, name: str, peer: int) -> int:
     from pycomm import _C
 
-    offset = _C._control_word(dist.get_world_size(), victim, counter)
-    ctypes.c_uint64.from_address(_segment_base() + offset).value = HUGE
+    offset = _C._control_word(dist.get_world_size(), victim, name, peer)
+    return _segment_base() + offset
+
+
+def _scribble(victim: int, counter: str) -> None:
+    ctypes.c_uint64.from_address(_word_address(victim, counter, -1)).value = HUGE
 
 
 def _all_reduce() -> bool:
@@ -52,19 +57,19 @@ def _outcomes(ops: int) -> list[bool | str]:
     return out
 
 
-def stage_scribbled(victim: int, ops: int = 30) -> list[bool | str]:
-    """Rank 0 keeps writing 2**62 into the victim's stage counter (a thread, until the
-    ops end) while every rank runs ``ops`` all_reduces: each is right, or the job fails
-    naming the counter (never a sum read from a stage area the victim has not filled)."""
+def _outcomes_while_rank0_writes(address: Callable[[], int], ops: int) -> list[bool | str]:
+    """Every rank runs ``ops`` all_reduces (see :func:`_outcomes`) while a thread of rank
+    0 keeps writing 2**62 at ``address()`` (rank 0's mapping of the segment)."""
     import threading
 
-    assert _all_reduce()  # the segment and the stage areas exist
+    assert _all_reduce()  # the segment, its channels and stage areas exist
     dist.barrier()
     stop = threading.Event()
 
     def keep_writing() -> None:
+        word = ctypes.c_uint64.from_address(address())
         while not stop.wait(0.00002):
-            _scribble(victim, "stage")
+            word.value = HUGE
 
     writer = threading.Thread(target=keep_writing)
     if dist.get_rank() == 0:
@@ -75,6 +80,13 @@ def stage_scribbled(victim: int, ops: int = 30) -> list[bool | str]:
         stop.set()
         if writer.is_alive():
             writer.join()
+
+
+def stage_scribbled(victim: int, ops: int = 30) -> list[bool | str]:
+    """Rank 0 keeps writing 2**62 into the victim's stage counter while every rank runs
+    ``ops`` all_reduces: each is right, or the job fails naming the counter (never a sum
+    read from a stage area the victim has not filled)."""
+    return _outcomes_while_rank0_writes(lambda: _word_address(victim, "stage", -1), ops)
 
 
 def completed_scribbled(victim: int, ops: int = 20) -> list[bool | str]:
@@ -109,13 +121,6 @@ def failure_record_scribbled(word: int) -> str:
     return message
 
 
-def _word_address(victim: int, name: str, peer: int) -> int:
-    from pycomm import _C
-
-    offset = _C._control_word(dist.get_world_size(), victim, name, peer)
-    return _segment_base() + offset
-
-
 def recv_after_p2p_head_scribbled(value: int) -> str:
     """Rank 0 writes ``value`` into rank 1's head of its send/recv channel to rank 0 (rank
     1 never sends), then receives from rank 1: what it is told. Rank 1 only waits."""
@@ -137,29 +142,10 @@ def recv_after_p2p_head_scribbled(value: int) -> str:
 
 def coll_counter_scribbled(victim: int, name: str, peer: int, ops: int = 30
                            ) -> list[bool | str]:
-    """Rank 0 keeps writing 2**62 into the victim's ``name`` channel counter (a thread)
-    while every rank runs ``ops`` ring all_reduces (PYCOMM_ALGO=ring): each is right, or
-    the job fails naming the counter."""
-    import threading
-
-    assert _all_reduce()
-    dist.barrier()
-    stop = threading.Event()
-
-    def keep_writing() -> None:
-        address = _word_address(victim, name, peer)  # rank 0's mapping of the segment
-        while not stop.wait(0.00002):
-            ctypes.c_uint64.from_address(address).value = HUGE
-
-    writer = threading.Thread(target=keep_writing)
-    if dist.get_rank() == 0:
-        writer.start()
-    try:
-        return _outcomes(ops)
-    finally:
-        stop.set()
-        if writer.is_alive():
-            writer.join()
+    """Rank 0 keeps writing 2**62 into the victim's ``name`` channel counter while every
+    rank runs ``ops`` ring all_reduces (PYCOMM_ALGO=ring): each is right, or the job fails
+    naming the counter."""
+    return _outcomes_while_rank0_writes(lambda: _word_address(victim, name, peer), ops)
 
 
 def descriptor_garbled(count: int) -> str:
