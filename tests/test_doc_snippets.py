@@ -38,12 +38,13 @@ MODULE_RUN = re.compile(r"(?:\bpython3?|\btorchrun\b[^\n]*?)\s+-m\s+([\w.]+)")
 EXTRAS = re.compile(r"""pip install[^\n]*?['"]?\.\[([\w,-]+)\]""")
 
 
-def _blocks(lang: str) -> list[tuple[str, int, str]]:
-    """(page, block number, code) of every ``lang`` block."""
+def _blocks(lang: str) -> list[Any]:
+    """(page, block number, code) of every ``lang`` block, named page-number."""
     out = []
     for page in PAGES:
         blocks = [b for b in BLOCK.findall(page.read_text()) if b[0] == lang]
-        out += [(page.name, i, code) for i, (_, code) in enumerate(blocks)]
+        out += [pytest.param(page.name, i, code, id=f"{page.name}-{i}")
+                for i, (_, code) in enumerate(blocks)]
     return out
 
 
@@ -83,9 +84,7 @@ def _missing_attributes(tree: ast.Module, names: dict[str, Any]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize(("page", "index", "code"), _blocks("python"),
-                         ids=lambda v: str(v) if not isinstance(v, str) or "\n" not in v
-                         else "")
+@pytest.mark.parametrize(("page", "index", "code"), _blocks("python"))
 def test_a_python_block_compiles_and_its_names_exist(page, index, code):
     tree = ast.parse(code, filename=f"{page} python block {index}")
     names = _imported(tree)
@@ -97,9 +96,7 @@ def _extras() -> set[str]:
         return set(tomllib.load(f)["project"]["optional-dependencies"])
 
 
-@pytest.mark.parametrize(("page", "index", "code"), _blocks("bash"),
-                         ids=lambda v: str(v) if not isinstance(v, str) or "\n" not in v
-                         else "")
+@pytest.mark.parametrize(("page", "index", "code"), _blocks("bash"))
 def test_a_bash_blocks_modules_and_extras_exist(page, index, code):
     for module in MODULE_RUN.findall(code):
         if module.split(".")[0] in (*OURS, "records"):

@@ -6,10 +6,9 @@ sum (before: 28 / 20 / 19 wrong results on ranks 0/1/2, every rank exiting 0).""
 from __future__ import annotations
 
 import pytest
+from _hostile_counter_ranks import HUGE
 
 from pycomm.testing import run_ranks
-
-HUGE = 1 << 62
 
 pytestmark = pytest.mark.usefixtures("require_pycomm")
 
