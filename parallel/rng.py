@@ -113,6 +113,23 @@ class RNGTracker:
         self.streams[name] = _Stream.seeded(seed)
 
     @contextmanager
+    def _drawing_nothing(self, name: str) -> Iterator[None]:
+        """The region of an unseeded stream, on the default generators: any draw there
+        would be the same on every rank where it must differ, so it is refused."""
+        def states() -> list[torch.Tensor]:
+            device = _cuda_device()
+            cuda = [torch.cuda.get_rng_state(device)] if device is not None else []
+            return [torch.get_rng_state(), *cuda]
+
+        before = states()
+        yield
+        after = states()
+        if not all(map(torch.equal, before, after)):  # (CUDA's if it was initialized)
+            raise KeyError(f"RNG stream {name!r} is not seeded: call "
+                           "pycomm.parallel.rng.model_parallel_seed(seed, tp_group, pp_rank) "
+                           f"before training with dropout (seeded: {sorted(self.streams)})")
+
+    @contextmanager
     def fork(self, name: str) -> Iterator[None]:
         """Run the region on stream ``name`` (CPU and current CUDA device); the stream
         continues there next time, and the default generators are as before the region.
@@ -122,15 +139,17 @@ class RNGTracker:
         stream from where the outer fork began.
 
         Raises:
-            KeyError: if the stream was never seeded (call :func:`model_parallel_seed`).
+            KeyError: if the stream was never seeded (call :func:`model_parallel_seed`)
+                and the region drew from it. A region that draws nothing (a model without
+                dropout, or in eval) needs no seed.
         """
         if self._active and self._active[-1] == name:
             yield
             return
         if name not in self.streams:
-            raise KeyError(f"RNG stream {name!r} is not seeded: call "
-                           "pycomm.parallel.rng.model_parallel_seed(seed, tp_group, pp_rank) "
-                           f"before training with dropout (seeded: {sorted(self.streams)})")
+            with self._drawing_nothing(name):
+                yield
+            return
         stream, device = self.streams[name], _cuda_device()
         outside_cpu = torch.get_rng_state()
         torch.set_rng_state(stream.cpu)

@@ -15,8 +15,6 @@ from pycomm.parallel.recompute import checkpoint
 from pycomm.parallel.tensor import (
     TRACKER,
     ColumnParallelLinear,
-    ParallelMLP,
-    ParallelSelfAttention,
     RowParallelLinear,
     apply_tensor_parallel,
     count_comms,
@@ -94,11 +92,12 @@ def numerics(group: Any, sp: bool) -> dict[str, Any]:
 
 
 def block_counts(group: Any, sp: bool) -> dict[str, dict[str, int]]:
-    """Collectives of one attention and one MLP, forward and backward, on their own."""
+    """Collectives of one attention and one MLP of the converted model, forward and
+    backward, on their own."""
     out = {}
-    dense = model()
-    for name, make in (("attn", ParallelSelfAttention), ("mlp", ParallelMLP)):
-        layer = make.from_dense(getattr(dense.blocks[0], name), group, sp)
+    net = apply_tensor_parallel(model(), group, sequence_parallel=sp)
+    for name in ("attn", "mlp"):
+        layer = getattr(net.blocks[0], name)
         x = torch.randn(ROWS, CFG.block_size, CFG.n_embd)
         if sp:
             x = tp_comms.split_dim(x, 1, group)
@@ -176,6 +175,11 @@ def _error(call: Any) -> str:
     return error_message(call, (ValueError, TypeError, KeyError))
 
 
+def _draw_on_an_unseeded_stream() -> None:
+    with TRACKER.fork("nope"):
+        torch.rand(1)
+
+
 def bad_input(group: Any) -> dict[str, str]:
     odd_heads = GPT(GPTConfig(vocab_size=96, block_size=12, n_layer=1, n_head=5, n_embd=40))
     odd_vocab = GPT(GPTConfig(vocab_size=97, block_size=12, n_layer=1, n_head=12, n_embd=48))
@@ -186,8 +190,57 @@ def bad_input(group: Any) -> dict[str, str]:
         "vocab": _error(lambda: apply_tensor_parallel(odd_vocab, group)),
         "sequence": _error(lambda: sp(tokens)),
         "not_gpt": _error(lambda: apply_tensor_parallel(nn.Linear(2, 2), group)),
-        "unseeded": _error(lambda: TRACKER.fork("nope").__enter__()),
+        "unseeded": _error(_draw_on_an_unseeded_stream),
     }
+
+
+def _loss_and_grad_norm(net: nn.Module, b: Any, logits_of: Any, names: list[str],
+                        tp: bool) -> tuple[float, float]:
+    """The loss and the norm of the gradients of ``names`` (the one-process model's
+    parameters, each tie once)."""
+    import torch.nn.functional as F
+
+    logits = logits_of(net, b)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b.targets.reshape(-1),
+                           ignore_index=-100)
+    loss.backward()
+    grads = (gather_tensor_parallel_state_dict(net, grads=True) if tp
+             else {n: p.grad for n, p in net.named_parameters()})
+    return loss.item(), torch.cat([grads[n].reshape(-1) for n in names]).norm().item()
+
+
+def other_models(group: Any) -> dict[tuple[str, str, bool], Any]:
+    """The same conversion on a GPT with tied embeddings and on HuggingFace's Llama (its
+    plan derived by ``plan_for``), on real batches (ignored labels in uneven counts, left
+    padding, packed documents): (loss, gradient norm) of TP and of one process built
+    from the same weights."""
+    import _real_batch_scenarios as rb
+
+    from pycomm.parallel.compose import plan_for
+
+    def tied_gpt() -> nn.Module:
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=rb.VOCAB, block_size=rb.SEQ, n_layer=2, n_head=4,
+                             n_embd=32, tie_embeddings=True))
+
+    builds = {"gpt_tied": tied_gpt, "llama": lambda: rb.build("llama")}
+    out: dict[tuple[str, str, bool], Any] = {}
+    for name, build in builds.items():
+        for case in ("ignored", "left_pad", "packed"):
+            if name == "llama" and case == "packed":
+                continue  # HF's sdpa Llama attends across packed documents: not the case
+            b, one = rb.batch(case, 1), build()
+            names = [n for n, _ in one.named_parameters()]
+            single = _loss_and_grad_norm(one, b, rb._logits, names, tp=False)
+            for sp in (False, True):
+                dense = build()
+                net = apply_tensor_parallel(dense, group, sequence_parallel=sp,
+                                            parallel_output=False, plan=plan_for(dense))
+                tied = name == "gpt_tied" and net.lm_head.weight is net.embed.wte.weight
+                out[(name, case, sp)] = {"single": single, "tied": tied,
+                                         "tp": _loss_and_grad_norm(net, b, rb._logits, names,
+                                                                   tp=True)}
+    return out
 
 
 def run_all(world: int) -> dict[Any, Any]:
@@ -203,4 +256,6 @@ def run_all(world: int) -> dict[Any, Any]:
     out["pair"] = linear_pair(group)
     out["rng"] = rng(group)
     out["bad"] = bad_input(group)
+    if world == 2:  # Llama's 2 key-value heads and the 16-token sequence split by 2 only
+        out["other_models"] = other_models(group)
     return out

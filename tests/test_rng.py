@@ -36,6 +36,15 @@ def test_an_unseeded_stream_names_the_call_that_seeds_it():
         _on_stream(RNGTracker(), "b")
 
 
+def test_an_unseeded_stream_that_nothing_draws_from_needs_no_seed():
+    """A model without dropout (or in eval) forks into the per-rank stream and draws
+    nothing: it runs, and the default generator is untouched."""
+    torch.manual_seed(5)
+    with RNGTracker().fork("b"):
+        torch.ones(3).sum()
+    assert torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(5)))
+
+
 def test_replay_draws_again_and_leaves_every_generator_as_it_found_it():
     tracker = RNGTracker()
     tracker.add("a", 1)
@@ -228,7 +237,7 @@ def test_pipeline_over_checkpointed_blocks_replays_too(pp2_tp2):
 def test_partitioning_a_sequence_parallel_block_is_refused(pp2_tp2):
     for r in pp2_tp2:
         assert "blocks.0" not in r["pa_sp_block"]  # named within the block
-        assert "attn.c_attn (ColumnParallelLinear) is sequence parallel" in r["pa_sp_block"]
+        assert "attn.c_proj (RowParallelLinear) is sequence parallel" in r["pa_sp_block"]
 
 
 def test_seeds_follow_the_tp_and_pp_coordinates(pp2_tp2):

@@ -86,29 +86,33 @@ def test_sequence_parallelism_trades_all_reduces_for_gathers_and_scatters(tp):
     for r in ranks:
         blocks = r[(True, "blocks")]
         for name in ("attn", "mlp"):
-            # forward: gather the sequence before, reduce-scatter after; backward: the
-            # conjugates plus the gather again (the input is not kept)
+            # forward: the region gathers the sequence at its input, the row-parallel
+            # layer reduce-scatters after; backward: the conjugates plus the gather
+            # again (the column-parallel layer kept only this rank's part), and the
+            # row-parallel bias's partial gradient summed as it arrives
             assert blocks[name] == {"all_gather:forward": 1, "reduce_scatter:forward": 1,
-                                    "all_gather:backward": 2, "reduce_scatter:backward": 1}
+                                    "all_gather:backward": 2, "reduce_scatter:backward": 1,
+                                    "all_reduce:backward": 1}
         counts = r[("pycomm", True, "numerics")]["counts"]
         layers = CFG.n_layer
-        assert counts["all_gather:forward"] == 2 * layers + 1  # + the head's input
+        assert counts["all_gather:forward"] == 2 * layers + 1  # + the last block's output
         assert counts["reduce_scatter:forward"] == 2 * layers
-        # only outside the layers: the embedding (1) and the loss (3) forward; backward
-        # one all-reduce per partial gradient as it arrives (per block two norms of two
-        # parameters and two row biases, then the final norm's two), so that a ZeRO stage
-        # that packs and drops gradients still gets whole ones
+        # only outside the blocks: the embedding (1) and the loss (3) forward; backward
+        # the head's f (its input is whole again) and one all-reduce per partial gradient
+        # as it arrives (per block two norms of two parameters and two row biases), so
+        # that a ZeRO stage that packs and drops gradients still gets whole ones
         assert counts["all_reduce:forward"] == 4
-        assert counts["all_reduce:backward"] == 6 * layers + 2
+        assert counts["all_reduce:backward"] == 6 * layers + 1
 
 
 def test_recomputing_the_gathered_input_saves_its_memory(tp):
-    """Each column-parallel layer (2 per block and the head) keeps its 1/TP input
-    instead of the gathered one: (TP - 1) / TP of a (rows, time, hidden) fp32 tensor."""
+    """Each split region's column-parallel layer (2 per block) keeps its 1/TP input
+    instead of the gathered one: (TP - 1) / TP of a (rows, time, hidden) fp32 tensor.
+    (The head's input is whole: the last block gathered it.)"""
     size, ranks = tp
     saved = ranks[0]["saved"]
     per_input = ROWS * CFG.block_size * CFG.n_embd * 4
-    expected = (2 * CFG.n_layer + 1) * per_input * (size - 1) // size
+    expected = 2 * CFG.n_layer * per_input * (size - 1) // size
     assert saved[False] - saved[True] == expected, saved
 
 
@@ -137,8 +141,23 @@ def test_dropout_streams_match_where_they_must_and_differ_where_they_must(tp):
 def test_bad_input_gets_clear_errors(tp):
     size, ranks = tp
     bad = ranks[0]["bad"]
-    assert f"5 heads are not divisible by the tensor-parallel size {size}" in bad["heads"]
+    assert f"GPT has attention heads = 5, not divisible by tp = {size}" in bad["heads"]
     assert "VocabParallelEmbedding num_embeddings: 97 is not divisible" in bad["vocab"]
     assert "(2, 7, 48) is not divisible by the tensor-parallel size" in bad["sequence"]
-    assert "expected the reference GPT" in bad["not_gpt"]
+    assert "Linear has no tensor-parallel plan" in bad["not_gpt"]
     assert "model_parallel_seed" in bad["unseeded"]
+
+
+@pytest.mark.parametrize("tp", [2], indirect=True)  # Llama's 2 key-value heads split by 2
+def test_the_same_conversion_on_a_tied_gpt_and_llama_on_real_batches(tp):
+    """One way for every model: the plan's styles, ties kept one parameter; the loss and
+    the gradient norm of one process built from the same weights."""
+    _, ranks = tp
+    for r in ranks:
+        cases = r["other_models"]
+        assert len(cases) == 2 * (3 + 2)
+        for key, run in cases.items():
+            (loss, norm), (tp_loss, tp_norm) = run["single"], run["tp"]
+            assert tp_loss == pytest.approx(loss, rel=1e-5), key
+            assert tp_norm == pytest.approx(norm, rel=1e-5), key
+            assert run["tied"] or key[0] != "gpt_tied", f"{key}: the tie was broken"

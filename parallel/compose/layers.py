@@ -12,15 +12,13 @@ the last gathers its output, and everything between (norms, residuals, dropout) 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..plans.plan import ContextRequest, ModelInputs, Plan, ResolvedLayer, resolve_layers
-from ..rng import TENSOR_PARALLEL, TRACKER
-from ..tensor import comms
+from ..tensor.sequence import SequenceSplit, on_sequence_part
 
 
 class ContextCache:
@@ -47,15 +45,6 @@ class ContextCache:
                     values = dict(self.fn(request))
             self._values[key] = {**values, "inputs": request.inputs}
         return self._values[key]
-
-
-class SequenceSplit:
-    """Sequence parallelism's place in a layer: whether it splits its input along the
-    sequence first, gathers its output after, and whether it works on a split at all."""
-
-    def __init__(self, group: Any, world: int, inside: bool, scatter: bool, gather: bool):
-        self.group, self.world = group, world
-        self.inside, self.scatter, self.gather = inside, scatter, gather
 
 
 def _chain(modules: Sequence[nn.Module], x: Any, _context: dict[str, Any]) -> Any:
@@ -95,15 +84,7 @@ class PlannedLayer(nn.Module):
             context = self.context.get(self._request(x, inside and not split.scatter))  # type: ignore[union-attr]
         elif self.context is not None:  # a layer's own call: the batch's inputs only
             context = {"inputs": self.context.inputs}
-        if split is not None and split.scatter:
-            x = comms.scatter_to_sequence_region(x, split.group)
-        # On a rank's part of the sequence every random draw is its own (Megatron-LM).
-        with TRACKER.fork(TENSOR_PARALLEL) if inside else nullcontext():
-            x = self.call(list(self.mods), x, context)
-        if split is not None and split.gather:
-            # what follows runs whole on every rank: its gradient is whole, not partial
-            x = comms.gather_from_sequence_region(x, split.group, grad_is_partial=False)
-        return x
+        return on_sequence_part(split, lambda y: self.call(list(self.mods), y, context), x)
 
     def extra_repr(self) -> str:
         return f"layer {self.layer.index}: {self.layer.name}"

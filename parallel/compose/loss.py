@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..tensor.layers import vocab_parallel_cross_entropy
+from ..tensor.parallel_linear import vocab_parallel_cross_entropy
 from .chunked_loss import chunked_cross_entropy
 
 

@@ -176,7 +176,7 @@ def materialize(model: nn.Module, seed: int, init: InitFn | None = None,
     reference the layouts are compared with); ``init`` and ``experts`` are the plan's
     (``Plan.init``, ``Plan.experts``). Returns ``model``."""
     from ..plans.plan import matching
-    from .tied import canonical_names, tie_groups
+    from ..tensor.tied import canonical_names, tie_groups
 
     paths = matching(experts, model) if experts is not None else []
     Materializer(model, init, seed, canonical_names(tie_groups(model)),

@@ -22,15 +22,10 @@ from ..tensor.from_plan import (
     mark_partial_grads,
     styles_by_path,
 )
-from .layers import (
-    ContextCache,
-    PlannedLayer,
-    SequenceSplit,
-    planned_layers,
-    stage_balance,
-)
+from ..tensor.sequence import SequenceSplit, block_splits
+from ..tensor.tied import canonical_names, retie, tie_groups
+from .layers import ContextCache, PlannedLayer, planned_layers, stage_balance
 from .materialize import Materializer
-from .tied import canonical_names, retie, tie_groups
 
 
 @dataclass
@@ -158,8 +153,7 @@ def sequence_splits(stage: Stage, mesh: ParallelMesh, sequence_parallel: bool
         raise ValueError("sequence parallel: the plan names no blocks (Plan.blocks), the "
                          "layers whose activations it would split along the sequence")
     group, world = mesh.group("tp"), mesh.size("tp")
-    return {i: SequenceSplit(group, world, True, i == blocks[0], i == blocks[-1])
-            for i in blocks}
+    return dict(zip(blocks, block_splits(len(blocks), group, world), strict=True))
 
 
 def stage_modules(model: nn.Module, plan: Plan, stage: Stage,

@@ -117,9 +117,9 @@ def from_model(model: Any, plan: Plan, kind: str, cfg: Any,
     """The shape of ``model`` (built on the meta device) under ``plan``: the layers the
     plan resolves, each parameter split where the plan's style splits its module.
     ``dims``: (heads, hidden, MLP width, vocabulary), by default the trainer's GPT's."""
-    from ..compose.tied import canonical_names, tie_groups
     from ..plans.plan import resolve_layers
     from ..tensor.from_plan import styles_by_path
+    from ..tensor.tied import canonical_names, tie_groups
 
     canonical = canonical_names(tie_groups(model))
     resolved = resolve_layers(plan, model)

@@ -12,10 +12,8 @@ from .comms import (
     scatter_to_sequence_region,
     scatter_to_tp_region,
 )
-from .layers import (
+from .parallel_linear import (
     ColumnParallelLinear,
-    ParallelMLP,
-    ParallelSelfAttention,
     RowParallelLinear,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
@@ -25,8 +23,6 @@ from .random import TrackedDropout
 __all__ = [
     "TRACKER",
     "ColumnParallelLinear",
-    "ParallelMLP",
-    "ParallelSelfAttention",
     "RowParallelLinear",
     "TrackedDropout",
     "VocabParallelEmbedding",

@@ -1,132 +1,96 @@
-"""Converting the reference GPT to tensor parallelism in place, and back to a full state.
+"""A model converted to tensor parallelism in place, by its plan, and back to a full state.
 
-:func:`apply_tensor_parallel` swaps each block's attention and MLP for their parallel
-versions, the token embedding for a vocab-parallel one and the LM head for a
-column-parallel one, each loaded with this rank's shard of the model's own weights. The
-model's code (``GPT.forward``, ``Block.forward``) is unchanged. With sequence
-parallelism the embedding's output is split along the sequence, so norms, dropout and
-residuals run on ``1/TP`` of the tokens; the parameters those touch (norms, the
-row-parallel biases) get partial gradients on each rank, summed by one all-reduce when
-backward ends.
+:func:`apply_tensor_parallel` is the plan-driven conversion :func:`pycomm.parallel.parallelize`
+runs on each pipeline stage (:mod:`pycomm.parallel.tensor.from_plan`), applied to the whole
+model: the plan's styles, checked first (every module given one or right to leave whole),
+each layer loaded with this rank's shard of the model's own weights; ties tied again. The
+model's code is unchanged. With sequence parallelism the first block splits its input
+along the sequence and the last gathers its output (:mod:`pycomm.parallel.tensor.sequence`),
+so norms, dropout and residuals between run on ``1/TP`` of the tokens; the parameters those
+touch get partial gradients on each rank, each summed over the group as it arrives.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..plans.plan import Plan, matching, resolve_layers
 from . import comms
 from .comms import Group
-from .layers import (
-    ColumnParallelLinear,
-    ParallelMLP,
-    ParallelSelfAttention,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    residual_stream,
+from .from_plan import (
+    apply_styles,
+    check_coverage,
+    check_divisible,
+    mark_partial_grads,
+    partial_grad_params,
+    styles_by_path,
 )
-from .random import TrackedDropout
+from .parallel_linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .sequence import split_blocks
 from .sharding import REPLICATED, mark_tensor_parallel_group, spec_of
+from .tied import retie, tie_groups
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
-def _check_gpt_like(model: nn.Module) -> None:
-    missing = [name for name in ("embed", "blocks", "lm_head") if not hasattr(model, name)]
-    if missing or not hasattr(getattr(model, "embed"), "wte"):  # noqa: B009
-        raise TypeError(f"apply_tensor_parallel: expected the reference GPT (embed.wte, "
-                        f"blocks[i].attn / .mlp, lm_head); {type(model).__name__} lacks "
-                        f"{missing or ['embed.wte']}")
-    experts = [i for i, b in enumerate(getattr(model, "blocks"))  # noqa: B009
-               if not hasattr(getattr(b, "mlp", None), "c_fc")]
-    if experts:
-        raise TypeError(f"apply_tensor_parallel: the MLP of block {experts[0]} has no c_fc/"
-                        "c_proj (a mixture of experts?); this path splits the dense GPT only. "
-                        "parallelize() splits experts (moe_tp_experts, or ParallelMesh(ep=))")
-
-
 def apply_tensor_parallel(model: nn.Module, group: Group, sequence_parallel: bool = False,
-                          parallel_output: bool = True, recompute_gather: bool = True
-                          ) -> nn.Module:
+                          parallel_output: bool = True, recompute_gather: bool = True,
+                          plan: Plan | None = None) -> nn.Module:
     """Shard ``model`` (the same weights on every rank) across ``group``, in place.
 
     Args:
-        model: the reference GPT (``pycomm.parallel.models.GPT``) or one shaped like it.
+        model: a model with a plan: its own (``model.parallel_plan()``, as
+            :class:`pycomm.parallel.models.GPT` has) or ``plan``.
         group: the tensor-parallel group.
-        sequence_parallel: split activations between the parallel layers along the
-            sequence (reduce-scatter / all-gather instead of all-reduce).
+        sequence_parallel: split activations between the split regions of the blocks
+            along the sequence (reduce-scatter / all-gather instead of all-reduce).
         parallel_output: keep the logits split over the vocabulary (use
             :func:`vocab_parallel_cross_entropy`); ``False`` all-gathers them.
-        recompute_gather: with sequence parallelism, gather a column-parallel layer's
-            input again in backward instead of keeping it.
+        recompute_gather: with sequence parallelism, a split region's column-parallel
+            layers keep this rank's part of their input and gather it again in backward.
+        plan: the model's :class:`pycomm.parallel.plans.Plan` (for any other model:
+            ``pycomm.parallel.compose.plan_for(model)`` derives one for HuggingFace's).
 
     Returns:
         ``model``.
 
     Raises:
-        ValueError: heads, hidden sizes or vocabulary not divisible by the group size.
+        TypeError: a model without a plan, or with one that splits nothing.
+        ValueError: a count of the plan's ``divisible`` (heads), a hidden size or the
+            vocabulary not divisible by the group size; a module the plan leaves whole
+            where whole is wrong.
     """
-    _check_gpt_like(model)
-    gpt: Any = model  # duck-typed: the reference GPT's attribute names
-    for block in gpt.blocks:
-        parallelize_block(block, group, sequence_parallel, recompute_gather)
-    parallelize_embedding(gpt.embed, group, sequence_parallel)
-    gpt.lm_head = parallelize_head(gpt.lm_head, group, sequence_parallel, parallel_output,
-                                   recompute_gather)
+    plan = plan if plan is not None else _own_plan(model)
+    paths = [p for layer in resolve_layers(plan, model) for p in layer.paths]
+    blocks = matching(plan.blocks, model) if plan.blocks else []
+    if sequence_parallel and not blocks:
+        raise ValueError(f"sequence parallel: the plan for {plan.name} names no blocks "
+                         "(Plan.blocks), the layers whose activations it would split")
+    check_divisible(plan, dist.get_world_size(group))
+    styles = styles_by_path(plan, model, paths)
+    check_coverage(plan, model, paths, styles, blocks)
+    ties = tie_groups(model)
+    apply_styles(model, styles, group, blocks, sequence_parallel, parallel_output,
+                 materialize=lambda _path, _module: None, recompute_gather=recompute_gather)
+    retie(model, ties, {n for n, _ in model.named_parameters(remove_duplicate=False)})
+    mark_partial_grads(model, paths, blocks, sequence_parallel)
     if sequence_parallel:
-        sum_partial_grads_on_arrival(model, group)
+        split_blocks(model, blocks, group, dist.get_world_size(group))
+    sum_partial_grads_on_arrival(model, group)
     mark_tensor_parallel_group(model, group)
     return model
 
 
-# -- the parts ------------------------------------------------------------------------------------
-
-
-def parallelize_block(block: nn.Module, group: Group, sequence_parallel: bool = False,
-                      recompute_gather: bool = True) -> None:
-    """Swap a reference ``Block``'s attention and MLP for their parallel versions (this
-    rank's heads and hidden units of the same weights), in place."""
-    b: Any = block
-    b.attn = ParallelSelfAttention.from_dense(b.attn, group, sequence_parallel,
-                                              recompute_gather=recompute_gather)
-    # After the row-parallel projection: whole activations (the same mask on every
-    # rank), or with sequence parallelism this rank's tokens (its own mask).
-    b.resid_dropout = TrackedDropout(float(b.resid_dropout.p), residual_stream(sequence_parallel))
-    b.mlp = ParallelMLP.from_dense(b.mlp, group, sequence_parallel,
-                                   recompute_gather=recompute_gather)
-
-
-def parallelize_embedding(embed: nn.Module, group: Group, sequence_parallel: bool = False) -> None:
-    """A vocab-parallel token embedding; with sequence parallelism the embedding's output
-    is split along the sequence (what the blocks then work on)."""
-    e: Any = embed
-    e.wte = VocabParallelEmbedding.from_dense(e.wte, group)
-    if sequence_parallel:
-        e.register_forward_hook(lambda _m, _a, out: comms.scatter_to_sequence_region(out, group))
-
-
-def parallelize_head(lm_head: nn.Linear, group: Group, sequence_parallel: bool = False,
-                     parallel_output: bool = True, recompute_gather: bool = True
-                     ) -> ColumnParallelLinear:
-    """The LM head as a column-parallel linear: logits split over the vocabulary
-    (``parallel_output``; use :func:`vocab_parallel_cross_entropy`) or gathered."""
-    return ColumnParallelLinear.from_dense(
-        lm_head, group, gather_output=not parallel_output, sequence_parallel=sequence_parallel,
-        recompute_gather=recompute_gather)
-
-
-def _sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters applied to a rank's part of the sequence: their gradients are partial."""
-    out = []
-    for module in model.modules():
-        if isinstance(module, nn.LayerNorm):
-            out += [p for p in module.parameters(recurse=False) if p.requires_grad]
-        out += [p for p in module.parameters(recurse=False) if getattr(p, "sequence_parallel",
-                                                                        False)]
-    return list(dict.fromkeys(out))
+def _own_plan(model: nn.Module) -> Plan:
+    own = getattr(model, "parallel_plan", None)
+    plan = own() if callable(own) else None
+    if not isinstance(plan, Plan) or not plan.tp:
+        raise TypeError(f"apply_tensor_parallel: {type(model).__name__} has no tensor-parallel "
+                        "plan (model.parallel_plan() naming styles in Plan.tp); pass plan=, "
+                        "e.g. pycomm.parallel.compose.plan_for(model) for a HuggingFace model")
+    return plan
 
 
 def sum_partial_grads_on_arrival(model: nn.Module, group: Group) -> None:
@@ -136,7 +100,7 @@ def sum_partial_grads_on_arrival(model: nn.Module, group: Group) -> None:
     several backwards accumulate whole gradients. (Summing ``.grad`` once at the end of
     backward is one collective instead of one per parameter, but ZeRO may have taken the
     gradient away by then; ``pycomm.parallel.compose.parallelize`` sums them at its fixed phase.)"""
-    for p in _sequence_parallel_params(model):
+    for p in partial_grad_params(list(dict.fromkeys(model.parameters()))):
         p.register_hook(lambda grad: comms.all_reduce(grad.clone(), group))
 
 

@@ -280,3 +280,24 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group) -> torch.Te
     """Forward: reduce-scatter along the sequence (sum the row-parallel partial outputs,
     each rank keeping its 1/TP of the tokens). Backward: all-gather the sequence."""
     return _ReduceScatterToSequence.apply(x, group)
+
+
+_SEQUENCE_PART = "_pycomm_sequence_part"
+
+
+def gather_sequence_into_region(x: torch.Tensor, group: Group, keep_part: bool = True
+                                ) -> torch.Tensor:
+    """:func:`gather_from_sequence_region` where a split region begins. With ``keep_part``
+    the result remembers ``x``: a column-parallel layer of the region that takes it as
+    is keeps ``x`` for its weight's gradient, not the gathered sequence (it gathers it
+    again in backward: :func:`sequence_part`)."""
+    whole = gather_from_sequence_region(x, group)
+    if keep_part:
+        setattr(whole, _SEQUENCE_PART, x)
+    return whole
+
+
+def sequence_part(x: torch.Tensor) -> torch.Tensor | None:
+    """This rank's part of ``x``, if ``x`` is a region's gathered sequence that
+    remembers it (:func:`gather_sequence_into_region`)."""
+    return getattr(x, _SEQUENCE_PART, None)

@@ -118,13 +118,14 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
         setattr(parent, attr, new)
 
 
-def _gather_hook(group: Any, path: str) -> Callable[..., Any]:
+def _gather_hook(group: Any, path: str, keep_part: bool) -> Callable[..., Any]:
     def gather(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if args and torch.is_tensor(args[0]):
-            return (comms.gather_from_sequence_region(args[0], group), *args[1:]), kwargs
+            whole = comms.gather_sequence_into_region(args[0], group, keep_part)
+            return (whole, *args[1:]), kwargs
         if torch.is_tensor(kwargs.get("hidden_states")):
-            kwargs["hidden_states"] = comms.gather_from_sequence_region(
-                kwargs["hidden_states"], group)
+            kwargs["hidden_states"] = comms.gather_sequence_into_region(
+                kwargs["hidden_states"], group, keep_part)
             return args, kwargs
         raise TypeError(f"sequence parallel: {path} holds split layers, so it gathers the "
                         "sequence of its input: pass the activations first or as "
@@ -133,9 +134,10 @@ def _gather_hook(group: Any, path: str) -> Callable[..., Any]:
 
 
 def gather_at_regions(model: nn.Module, styles: dict[str, list[Style]], group: Any,
-                      blocks: list[str]) -> None:
+                      blocks: list[str], recompute_gather: bool = True) -> None:
     """Sequence parallelism: each module holding a block's column-parallel layers gathers
-    its input's sequence (see the module docstring).
+    its input's sequence (see the module docstring); with ``recompute_gather`` those
+    layers keep this rank's part for backward and gather it again there.
 
     Raises:
         ValueError: a column-parallel layer that is a block itself, or the block's child
@@ -150,20 +152,21 @@ def gather_at_regions(model: nn.Module, styles: dict[str, list[Style]], group: A
                              "take in the block's residual stream: keep them in a module "
                              "(an attention, an MLP) inside the block")
         model.get_submodule(region).register_forward_pre_hook(
-            _gather_hook(group, region), with_kwargs=True)
+            _gather_hook(group, region, recompute_gather), with_kwargs=True)
 
 
 def apply_styles(model: nn.Module, styles: dict[str, list[Style]], group: Any,
                  blocks: list[str], sequence_parallel: bool, parallel_loss: bool,
                  materialize: Callable[[str, nn.Module], None],
-                 experts_by_ep: bool = False) -> bool:
+                 experts_by_ep: bool = False, recompute_gather: bool = True) -> bool:
     """Apply every style, deepest modules first; ``materialize(path, module)`` first
     gives a module on the meta device its weights (``experts_by_ep``: fused experts are
-    left whole, for expert parallelism). Returns whether an LM head was split over the
+    left whole, for expert parallelism; ``recompute_gather``: see
+    :func:`gather_at_regions`). Returns whether an LM head was split over the
     vocabulary with split logits (the loss must then be vocab-parallel)."""
     world, split_logits = dist.get_world_size(group), False
     if sequence_parallel:
-        gather_at_regions(model, styles, group, blocks)
+        gather_at_regions(model, styles, group, blocks, recompute_gather)
     for path in sorted(styles, key=lambda p: -p.count(".")):
         module = model.get_submodule(path)
         if any(s.changes_module for s in styles[path]):

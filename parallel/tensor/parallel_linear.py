@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comms
-from .comms import SEQ_DIM, Group
+from .comms import SEQ_DIM, Group, sequence_part
 from .sharding import TPSpec, mark
 
 
@@ -53,6 +53,14 @@ def _value(p: nn.Parameter, grads: bool) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
+def _weight_and_bias_grads(grad: torch.Tensor, x: torch.Tensor, has_bias: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients of ``W`` and ``b`` in ``x @ W.T + b`` given the output's."""
+    grad_2d = grad.reshape(-1, grad.shape[-1])
+    grad_weight = grad_2d.t().matmul(x.reshape(-1, x.shape[-1]))
+    return grad_weight, grad_2d.sum(0) if has_bias else None
+
+
 class _LinearGatherSequence(torch.autograd.Function):
     """``all_gather_sequence(x) @ W.T + b`` keeping only ``x`` (the rank's part of the
     sequence) for backward. Backward gathers ``x`` again while it computes the input
@@ -75,11 +83,32 @@ class _LinearGatherSequence(torch.autograd.Function):
         total = gathered()
         scatter, scattered = comms.reduce_scatter_dim(grad_total, SEQ_DIM, ctx.group,
                                                       async_op=True)
-        grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))  # overlaps it
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        grad_weight, grad_bias = _weight_and_bias_grads(grad, total, ctx.has_bias)  # overlaps
         scatter.wait()
         return scattered(), grad_weight, grad_bias, None
+
+
+class _LinearOnGatheredSequence(torch.autograd.Function):
+    """``x @ W.T + b`` on ``x``, a sequence a split region gathered before this layer,
+    keeping only ``part`` (this rank's part of it) for backward: the weight's gradient
+    gathers it again, behind the input gradient's matmul. The input gradient goes back
+    through the region's gather (its reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, part: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, group: Group) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(part, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        part, weight = ctx.saved_tensors
+        gather, gathered = comms.gather_dim(part, SEQ_DIM, ctx.group, async_op=True)
+        grad_input = grad.matmul(weight)  # overlaps the gather
+        gather.wait()
+        grad_weight, grad_bias = _weight_and_bias_grads(grad, gathered(), ctx.has_bias)
+        return grad_input, None, grad_weight, grad_bias, None
 
 
 class _LinearAllReduceGradInput(torch.autograd.Function):
@@ -99,9 +128,7 @@ class _LinearAllReduceGradInput(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_input = grad.matmul(weight)
         reduce = comms.all_reduce_async(grad_input, ctx.group)
-        grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = grad_2d.t().matmul(x.reshape(-1, x.shape[-1]))  # overlaps it
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        grad_weight, grad_bias = _weight_and_bias_grads(grad, x, ctx.has_bias)  # overlaps it
         reduce.wait()
         return grad_input, grad_weight, grad_bias, None
 
@@ -200,7 +227,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight_out_in
         if self.input_gathered:
-            y = F.linear(x, weight, self.bias)
+            part = sequence_part(x) if self.recompute_gather else None
+            y = (F.linear(x, weight, self.bias) if part is None else
+                 _LinearOnGatheredSequence.apply(x, part, weight, self.bias, self.group))
         elif self.sequence_parallel and self.recompute_gather:
             y = _LinearGatherSequence.apply(x, weight, self.bias, self.group)
         elif self.sequence_parallel:
