@@ -35,11 +35,13 @@ def _plan(kind: str | None, name: str, model: Any) -> Any:
 
 
 def _engine(name: str, dp: int, tp: int, pp: int, plan: str | None = "zoo",
-            **config: Any) -> Any:
+            meta: bool = False, **config: Any) -> Any:
+    """``meta``: the model built on the meta device (each rank makes what it holds)."""
     from pycomm.parallel.compose.parallelize import ParallelConfig, parallelize
     from pycomm.parallel.mesh import ParallelMesh
 
-    model = zoo.build(name)
+    with torch.device("meta") if meta else torch.device("cpu"):
+        model = zoo.build(name)
     mesh = ParallelMesh(pp=pp, dp=dp, tp=tp)
     settings = {"microbatches": 2 if pp > 1 else 1, **config}
     chosen = _plan(plan, name, model) if plan else None
@@ -61,11 +63,14 @@ def refusal(name: str, dp: int, tp: int, pp: int, plan: str | None = "zoo",
             mesh.destroy()
 
 
-def tie_copies(name: str, dp: int, tp: int, pp: int, steps: int = 3) -> dict[str, Any]:
+def tie_copies(name: str, dp: int, tp: int, pp: int, steps: int = 3, meta: bool = False
+               ) -> dict[str, Any]:
     """After ``steps`` steps: whether the tied embedding and head are one parameter on
-    the ranks holding both, and the largest difference between the pipeline stages'
-    copies (gathered over the pipeline group's ends)."""
-    engine, mesh = _engine(name, dp, tp, pp)
+    the ranks holding both, the largest difference between the pipeline stages'
+    copies (gathered over the pipeline group's ends), and the parameters with memory
+    under another stage's modules (none: a tie's owner there was made for its weights
+    only)."""
+    engine, mesh = _engine(name, dp, tp, pp, meta=meta)
     for step in range(steps):
         engine.train_step(*zoo.batch(name, step))
     tied = [p for p in engine.params if engine.ties.copies(engine.names.of(p)) > 1]
@@ -76,8 +81,12 @@ def tie_copies(name: str, dp: int, tp: int, pp: int, steps: int = 3) -> dict[str
         copies = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
         dist.all_gather(copies, p.detach().contiguous(), group=group)
         spread = max(spread, max(float((c - copies[0]).abs().max()) for c in copies))
+    held = engine.stage_plan.held
+    elsewhere = [n for n, p in engine.model.named_parameters(remove_duplicate=False)
+                 if not p.is_meta and not any(n.startswith(f"{h}.") for h in held)]
     mesh.destroy()
-    return {"cross_stage": len(tied), "one_param": one_param, "spread": spread}
+    return {"cross_stage": len(tied), "one_param": one_param, "spread": spread,
+            "held_elsewhere": elsewhere}
 
 
 def checkpointed_bytes(name: str, recompute: bool) -> int:

@@ -99,7 +99,6 @@ class ParallelModel:
                             stage.materializer)
         build.materialize_rest(model, stage, but_zero3=self.config.zero == 3)
         build.tie_here(model, stage)
-        build.drop_other_stages(model, stage)  # a tie's owner materialized for this stage
         build.cast(model, stage, self.master)
         return stage
 

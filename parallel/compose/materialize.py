@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..plans.plan import under_any
+
 InitFn = Callable[[str, nn.Module], None]
 
 
@@ -65,14 +67,18 @@ class Materializer:
         canonical: alias -> canonical name of every tied parameter.
         device: where the weights go.
         experts: paths of the fused experts modules (initialised expert by expert).
+        held: the paths this rank holds (its pipeline stage's; None: the whole model). A
+            tie's owner outside them is made only for its weights and left on the meta
+            device again: its parameter lives on here in the module that shares it.
     """
 
     def __init__(self, root: nn.Module, init: InitFn | None, seed: int,
                  canonical: dict[str, str], device: torch.device | str = "cpu",
-                 experts: list[str] | None = None):
+                 experts: list[str] | None = None, held: list[str] | None = None):
         self.root, self.init, self.seed = root, init or default_init, seed
         self.canonical, self.device = canonical, torch.device(device)
         self.expert_paths = set(experts or [])
+        self.held = held
 
     def __call__(self, path: str, module: nn.Module) -> None:
         """Materialize ``module`` (at ``path``) and everything inside it."""
@@ -155,6 +161,8 @@ class Materializer:
             shared = owner_module._parameters[attr]
             assert shared is not None
             module._parameters[name] = out[name] = shared
+            if self.held is not None and not under_any(owner_path, self.held):
+                owner_module.to("meta")  # (a new meta parameter there; ``shared`` stays)
         return out
 
     @torch.no_grad()

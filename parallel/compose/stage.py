@@ -69,11 +69,12 @@ def plan_stage(model: nn.Module, plan: Plan, mesh: ParallelMesh, seed: int) -> S
         for name, _ in model.named_parameters(remove_duplicate=False):
             if under_any(name.rpartition(".")[0], paths) and name not in stage_of:
                 stage_of[name] = s
-    return Stage(layers, balance, mine, [p for x in mine for p in x.paths],
+    held = [p for x in mine for p in x.paths]
+    experts = matching(plan.experts, model) if plan.experts is not None else []
+    return Stage(layers, balance, mine, held,
                  [p for x in layers if x.is_block for p in x.paths], groups, canonical,
-                 stage_of, Materializer(model, plan.init, seed, canonical,
-                                        experts=matching(plan.experts, model)
-                                        if plan.experts is not None else []))
+                 stage_of, Materializer(model, plan.init, seed, canonical, experts=experts,
+                                        held=held))
 
 
 def _starts(balance: list[int]) -> list[int]:
