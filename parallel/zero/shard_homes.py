@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from pycomm.flat_arena import Arena
 
+from .grad_sinks import IntoShardGrads, StepOnArrival
 from .offload import OffloadConfig, UnitOffload
 from .units import Unit
 
@@ -28,7 +29,7 @@ class ShardsInMemory:
 
     def __init__(self, numel: int, dtype: torch.dtype, group: dist.ProcessGroup | None):
         self.masters = Arena.for_group(numel, dtype, group)
-        self.dtype, self.group = dtype, group
+        self.numel, self.dtype, self.group = numel, dtype, group
         self.compute_copy: Arena | None = None  # the shards in the compute dtype
 
     def place(self, u: Unit, mine: torch.Tensor) -> torch.Tensor:
@@ -59,6 +60,11 @@ class ShardsInMemory:
         if self.compute_copy is not None:
             for u in units:
                 u.comm_shard.copy_(u.shard)
+
+    def grad_sink(self, dtype: torch.dtype, shard_views: Callable[[Arena], list[torch.Tensor]]
+                  ) -> IntoShardGrads:
+        """Reduced gradients land in shard gradients in memory (in ``dtype``)."""
+        return IntoShardGrads(self.numel, dtype, shard_views)
 
     def begin_forward(self, sequence: list[int]) -> None:
         """(Nothing to read ahead: the shards are in memory.)"""
@@ -107,6 +113,11 @@ class OffloadedShards:
 
     def publish(self, units: list[Unit]) -> None:
         """(The next gathers read the records the step wrote.)"""
+
+    def grad_sink(self, dtype: torch.dtype, shard_views: Callable[[Arena], list[torch.Tensor]]
+                  ) -> StepOnArrival:
+        """Each reduced gradient steps its unit as it arrives (in ``dtype``)."""
+        return StepOnArrival(self.offload, dtype)
 
     def begin_forward(self, sequence: list[int]) -> None:
         """Reads follow ``sequence`` (unit indices, in the order forward needs them)."""

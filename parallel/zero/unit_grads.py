@@ -6,9 +6,9 @@ gradient, the gathered parameters are freed and (through the :class:`Bucketer`, 
 rank issues the same collectives in the same order) the buffer is reduce-scattered
 straight into the gradient of this rank's shard. At most ``MAX_IN_FLIGHT``
 buffers are being reduced at once; a rank holds ``1/world`` of the gradients plus
-those. Offloaded (:mod:`pycomm.parallel.zero.offload`), a unit's shard lands in a buffer of its
-own and is handed to the unit's optimizer step as soon as its reduce-scatter is done;
-the rank then holds no gradient between units.
+those. Where each reduced shard goes is the sink the shards' home chose
+(:mod:`pycomm.parallel.zero.grad_sinks`): the shard gradients in memory, or offloaded, the
+unit's optimizer step as soon as its reduce-scatter is done.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pycomm.flat_arena import Arena
 
 from ..grad_hooks import EndOfBackward, on_grad_ready
 from . import zero_comms as comms
+from .grad_sinks import GradSink
 from .shard_layout import ShardLayout
 from .slot_pool import SlotPool
 from .units import Unit
@@ -44,7 +45,7 @@ class UnitHost(Protocol):
     units: list[Unit]
     unit_of: dict[int, Unit]
     pool: SlotPool
-    offload: Any
+    home: Any  # the shards' home (zero.shard_homes): it picks the gradients' sink
 
     def backward_unit_order(self) -> list[int]: ...
 
@@ -69,8 +70,6 @@ class UnitGradReducer:
         self._got = [False] * len(engine.params)
         self._seen = [0] * len(engine.units)
         self._in_flight: deque[tuple[Any, torch.Tensor, Unit, torch.Tensor]] = deque()
-        self._landed: list[tuple[Unit, torch.Tensor]] = []  # reduced outside the master grads
-        self._scratch: Arena | None = None
         self.fresh = True  # the next backward overwrites the master gradients
         self._end = EndOfBackward(self._finalize)
         on_grad_ready(engine.params, self._on_grad)
@@ -78,12 +77,17 @@ class UnitGradReducer:
     def set_reduce_dtype(self, dtype: torch.dtype) -> None:
         """Reduce in ``dtype``; the reduced shards (``shard_grads``, one per unit) too."""
         self.reduce_dtype = dtype
-        if self.engine.offload is not None:  # each unit's shard exists only for its step
-            self.grads: Arena | None = None
-            self.shard_grads: list[torch.Tensor] = []
-            return
-        self.grads = Arena(self.engine.layout.shard_numel, dtype)
-        self.shard_grads = self.engine.shard_views(self.grads)
+        self.sink: GradSink = self.engine.home.grad_sink(dtype, self.engine.shard_views)
+
+    @property
+    def grads(self) -> Arena | None:
+        """The reduced shard gradients' arena (None offloaded: none is kept)."""
+        return self.sink.grads
+
+    @property
+    def shard_grads(self) -> list[torch.Tensor]:
+        """Each unit's reduced shard gradient ([] offloaded)."""
+        return self.sink.shard_grads
 
     def begin_backward(self) -> None:
         if self._bucketer is None:
@@ -117,11 +121,7 @@ class UnitGradReducer:
         work, slot, u, out = self._in_flight.popleft()
         work.wait()
         self.engine.pool.give(slot)
-        if self.engine.offload is not None:
-            divide = self.engine.world if self._divide_after else 1
-            self.engine.offload.step_unit(u, out, divide)
-            # Free it now: the bucketer's work (kept until the end of backward) holds it
-            out.untyped_storage().resize_(0)
+        self.sink.arrived(u, out, self._divisor())
 
     # -- per unit --------------------------------------------------------------------------------
 
@@ -132,27 +132,16 @@ class UnitGradReducer:
             if not self._got[i]:
                 u.piece(slot, j).zero_()
         slot[u.offsets[-1] + u.shapes[-1].numel():].zero_()  # the padding
-        out = self._destination(u)
+        out = self.sink.destination(u, self.fresh)
         work = comms.reduce_scatter_bucket(out, slot, self._op, self.engine.group)
         del self._slots[u.index]
         self._in_flight.append((work, slot, u, out))
         return work
 
-    def _destination(self, u: Unit) -> torch.Tensor:
-        """The unit's reduced shard itself, unless this backward accumulates into it
-        (offloaded: a buffer for this unit's step alone)."""
-        if self.engine.offload is not None:
-            return torch.empty(u.shard_numel, dtype=self.reduce_dtype)
-        assert self.grads is not None
-        mine = self.shard_grads[u.index]
-        if self.fresh:
-            return mine
-        if self._scratch is None:
-            self._scratch = Arena(self.engine.layout.shard_numel, self.reduce_dtype)
-        offset = self.grads.offset_of(mine)
-        out = self._scratch.buffer[offset : offset + u.shard_numel]
-        self._landed.append((u, out))
-        return out
+    def _divisor(self) -> int:
+        """What a reduced gradient is divided by: the world where the backend has no
+        AVG (the sum was taken), else 1."""
+        return self.engine.world if self._divide_after else 1
 
     def _finalize(self) -> None:
         assert self._bucketer is not None
@@ -163,23 +152,11 @@ class UnitGradReducer:
         while self._in_flight:
             self._recycle_oldest()
         self.engine.release_all()
-        if self.grads is None:  # offloaded: every unit has stepped already
-            self.fresh = True
-            self._got = [False] * len(self._got)
-            self._seen = [0] * len(self._seen)
-            return
-        if self._divide_after:  # no AVG on this backend: the sum, divided once
-            reduced = [self.grads.buffer] if self.fresh else [out for _, out in self._landed]
-            for t in reduced:
-                t.div_(self.engine.world)
-        for u, out in self._landed:
-            self.shard_grads[u.index].add_(out)
-        self._landed.clear()
+        accumulates = self.sink.finish(self.fresh, self._divisor())
         self._got = [False] * len(self._got)
         self._seen = [0] * len(self._seen)
-        self.fresh = False
+        self.fresh = not accumulates
 
     def zero_grad(self) -> None:
-        if self.grads is not None:
-            self.grads.buffer.zero_()
+        self.sink.zero()
         self.fresh = True

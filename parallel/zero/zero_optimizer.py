@@ -117,10 +117,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.state = self.optimizer.state
         self.state_offload: UnitOffload | None = None  # ZeRO-Offload: offload_states
         self.offload = getattr(self._shards, "offload", None)
+        # How step() steps the shards, chosen once: here, on the masters in memory
+        self._step_shards: Callable[[], None] = lambda: step_on_masters(
+            self.optimizer, self.piece_params, self._piece_grads())
         if self.offload is not None:  # stage 3 offloaded: each unit steps in backward
             self.offload.stepper = unit_stepper(self.optimizer, self.pieces,
                                                 self.piece_params, self._copy_options,
                                                 self.offload.state_fields)
+            self._step_shards = lambda: None  # every unit stepped in backward already
 
     def _make_piece_params(self) -> list[nn.Parameter]:
         """The inner optimizer's parameters: each piece of a master shard (the shard
@@ -210,10 +214,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._shards.adopt_model_writes()
         self._copy_options()
-        if self.state_offload is not None:  # bucket by bucket, state from the store
-            self.state_offload.step_states(list(self.shard_params), self._shards.shard_grads)
-        elif self.offload is None:  # offloaded, every unit stepped in backward already
-            step_on_masters(self.optimizer, self.piece_params, self._piece_grads())
+        self._step_shards()
         self._shards.publish_shards()
         return loss
 
@@ -242,6 +243,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.state_offload.stepper = unit_stepper(self.optimizer, self.pieces,
                                                   self.piece_params, self._copy_options,
                                                   fields)
+        store = self.state_offload  # bucket by bucket, each bucket's state from the store
+        self._step_shards = lambda: store.step_states(list(self.shard_params),
+                                                      self._shards.shard_grads)
 
     def reduce_gradients(self) -> None:
         """Reduce the gradients backward left in ``.grad`` (built with
