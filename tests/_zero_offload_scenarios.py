@@ -60,7 +60,7 @@ def _finish(engine: Any) -> dict[str, Any]:
         out = zero3.full_state_dict()
     else:
         out = {n: p.detach().clone() for n, p in engine.stage.named_parameters()}
-    state = engine.dp.store
+    state = engine.dp.state.store  # the unit store, None in memory
     engine.mesh.destroy()
     return {"params": out, "steps": None if state is None else state.stats["steps"],
             "buckets": None if state is None else len(state.units)}

@@ -195,11 +195,8 @@ class ParallelModel:
                     p.grad = torch.zeros_like(p)
                 grads.append((p.grad, group))
             self.ties.sum_grads(grads)
-        elif getattr(self.dp, "offload", None) is not None:  # in the units' records
-            self.dp.sum_offloaded(tied, self.ties.sum_grads)
-        else:
-            shards = self.dp.shard_grads_of([p for p, _ in tied])
-            self.ties.sum_grads([(s, g) for s, (_, g) in zip(shards, tied, strict=True)])
+        else:  # in the shards, or offloaded in the units' records
+            self.dp.sum_tied_shards(tied, self.ties.sum_grads)
 
     # -- steps ---------------------------------------------------------------------------------
 

@@ -64,8 +64,9 @@ class ExpertsBeside:
     def grad_parts(self) -> list[tuple[torch.Tensor, float]]:
         return [*self.dense.grad_parts(), *self.experts.grad_parts()]
 
-    def shard_grads_of(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        return self.dense.shard_grads_of(params)
+    def sum_tied_shards(self, tied: list[tuple[nn.Parameter, Any]],
+                        sum_grads: Callable[[list[tuple[torch.Tensor, Any]]], None]) -> None:
+        self.dense.sum_tied_shards(tied, sum_grads)
 
     def pieces(self) -> list[Any]:
         return [*self.dense.pieces(), *self.experts.pieces()]

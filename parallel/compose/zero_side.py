@@ -31,6 +31,7 @@ from ..zero.offload import OffloadConfig
 from ..zero.offload_step import optimizer_state_layout
 from ..zero.sharded_checkpoint import owned_pieces, state_slices
 from ..zero.sharded_model import DEFAULT_PERSISTENCE_THRESHOLD, LiveBudget
+from .zero_state import InMemory, StateInStore, UnitsInStore, ZeroState
 
 # (parameter, its shape, flat start, master values, optimizer state tensors, scalar state)
 Piece = tuple[nn.Parameter, torch.Size, int, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]
@@ -77,7 +78,7 @@ class ZeroPlan:
         self.mesh, self.copies, self.grad_scale = mesh, copies, grad_scale
         group = mesh.group(axis)
         by_name = _groups_by_name(stage_module, config.weight_decay, exclude or set())
-        self.offload = None
+        units_store = None
         if self.zero == 3:
             offload = None if config.offload == "none" else OffloadConfig(
                 config.offload, config.offload_dir, config.offload_prefetch,
@@ -93,7 +94,7 @@ class ZeroPlan:
                         persistence_threshold=threshold, never_persistent=never_persistent,
                         materialize=materialize, offload=offload, exclude=exclude or (),
                         budget=LiveBudget(config.max_live_units, config.max_live_bytes))
-            self.offload = stage_module.__dict__["zero3"].offload
+            units_store = stage_module.__dict__["zero3"].offload
         named = dict(stage_module.named_parameters())
         zero3: Any = stage_module.__dict__.get("zero3")
         if zero3 is not None:  # the parameters as stage 3 keeps them (made from meta there)
@@ -110,10 +111,13 @@ class ZeroPlan:
         if self.zero < 3 and config.offload != "none":  # ZeRO-Offload: the state in a store
             self.optimizer.offload_states(OffloadConfig(config.offload, config.offload_dir,
                                                         config.offload_prefetch))
-        # where the optimizer state lives when not in memory (stage 3: with the masters)
-        self.store = self.optimizer.state_offload or self.offload
-        if self.offload is not None:  # (at the first step: parameters made from meta
-            self.offload.weigh = self._norm_weights  # are named once the plan is built)
+        self.state: ZeroState = InMemory()
+        if units_store is not None:
+            self.state = UnitsInStore(units_store)
+            # (at the first step: parameters made from meta are named once the plan is built)
+            units_store.weigh = self._norm_weights
+        elif self.optimizer.state_offload is not None:
+            self.state = StateInStore(self.optimizer.state_offload)
 
     def _norm_weights(self) -> dict[int, list[tuple[int, int, float]]]:
         """Stage 3 offload's norm: each unit's shard elements of a parameter held by
@@ -129,9 +133,7 @@ class ZeroPlan:
     def step_offloaded(self, unscale: float, clip: float) -> None:
         """Offloaded with clipping or loss scaling: every unit steps now, its gradient
         times ``unscale`` then ``clip`` (each skipped where it is 1, as in memory)."""
-        if self.offload is not None and self.offload.defer:
-            self.offload.grad_factors = [f for f in (unscale, clip) if f != 1.0]
-            self.offload.step_deferred()
+        self.state.step_deferred(unscale, clip)
 
     def reduce(self) -> None:
         if self.grad_scale != 1.0:
@@ -145,27 +147,27 @@ class ZeroPlan:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        if self.offload is not None:  # a skipped step: the records' gradients are dropped
-            self.offload.discard_deferred()
+        self.state.discard_deferred()
 
     def grad_parts(self) -> list[tuple[torch.Tensor, float]]:
-        if self.offload is not None:  # the shards are gone: the sum of their squares
-            local = torch.tensor([self.offload.grad_square_sum], dtype=torch.float64)
-            return [(local.sqrt(), 1.0)]
+        return self.state.grad_parts(self)
+
+    def shard_grad_parts(self) -> list[tuple[torch.Tensor, float]]:
+        """Each parameter's part of this rank's reduced shards, weighted 1 / its copies."""
         return [(part, 1.0 / self.copies(self.params[i]))
                 for i, part in self.optimizer.grad_parts()]
 
-    def sum_offloaded(self, tied: list[tuple[nn.Parameter, Any]],
-                      sum_grads: Callable[[list[tuple[torch.Tensor, Any]]], None]) -> None:
-        """Stage 3 offloaded: each tied parameter's gradient, waiting in its unit's
-        record (the unit holds it alone), summed over its group by ``sum_grads``."""
-        assert self.offload is not None
+    def sum_tied_shards(self, tied: list[tuple[nn.Parameter, Any]],
+                        sum_grads: Callable[[list[tuple[torch.Tensor, Any]]], None]) -> None:
+        """Stage 3: each tied parameter's reduced gradient (its unit holds it alone),
+        summed over its group by ``sum_grads``, wherever the state keeps it."""
+        self.state.sum_tied(self, tied, sum_grads)
+
+    def units_of(self, tied: list[tuple[nn.Parameter, Any]]) -> list[tuple[int, Any]]:
+        """The unit index of each tied parameter, with its group."""
         index = {id(p): i for i, p in enumerate(self.params)}
         bucket = self.optimizer.layout.bucket_of_param()
-        for p, group in tied:
-            unit = self.offload.units[bucket[index[id(p)]]]
-            self.offload.combine_deferred_grad(
-                unit, lambda grad, group=group: sum_grads([(grad, group)]))
+        return [(bucket[index[id(p)]], group) for p, group in tied]
 
     def shard_grads_of(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """Stage 3: the reduced gradient shard of each of ``params``' units, each unit
@@ -177,10 +179,12 @@ class ZeroPlan:
     def pieces(self) -> list[Piece]:
         """For checkpoints: this rank's flat range of each parameter it owns elements
         of, with the master values and optimizer state there (views of the shards;
-        offloaded, views of the unit store, :meth:`_stored_pieces`)."""
+        offloaded, views of the unit store, :meth:`stored_pieces`)."""
+        return self.state.pieces(self)
+
+    def memory_pieces(self) -> list[Piece]:
+        """:meth:`pieces` where the state is in memory: views of the shards."""
         opt = self.optimizer
-        if self.store is not None:
-            return self._stored_pieces(self.store)
         ensure_state(opt.optimizer)
         shapes, out = opt.param_shapes(), []
         for i, k, lo, hi, at in owned_pieces(opt):
@@ -198,7 +202,7 @@ class ZeroPlan:
         return next(q for p, q in zip(opt.pieces, opt.piece_params, strict=True)
                     if p.bucket == k and p.start <= at < p.stop)
 
-    def _stored_pieces(self, store: Any) -> list[Piece]:
+    def stored_pieces(self, store: Any) -> list[Piece]:
         """Offloaded: the pieces' optimizer state (stage 3: and values) are views of the
         unit store (a checkpoint streams through them, no record is read whole), the
         scalars (step counters) those in memory. Every piece gets the optimizer's state
@@ -234,12 +238,11 @@ class ZeroPlan:
     def release_view(self) -> Any:
         """For checkpoints: how a chunk viewing the unit store lets its pages go
         (``dcp_chunks.save``'s ``release``), None where the state is in memory."""
-        return None if self.store is None else self.store.release_view
+        return self.state.release_view()
 
     def saved(self) -> None:
         """After a checkpoint was written from :meth:`pieces`' views."""
-        if self.store is not None:
-            self.store.end_stored()
+        self.state.saved()
 
     def loaded(self) -> None:
         """After a checkpoint was read into the master shards: every rank's parameters."""
