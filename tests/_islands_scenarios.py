@@ -224,7 +224,8 @@ def killed_rank(victim: int, timeout_s: float) -> str | None:
     try:  # the group stays failed, and says so at once
         dist.barrier()
     except dist.DistBackendError as exc:
-        assert time.monotonic() - start < 1.0 and "first error" in str(exc), str(exc)
+        # at once, not after the group timeout (half of it: a loaded machine's margin)
+        assert time.monotonic() - start < timeout_s / 2 and "first error" in str(exc), str(exc)
     else:
         raise AssertionError("a barrier succeeded after the group failed")
     return message

@@ -62,7 +62,9 @@ def _assert_group_failed(first: BaseException) -> None:
     seq = re.search(SEQ, str(first))
     assert seq, f"rank {dist.get_rank()}: no seq in {str(first)!r}"
     exc, elapsed = _expect_error(lambda: dist.all_reduce(torch.ones(3)), RuntimeError)
-    assert elapsed < 2.0, f"rank {dist.get_rank()}: follow-up took {elapsed:.1f} s to fail"
+    # at once, not after the group timeout: half of it leaves a loaded machine its seconds
+    assert elapsed < PG_TIMEOUT_S / 2, (
+        f"rank {dist.get_rank()}: follow-up took {elapsed:.1f} s to fail")
     _assert_mentions(str(exc), rf"\bseq\W{{0,3}}{seq.group(1)}\b")
 
 
