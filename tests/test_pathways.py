@@ -194,6 +194,23 @@ def test_futures_move_worker_to_worker_in_and_between_islands(client):
     torch.testing.assert_close(untyped.result(1), sum(want) + 21, rtol=0, atol=0)
 
 
+def test_a_transfer_that_timed_out_leaves_the_islands_pair_usable():
+    """A value that reaches the other island after the timeout fails its receiver (gloo
+    then closes the pair on that side); the next transfers between the same two workers,
+    in both directions, arrive: the pair is built again, on both sides, at its next use."""
+    with pw.Cluster([1, 1], timeout_s=3, env=ENV) as cluster, \
+            cluster.client(timeout_s=60) as client:
+        a, b = client.mesh(0, (1,)), client.mesh(1, (1,))
+        late = client.call(fns.sleep_then, a, torch.ones(8, dtype=F64), 6.0, out=V8)
+        with pytest.raises(pw.PathwaysError, match="transfer failed"):
+            client.call(fns.plus, b, late, 1.0, out=V8).result()
+        x = client.call(fns.rank_value, a, 1.0, 8, out=V8)
+        there = client.call(fns.plus, b, x, 10.0, out=V8)
+        back = client.call(fns.plus, a, there, 100.0, out=V8)
+        want = (1.0 + torch.arange(8, dtype=F64) / 7) + 10.0 + 100.0
+        torch.testing.assert_close(back.result(0), want, rtol=0, atol=0)
+
+
 def test_objects_that_are_not_tensors_travel_pickled(client):
     a, b = client.mesh(0, (2,)), client.mesh(1, (2,))
     obj = client.call(fns.as_object, a, torch.ones(3))

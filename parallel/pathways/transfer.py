@@ -38,29 +38,46 @@ class Links:
     Built in one order on every worker (pairs sorted by their members' global index), so
     that no two workers wait on each other's second pair: the first unbuilt pair in that
     order always has both its members at it.
+
+    A transfer that fails on a pair (gloo closes a pair whose receive timed out, on that
+    side, and the other side then finds it closed) marks it broken, from any thread: the
+    pair's generation, a counter in the store that both members read, goes up, and each
+    member builds the pair again at that generation at its next use of it, so later
+    transfers between the two workers arrive. Only the transfers thread uses the pairs.
     """
 
     def __init__(self, store: dist.Store, me: Where, sizes: list[int], epochs: list[int],
                  timeout_s: float):
         self.store, self.me, self.sizes, self.epochs = store, me, list(sizes), list(epochs)
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._pairs: dict[Where, tuple[Any, int]] = {}
+        self._pairs: dict[Where, tuple[Any, int, int]] = {}  # peer -> (group, index, gen)
+        self._broken: set[Where] = set()
+        self._lock = threading.Lock()
 
     def _index(self, w: Where) -> int:
         return sum(self.sizes[: w[0]]) + w[1]
+
+    def _name(self, peer: Where) -> str:
+        lo, hi = sorted((self.me, peer), key=self._index)
+        return f"{lo[0]}.{lo[1]}e{self.epochs[lo[0]]}/{hi[0]}.{hi[1]}e{self.epochs[hi[0]]}"
+
+    def _generation(self, peer: Where, bump: bool = False) -> int:
+        return int(self.store.add(f"pw/pairgen/{self._name(peer)}", 1 if bump else 0))
+
+    def _connect(self, peer: Where, generation: int) -> None:
+        lo = min((self.me, peer), key=self._index)
+        rank = 0 if lo == self.me else 1
+        prefix = f"pw/pair/{self._name(peer)}/g{generation}/"
+        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), rank, 2,
+                                      self.timeout)
+        self._pairs[peer] = (group, 1 - rank, generation)
 
     def build(self, islands: list[int]) -> None:
         """The pairs of this worker with every worker of ``islands`` (not its own)."""
         peers = [(i, r) for i in islands if i != self.me[0] for r in range(self.sizes[i])]
         mine = self._index(self.me)
         for peer in sorted(peers, key=lambda p: tuple(sorted((mine, self._index(p))))):
-            lo, hi = sorted((self.me, peer), key=self._index)
-            name = (f"pw/pair/{lo[0]}.{lo[1]}e{self.epochs[lo[0]]}/"
-                    f"{hi[0]}.{hi[1]}e{self.epochs[hi[0]]}/")
-            rank = 0 if lo == self.me else 1
-            group = dist.ProcessGroupGloo(dist.PrefixStore(name, self.store), rank, 2,
-                                          self.timeout)
-            self._pairs[peer] = (group, 1 - rank)
+            self._connect(peer, self._generation(peer))
 
     def renew(self, island: int, epoch: int) -> None:
         """``island`` was restarted: forget its old pairs, make the new ones."""
@@ -69,11 +86,31 @@ class Links:
             del self._pairs[peer]
         self.build([island])
 
+    def broken(self, peer: Where) -> None:
+        """A transfer with ``peer`` failed on its pair (any thread): rebuilt at next use."""
+        if peer[0] != self.me[0]:
+            with self._lock:
+                self._broken.add(peer)
+
     def pair(self, peer: Where) -> tuple[Any, int]:
+        """The pair with ``peer``, built again first where it broke here or there."""
         if peer not in self._pairs:
             raise ObjectError(f"no link from island {self.me[0]} rank {self.me[1]} to island "
                               f"{peer[0]} rank {peer[1]}")
-        return self._pairs[peer]
+        with self._lock:
+            bump = peer in self._broken
+            self._broken.discard(peer)
+        generation = self._generation(peer, bump)
+        group, index, built = self._pairs[peer]
+        if generation != built:
+            try:
+                self._connect(peer, generation)
+            except Exception as e:
+                raise ObjectError(f"island {self.me[0]} rank {self.me[1]}: the link to island "
+                                  f"{peer[0]} rank {peer[1]} broke and could not be built "
+                                  f"again: {e}") from None
+            group, index, _ = self._pairs[peer]
+        return group, index
 
 
 class PendingRecv:
@@ -102,6 +139,7 @@ class PendingRecv:
         try:
             work.wait(datetime.timedelta(seconds=timeout_s))
         except Exception as e:
+            self._transfers.broken(self.recv.src)
             raise ObjectError(f"{self._whence()}: the transfer failed: {e}") from None
 
     def _decode(self, kind: int) -> Any:
@@ -133,6 +171,11 @@ class Transfers:
     def submit(self, task: Callable[[], None]) -> None:
         self._tasks.put(task)
 
+    def broken(self, peer: Where) -> None:
+        """A transfer with ``peer`` failed: its link (between islands) is built again."""
+        if self.links is not None:
+            self.links.broken(peer)
+
     def stop(self) -> None:
         self._tasks.put(None)
         self._thread.join(30.0)
@@ -154,6 +197,7 @@ class Transfers:
                     works.append(self._p2p(False, pending.payload, recv.src, recv.tag + 1))
                 pending.posted.set_result(works)
             except Exception as e:
+                self.broken(recv.src)
                 pending.posted.set_exception(ObjectError(f"posting a receive: {e}"))
         self.submit(post)
         return pending
@@ -165,6 +209,7 @@ class Transfers:
             try:
                 done.set_result(self._p2p(False, buf, src, tag))
             except Exception as e:
+                self.broken(src)
                 done.set_exception(ObjectError(f"posting a receive: {e}"))
         self.submit(post)
         return done
@@ -183,7 +228,7 @@ class Transfers:
             for tensor, tag in ((header, order.tag), (payload, order.tag + 1)):
                 self._in_flight.append((self._p2p(True, tensor, order.dst, tag), tensor))
         except Exception:  # the receiver learns of it from its own side (peer gone)
-            pass
+            self.broken(order.dst)
 
     def _p2p(self, is_send: bool, tensor: torch.Tensor, peer: Where, tag: int) -> Any:
         if peer[0] == self.me[0]:
