@@ -185,3 +185,65 @@ def descriptor_garbled(count: int) -> str:
         stop.set()
         if writer.is_alive():
             writer.join()
+
+
+def _mixed_op(i: int) -> bool:
+    """Op ``i`` of a mix that uses every kind of control word: the two-shot all_reduce
+    (stage counters), a small all_reduce, an all_gather, a broadcast (the collective
+    channels) and a ring of send/recv (the send/recv channels); whether it was right."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kind = i % 5
+    if kind == 0:
+        return _all_reduce()
+    if kind == 1:
+        y = torch.full((64,), float(rank + i))
+        dist.all_reduce(y)
+        return bool(torch.all(y == float(sum(range(world)) + world * i)))
+    if kind == 2:
+        parts = [torch.empty(1000) for _ in range(world)]
+        dist.all_gather(parts, torch.full((1000,), float(rank)))
+        return all(bool(torch.all(p == float(r))) for r, p in enumerate(parts))
+    if kind == 3:
+        y = torch.full((5000,), float(rank + 7))
+        dist.broadcast(y, src=i % world)
+        return bool(torch.all(y == float(i % world + 7)))
+    got = torch.empty(100)
+    ops = [dist.P2POp(dist.isend, torch.full((100,), float(rank)), (rank + 1) % world),
+           dist.P2POp(dist.irecv, got, (rank - 1) % world)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return bool(torch.all(got == float((rank - 1) % world)))
+
+
+def word_scribbled(name: str, victim: int, peer: int, value: int, ops: int = 25
+                   ) -> list[bool | str]:
+    """A thread of rank 0 keeps writing ``value`` into the victim's control word ``name``
+    (of its channel to ``peer``, for a channel's counters) while every rank runs ``ops``
+    of :func:`_mixed_op`: whether each was right, ending with the error that stopped
+    them, if one did."""
+    import threading
+
+    for i in range(5):  # every region the mix uses exists
+        assert _mixed_op(i)
+    dist.barrier()
+    stop = threading.Event()
+
+    def keep_writing() -> None:  # rank 0's: the segment is mapped at its address there
+        word = ctypes.c_uint64.from_address(_word_address(victim, name, peer))
+        while not stop.wait(0.00002):
+            word.value = value
+
+    writer = threading.Thread(target=keep_writing)
+    if dist.get_rank() == 0:
+        writer.start()
+    out: list[bool | str] = []
+    try:
+        for i in range(ops):
+            out.append(_mixed_op(i))
+    except dist.DistBackendError as e:
+        out.append(str(e))
+    finally:
+        stop.set()
+        if writer.is_alive():
+            writer.join()
+    return out

@@ -5,6 +5,8 @@ sum (before: 28 / 20 / 19 wrong results on ranks 0/1/2, every rank exiting 0).""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from _hostile_counter_ranks import HUGE
 
@@ -110,3 +112,31 @@ def test_a_descriptor_no_rank_could_publish_is_named_as_such():
     assert named, told
     assert f"kind {0xDEAD}, dtype 0, count {count}" in named[0], named[0]
     assert "which no pycomm rank publishes" in named[0], named[0]
+
+
+# Every 64-bit control word a rank publishes per op (its counters, its descriptor, its
+# channels' heads and tails), each at a peer and a value drawn from one seed.
+_WORDS = [("stage", 1, -1), ("completed_seq", 2, -1), ("recent", 1, -1),
+          ("coll_head", 1, 0), ("coll_tail", 2, 1), ("p2p_head", 2, 0), ("p2p_tail", 1, 2)]
+_DRAW = random.Random(60)
+FUZZ = [pytest.param(name, victim, peer, _DRAW.getrandbits(64), id=f"{name}-rank{victim}")
+        for name, victim, peer in _WORDS]
+
+
+@pytest.mark.parametrize(("name", "victim", "peer", "value"), FUZZ)
+def test_a_random_word_in_any_control_word_never_gives_a_wrong_result(name, victim, peer,
+                                                                      value):
+    """A random value kept written into one control word while 3 ranks run a checked mix
+    of ops that reads every kind (two-shot and small all_reduces, all_gather,
+    broadcast, a send/recv ring): every result is right, and a rank that stops says why
+    in pycomm's words (the word, or the group's failure), never by waiting out the
+    timeout. (With seed 60: stage, completed_seq and the send/recv head are named; the
+    others are rewritten by their owner before a peer reads them.)"""
+    from _hostile_counter_ranks import word_scribbled
+
+    results = run_ranks(word_scribbled, 3, name, victim, peer, value, env=ENV,
+                        pg_timeout_s=30.0, timeout_s=120.0)
+    for rank, outcomes in enumerate(results):
+        assert False not in outcomes, f"rank {rank}: a wrong result with {name} = {value}"
+        for message in (o for o in outcomes if isinstance(o, str)):
+            assert "pycomm" in message and "timed out" not in message, (rank, message)
