@@ -1,6 +1,6 @@
 """Builds pycomm._C: the torch-free core (csrc/core) and the c10d glue (csrc/torch).
 
-CUDA sources (the kernels csrc/cuda/*.cu and their torch glue csrc/torch/*.cu) join the
+CUDA sources (the kernels csrc/cuda/*.cu and their torch glue csrc/torch/**/*.cu) join the
 build only when the installed torch has CUDA and nvcc is found; otherwise the build is
 CPU-only and says so.
 Build with `pip install --no-build-isolation .` so the torch you run is the torch we
@@ -57,12 +57,12 @@ def cpu_sources() -> list[str]:
     simulator and handle format), so CPU-only builds compile it too and CI tests it
     without a GPU."""
     return (sources("csrc/core/**/*.cc") + sources("csrc/recompute/*.cc")
-            + sources("csrc/cuda/host/*.cc") + sources("csrc/torch/*.cc"))
+            + sources("csrc/cuda/host/*.cc") + sources("csrc/torch/**/*.cc"))
 
 
 def cuda_sources() -> list[str]:
     """What a CUDA build compiles as well: the kernels and their torch glue."""
-    return sources("csrc/cuda/*.cu") + sources("csrc/torch/*.cu")
+    return sources("csrc/cuda/*.cu") + sources("csrc/torch/**/*.cu")
 
 
 def cuda_wanted() -> bool:

@@ -3,8 +3,9 @@
 On small shared hosts the cache state flips every few seconds between fast (round trip
 ~60 ns, ~12 GB/s through a 256 KiB slot) and slow (~250-370 ns, ~2-3 GB/s), which moves
 shared-memory results by several times; a table without the state it ran in cannot be
-compared with another. The reading is pycomm's own probe (csrc/core/runtime/core_probe.h,
-0.1 s): a cache-line ping-pong and a 4-slot handoff between two pinned threads.
+compared with another. The reading is pycomm's own probe
+(csrc/core/communicator/core_probe.h, 0.1 s): a cache-line ping-pong and a 4-slot handoff
+between two pinned threads.
 
     before = _c2c.reading()
     ...  # the benchmark

@@ -2,8 +2,8 @@
 
 A striped group cuts an all_reduce of at least ``PYCOMM_STRIPE_BYTES`` (4 MiB by
 default) over several communicators per rank, each on its own thread
-(csrc/torch/stripes.h): opt-in, as gloo's thread count is a gloo user's setting. With
-``--tuned`` the columns ``pycomm`` and ``pycomm-api`` get striped twins
+(csrc/torch/backend/stripes.h): opt-in, as gloo's thread count is a gloo user's setting.
+With ``--tuned`` the columns ``pycomm`` and ``pycomm-api`` get striped twins
 (``pycomm+stripes4``, ``pycomm+stripes8``); all are one family (bench._best), the best
 per size counts, and a twin counts only at sizes it stripes: below them it runs the same
 code as its plain column, and a second sample of one setting is not a second setting.

@@ -3,7 +3,7 @@ that gave up or died before it joined.
 
 Every rank posts its pid first (``announce``); a rank whose setup fails posts why
 (``report_failure``); every wait for another rank's key (``wait_for_keys``, and the
-C++ side's waits in csrc/core/runtime/group_segment.cc, which read the same keys)
+C++ side's waits in csrc/core/communicator/group_segment.cc, which read the same keys)
 watches for both, so all ranks fail together, naming the cause.
 """
 

@@ -5,9 +5,9 @@ says how many rows it sends each peer (split per group, e.g. per expert of that 
 the offer it posts anyway, reads its peers' offers, allocates what it will receive and
 moves the rows - one collective, no separate all_to_all of the sizes and no return to
 Python between the two (DeepEP's idea, on pycomm's shared-memory transport). It is the
-operator ``torch.ops.pycomm.all_to_all_counted`` (csrc/torch/counted.cc); on a group of
-another backend (gloo, an islands group) the operator runs as two all_to_alls, counts
-then rows, with the same result.
+operator ``torch.ops.pycomm.all_to_all_counted`` (csrc/torch/backend/counted.cc); on a
+group of another backend (gloo, an islands group) the operator runs as two all_to_alls,
+counts then rows, with the same result.
 
 ``combine`` is the way back with the counts already known: the rows each rank computed
 for its peers return to them in the order they came. Each is the other's backward, so

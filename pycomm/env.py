@@ -33,7 +33,7 @@ from pycomm._extension import load as _extension
 
 MiB = 1 << 20
 
-# Every variable pycomm reads, with its default (see csrc/core/runtime/config.h, log.h).
+# Every variable pycomm reads, with its default (see csrc/core/base/config.h, log.h).
 KNOWN_VARIABLES: dict[str, str] = {
     "PYCOMM_DEBUG": "WARN (INFO: init choices once per rank; TRACE: every op)",
     "PYCOMM_DEBUG_SUBSYS": "all (or some of INIT,COLL,P2P,SHM,ISLANDS; a leading ^ excludes)",

@@ -2,9 +2,9 @@
 
 ``dist.all_reduce`` goes through torch.distributed's Python wrapper, a ProcessGroup
 operator and a ``Work``; for a small synchronous CPU tensor that machinery costs more
-than the communication. The operator (defined in csrc/torch/custom_ops.cc, as DeepSpeed
-and vLLM define their inference all-reduces) skips all of it, and having a fake kernel it
-can sit inside a ``torch.compile`` graph::
+than the communication. The operator (defined in csrc/torch/bindings/custom_ops.cc, as
+DeepSpeed and vLLM define their inference all-reduces) skips all of it, and having a fake
+kernel it can sit inside a ``torch.compile`` graph::
 
     torch.ops.pycomm.all_reduce_(tensor, "sum", group.group_name)   # or:
     pycomm.all_reduce_(tensor, group=group)

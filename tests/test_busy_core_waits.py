@@ -2,7 +2,7 @@
 
 On a busy core a sched_yield may hand the core to the other job's thread for its whole
 time slice (milliseconds), while a rank asleep on its doorbell is run as soon as its
-peer rings it. csrc/core/runtime/wait_policy.h stops yielding for kRememberContention
+peer rings it. csrc/core/base/wait_policy.h stops yielding for kRememberContention
 (100 ms) after a yield that came back late (> 50 us); a yield that comes back at once
 cost nothing and yielding goes on.
 

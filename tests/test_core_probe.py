@@ -1,4 +1,4 @@
-"""The core-to-core probe (csrc/core/runtime/core_probe.h, `_C._probe_cores`) and the
+"""The core-to-core probe (csrc/core/communicator/core_probe.h, `_C._probe_cores`) and the
 reading benchmark tables state (bench/_c2c.py): finite numbers within a time bound, eager
 errors that name the CPU, and the fast/between/slow thresholds on synthetic readings."""
 

@@ -3,7 +3,7 @@
 One case per file, both architectures in one nvcc call; ``-Xptxas -v`` reports each
 kernel's registers (printed: ``pytest -rP tests/test_cuda_build.py``, and recorded as
 the case's ``registers`` property) and spills, which must be 0. Needs nvcc, not a GPU.
-The torch glue in csrc/torch/*.cu (host code only) is type-checked against this torch's
+The torch glue in csrc/torch/**/*.cu (host code only) is type-checked against this torch's
 headers, so a CPU-only CI catches a broken CUDA build of pycomm._C too.
 """
 
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
-GLUE = sorted((ROOT / "csrc" / "torch").glob("*.cu"))
+GLUE = sorted((ROOT / "csrc" / "torch").rglob("*.cu"))
 ARCHS = ("80", "90")
 
 

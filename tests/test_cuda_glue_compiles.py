@@ -14,8 +14,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-GLUE = ["csrc/torch/backend.cc", "csrc/torch/backend_collectives.cc",
-        "csrc/torch/cuda_collectives.cc", "csrc/torch/cuda_host.cc", "csrc/torch/tensor_args.cc"]
+GLUE = ["csrc/torch/backend/backend.cc", "csrc/torch/backend/backend_collectives.cc",
+        "csrc/torch/backend/tensor_args.cc", "csrc/torch/cuda/cuda_collectives.cc",
+        "csrc/torch/cuda/cuda_host.cc"]
 
 
 def _cuda_include() -> Path | None:

@@ -5,7 +5,7 @@ Two runs of the same ranks under ``strace -f -c``, one with N1 and one with N2 c
 every fast path (tests/_hot_path_ranks.py); a system call made per op shows up as a
 count that grows with N. Waiting (futex, sched_yield, sleeps) may: how long a peer takes
 decides whether a rank yields or sleeps; and a wait that sleeps asks for a short time
-slice while asleep (sched_getattr/sched_setattr, csrc/core/runtime/wait_slice.h).
+slice while asleep (sched_getattr/sched_setattr, csrc/core/base/wait_slice.h).
 """
 
 from __future__ import annotations

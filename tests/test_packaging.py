@@ -122,7 +122,7 @@ def test_sdist_holds_every_compiled_source_and_included_header(setup_py, sdist):
     compiled = setup_py.cpu_sources() + setup_py.cuda_sources()
     assert any(s.endswith(".cu") for s in compiled) and len(compiled) > 20, compiled
     headers = included_headers(compiled)
-    assert "csrc/torch/backend.h" in headers and any(h.endswith(".cuh") for h in headers)
+    assert "csrc/torch/backend/backend.h" in headers and any(h.endswith(".cuh") for h in headers)
     missing = sorted(set(compiled) - set(sdist)) + sorted(headers - set(sdist))
     assert not missing, f"the sdist lacks files the build needs: {missing}"
 

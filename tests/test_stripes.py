@@ -1,8 +1,8 @@
 """PYCOMM_STRIPES: a large CPU all_reduce striped over several communicators per rank.
 
-csrc/torch/stripes.h cuts an all_reduce of at least PYCOMM_STRIPE_BYTES into contiguous
-parts of whole cache lines and runs part 0 on the calling thread and the others on their
-own communicators' threads. These tests hold its results to float64 through every entry
+csrc/torch/backend/stripes.h cuts an all_reduce of at least PYCOMM_STRIPE_BYTES into
+contiguous parts of whole cache lines and runs part 0 on the calling thread and the others
+on their own communicators' threads. These tests hold its results to float64 through every entry
 (dist.all_reduce, pycomm.all_reduce_, async, strided, coalesced, PREMUL_SUM, DDP), its
 threads to the group's life, rank 0's setting to the group, and ranks that disagree to a
 prompt error on every rank rather than a hang.

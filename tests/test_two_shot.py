@@ -28,7 +28,7 @@ from pycomm.testing import RankPool
 pytestmark = pytest.mark.usefixtures("require_pycomm")
 
 WORLD = 3
-MAX_PIECES = 1 << 18  # kMaxTwoShotPieces (csrc/core/runtime/config.h)
+MAX_PIECES = 1 << 18  # kMaxTwoShotPieces (csrc/core/base/config.h)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 Under load a rank woken by its peer's doorbell waited behind every busy thread on its
 core (10-20 ms each time beside four busy loops): EEVDF runs the owed thread whose slice
-ends first, and the rank's slice was as long as theirs. csrc/core/runtime/wait_slice.h
+ends first, and the rank's slice was as long as theirs. csrc/core/base/wait_slice.h
 asks for 100 us (PYCOMM_WAIT_SLICE_US) while a wait sleeps and restores the thread's own
 slice once it is awake; the send/recv engine's thread keeps it. These tests watch the
 slice from a second thread while one rank waits 0.4 s for the other.

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-FUTEX_ITSELF = {"core/runtime/futex.h", "core/runtime/futex.cc"}
+FUTEX_ITSELF = {"core/base/futex.h", "core/base/futex.cc"}
 
 
 def sleeping_files() -> list[Path]:
@@ -23,7 +23,7 @@ def sleeping_files() -> list[Path]:
 
 def test_the_sleeping_waits_are_found():
     names = {str(p.relative_to(CSRC)) for p in sleeping_files()}
-    assert {"core/runtime/waiter.h", "core/transport/p2p_engine.cc",
+    assert {"core/communicator/waiter.h", "core/transport/p2p_engine.cc",
             "cuda/host/ring_sync.cc"} <= names, names
 
 

@@ -1,8 +1,8 @@
 #include <algorithm>
 
-#include "core/runtime/config.h"
-#include "core/runtime/errors.h"
-#include "core/runtime/log.h"
+#include "core/base/config.h"
+#include "core/base/errors.h"
+#include "core/base/log.h"
 #include "cuda/host/ring_walk.h"
 #include "cuda/ipc_ring.cuh"
 #include "cuda/reduce_kernels.cuh"

@@ -25,9 +25,9 @@
 #include <vector>
 
 #include "core/algorithms/ring_plan.h"
-#include "core/runtime/config.h"
-#include "core/runtime/rendezvous.h"
-#include "core/runtime/types.h"
+#include "core/base/config.h"
+#include "core/base/types.h"
+#include "core/communicator/rendezvous.h"
 #include "cuda/host/ipc_handles.h"
 #include "cuda/host/ring_sync.h"
 

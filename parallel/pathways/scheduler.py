@@ -57,8 +57,8 @@ class _InFlight:
 
 
 # What pycomm's ops raise on a rank whose failure only echoes a peer's: the peer aborted
-# the group (csrc/torch/backend.cc), or the peer died (Shared::peer_gone and died() in
-# csrc/core), which the scheduler names itself when the worker's connection closes. A
+# the group (csrc/torch/backend/backend.cc), or the peer died (Shared::peer_gone and died()
+# in csrc/core), which the scheduler names itself when the worker's connection closes. A
 # mesh refused after such a failure quotes it, so its later nodes are echoes too.
 ABORT_ECHO = re.compile(r"aborted the process group|rank \d+ \(pid \d+[^)]*\) died")
 

@@ -8,7 +8,7 @@
 #include <functional>
 #include <vector>
 
-#include "core/runtime/types.h"
+#include "core/base/types.h"
 #include "core/transport/transport.h"
 
 namespace pycomm {

@@ -7,7 +7,7 @@
 
 #include "core/algorithms/algorithms.h"
 #include "core/algorithms/all_to_all_offer.h"
-#include "core/runtime/errors.h"
+#include "core/base/errors.h"
 
 namespace pycomm {
 namespace {

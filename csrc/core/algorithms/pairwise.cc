@@ -6,9 +6,9 @@
 
 #include "core/algorithms/algorithms.h"
 #include "core/algorithms/all_to_all_offer.h"
+#include "core/base/errors.h"
+#include "core/communicator/faults.h"
 #include "core/memory/arena.h"
-#include "core/runtime/errors.h"
-#include "core/runtime/faults.h"
 #include "core/transport/peer_memory.h"
 
 namespace pycomm {

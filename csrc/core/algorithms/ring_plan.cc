@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "core/runtime/errors.h"
+#include "core/base/errors.h"
 
 namespace pycomm {
 namespace {

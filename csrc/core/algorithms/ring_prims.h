@@ -7,7 +7,7 @@
 
 #include <cstddef>
 
-#include "core/runtime/types.h"
+#include "core/base/types.h"
 #include "core/transport/transport.h"
 
 namespace pycomm {

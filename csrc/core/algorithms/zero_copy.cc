@@ -4,8 +4,8 @@
 #include <cstring>
 
 #include "core/algorithms/parts.h"
+#include "core/communicator/faults.h"
 #include "core/kernels/reduce.h"
-#include "core/runtime/faults.h"
 
 namespace pycomm {
 namespace {

@@ -9,11 +9,11 @@
 #include <cstring>
 #include <string>
 
+#include "core/base/errors.h"
 #include "core/kernels/element_ops.h"
 #include "core/kernels/f16c.h"
 #include "core/kernels/float16.h"
 #include "core/kernels/kernel_attrs.h"
-#include "core/runtime/errors.h"
 
 namespace pycomm {
 namespace {

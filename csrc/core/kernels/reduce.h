@@ -3,7 +3,7 @@
 
 #include <cstddef>
 
-#include "core/runtime/types.h"
+#include "core/base/types.h"
 
 namespace pycomm {
 

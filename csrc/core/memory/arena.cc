@@ -12,7 +12,7 @@
 #include <mutex>
 #include <string>
 
-#include "core/runtime/errors.h"
+#include "core/base/errors.h"
 
 namespace pycomm {
 namespace {

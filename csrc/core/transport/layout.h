@@ -30,7 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "core/runtime/types.h"
+#include "core/base/types.h"
 
 namespace pycomm {
 
@@ -106,7 +106,7 @@ struct GroupSettings {
   uint64_t slot_bytes;
   uint64_t direct_bytes;
   uint32_t zero_copy;  // 0 or 1
-  uint32_t stripes;    // 1..kMaxStripes (csrc/torch/stripes.h)
+  uint32_t stripes;    // 1..kMaxStripes (csrc/torch/backend/stripes.h)
   uint64_t stripe_bytes;
   uint64_t two_shot_bytes;        // 0: the group never takes the two-shot
   uint64_t two_shot_piece_bytes;  // a multiple of 64

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "core/runtime/errors.h"
+#include "core/base/errors.h"
 
 namespace pycomm {
 namespace {

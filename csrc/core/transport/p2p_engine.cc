@@ -4,8 +4,8 @@
 #include <cstring>
 #include <new>
 
-#include "core/runtime/errors.h"
-#include "core/runtime/wait_slice.h"
+#include "core/base/errors.h"
+#include "core/base/wait_slice.h"
 
 namespace pycomm {
 

@@ -21,8 +21,8 @@
 #include <thread>
 #include <vector>
 
-#include "core/runtime/log.h"
-#include "core/runtime/waiter.h"
+#include "core/base/log.h"
+#include "core/communicator/waiter.h"
 #include "core/transport/shared_state.h"
 #include "core/transport/transport.h"
 

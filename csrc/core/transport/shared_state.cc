@@ -8,7 +8,7 @@
 #include <cstring>
 #include <thread>
 
-#include "core/runtime/futex.h"
+#include "core/base/futex.h"
 
 namespace pycomm {
 namespace {

@@ -5,8 +5,8 @@
 #include <chrono>
 #include <string>
 
-#include "core/runtime/types.h"
-#include "core/runtime/wait_policy.h"
+#include "core/base/types.h"
+#include "core/base/wait_policy.h"
 #include "core/transport/layout.h"
 #include "core/transport/liveness.h"
 #include "core/transport/shm_segment.h"

@@ -13,8 +13,8 @@
 #include <random>
 #include <utility>
 
-#include "core/runtime/errors.h"
-#include "core/runtime/fork_guard.h"
+#include "core/base/errors.h"
+#include "core/communicator/fork_guard.h"
 #include "core/transport/unlink_on_signal.h"
 
 namespace pycomm {

@@ -4,7 +4,7 @@
 #include <cstring>
 #include <string>
 
-#include "core/runtime/faults.h"
+#include "core/communicator/faults.h"
 
 namespace pycomm {
 

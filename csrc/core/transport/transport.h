@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/runtime/waiter.h"
+#include "core/communicator/waiter.h"
 #include "core/transport/shared_state.h"
 
 namespace pycomm {

@@ -3,7 +3,7 @@
 #include <map>
 #include <sstream>
 
-#include "core/runtime/errors.h"
+#include "core/base/errors.h"
 
 namespace pycomm {
 namespace {

@@ -3,7 +3,7 @@
 #include <random>
 #include <string>
 
-#include "core/runtime/errors.h"
+#include "core/base/errors.h"
 
 namespace pycomm {
 namespace {

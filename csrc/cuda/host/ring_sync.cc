@@ -4,9 +4,9 @@
 #include <cstdio>
 #include <cstring>
 
-#include "core/runtime/errors.h"
-#include "core/runtime/futex.h"
-#include "core/runtime/wait_slice.h"
+#include "core/base/errors.h"
+#include "core/base/futex.h"
+#include "core/base/wait_slice.h"
 
 namespace pycomm {
 namespace {

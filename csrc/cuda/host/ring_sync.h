@@ -19,9 +19,9 @@
 #include <functional>
 #include <string>
 
-#include "core/runtime/rendezvous.h"
-#include "core/runtime/types.h"
-#include "core/runtime/wait_policy.h"
+#include "core/base/types.h"
+#include "core/base/wait_policy.h"
+#include "core/communicator/rendezvous.h"
 #include "core/transport/liveness.h"
 #include "core/transport/shared_state.h"
 #include "core/transport/shm_segment.h"
