@@ -18,6 +18,21 @@ ALLOWED = sorted(os.sched_getaffinity(0))
 TWO_CPUS = len(ALLOWED) >= 2
 
 
+# What the probe says when other work keeps the two CPUs from running its threads
+# within budget_s + 1 s (a loaded machine): it refuses rather than report a reading of
+# the load.
+BUSY = r"other work keeps those CPUs busy|the partner thread was not pinned"
+
+
+def _busy_refusal(probe):
+    """``probe()``, or None where it refused because the CPUs were busy (and said so)."""
+    try:
+        return probe()
+    except RuntimeError as e:
+        assert re.search(BUSY, str(e)), str(e)
+        return None
+
+
 @pytest.fixture
 def C(require_pycomm):
     from pycomm import _C
@@ -31,10 +46,16 @@ def test_probe_gives_positive_finite_numbers_within_the_time_bound(C):
             C._probe_cores()
         assert _c2c.reading() is None
         return
-    t0 = time.monotonic()
-    r = C._probe_cores(budget_s=0.1)
-    took = time.monotonic() - t0
-    assert took < 2.0, f"a 0.1 s probe took {took:.2f} s"
+    for _attempt in range(3):  # a busy machine may refuse every one: see _busy_refusal
+        t0 = time.monotonic()
+        r = _busy_refusal(lambda: C._probe_cores(budget_s=0.1))
+        took = time.monotonic() - t0
+        # its hard deadline is the budget + 1 s, reading or refusal
+        assert took < 2.0, f"a 0.1 s probe took {took:.2f} s"
+        if r is not None:
+            break
+    else:
+        return
     assert math.isfinite(r["round_trip_ns"]) and r["round_trip_ns"] > 0
     assert math.isfinite(r["handoff_gbs"]) and r["handoff_gbs"] > 0
     assert math.isfinite(r["exchange_gbs"]) and r["exchange_gbs"] > 0
@@ -74,7 +95,10 @@ def test_budget_out_of_range_raises(C, budget):
 
 
 def test_reading_and_its_line(C):
-    r = _c2c.reading()
+    r = next((r for r in (_busy_refusal(_c2c.reading) for _ in range(3)) if r is not None),
+             None)
+    if r is None and TWO_CPUS:
+        return  # refused three times, each for being busy (checked in _busy_refusal)
     if not TWO_CPUS:
         assert r is None and "needs two" in _c2c.describe(r)
         return
