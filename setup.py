@@ -246,7 +246,8 @@ if __name__ == "__main__":
     setup(
         packages=packages(),
         package_dir=PACKAGE_DIR,
-        # The planner's all-reduce table (python -m pycomm.parallel.planner.refresh_comms writes it)
+        # The planner's all-reduce table (written by
+        # python -m pycomm.parallel.planner.refresh_collective_times)
         package_data={"pycomm.parallel.planner": ["data/*.json"],
                       "pycomm.examples": ["*.json", "*.toml"]},
         install_requires=install_requires(sys.argv),

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from bench._memory_probe import PeakSampler, ProcessMeter, held_bytes, in_use, proc_status
-from pycomm.parallel.recompute.arena import CheckpointArena
+from pycomm.parallel.recompute.saved_inputs import CheckpointArena
 
 # the module (``pycomm.parallel.recompute.checkpoint`` the attribute is the function)
 checkpoint_module = importlib.import_module("pycomm.parallel.recompute.checkpoint")

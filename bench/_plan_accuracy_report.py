@@ -11,7 +11,7 @@ from typing import Any
 
 from pycomm.parallel.job.config import parse
 from pycomm.parallel.planner.calibrate import Calibration
-from pycomm.parallel.planner.comms import CommModel
+from pycomm.parallel.planner.collective_times import CommModel
 from pycomm.parallel.planner.layouts import Layout
 from pycomm.parallel.planner.planner import GIB, Row, evaluate, job_of
 from pycomm.parallel.planner.shapes import model_shape

@@ -490,8 +490,8 @@ def test_every_install_command_names_this_distribution():
 def test_the_planner_ships_its_collective_table(sdist):
     """An installed planner reads the all-reduce table shipped with it (not the benchmark's
     records, which are not installed); the table is the committed summaries' (refreshed
-    by ``python -m pycomm.parallel.planner.refresh_comms records/collectives``)."""
-    from pycomm.parallel.planner.comms import SHIPPED, CommModel
+    by ``python -m pycomm.parallel.planner.refresh_collective_times records/collectives``)."""
+    from pycomm.parallel.planner.collective_times import SHIPPED, CommModel
 
     assert "parallel/planner/data/all_reduce.json" in sdist
     assert sdist["parallel/planner/data/all_reduce.json"] == SHIPPED.read_bytes()

@@ -6,7 +6,7 @@ trainer accepts, with predicted per-rank memory and step time
 - :mod:`~pycomm.parallel.planner.layouts`: the layouts, filtered by the project's own checks;
 - :mod:`~pycomm.parallel.planner.memory`, :mod:`~pycomm.parallel.planner.activations`: bytes
   per rank;
-- :mod:`~pycomm.parallel.planner.calibrate`, :mod:`~pycomm.parallel.planner.comms`,
+- :mod:`~pycomm.parallel.planner.calibrate`, :mod:`~pycomm.parallel.planner.collective_times`,
   :mod:`~pycomm.parallel.planner.timing`: step time from measured compute and collectives;
 - :mod:`~pycomm.parallel.planner.planner`: rank them; :func:`choose` is ``--plan auto``'s pick;
 - :mod:`~pycomm.parallel.planner.cli`, :mod:`~pycomm.parallel.planner.report`: the command line and

@@ -67,7 +67,7 @@ def block_working(m: ModelShape, a: ActShape) -> int:
 
 def checkpoint_kept(m: ModelShape, a: ActShape, partitioned: bool) -> int:
     """Bytes a checkpointed block keeps: its input (``/t`` with ``P_a``), aligned to 64
-    bytes as :class:`pycomm.parallel.recompute.arena.CheckpointArena` places it."""
+    bytes as :class:`pycomm.parallel.recompute.saved_inputs.CheckpointArena` places it."""
     numel = a.rows * a.seq * m.hidden
     if partitioned:
         numel = -(-numel // a.tp)

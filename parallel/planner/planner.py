@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .calibrate import Calibration
-from .comms import CommModel
+from .collective_times import CommModel
 from .fit import fitting_job, settings_of
 from .layouts import OFFLOADS, Layout, enumerate_layouts
 from .memory import GIB, Memory, job_of, predict

@@ -1,5 +1,5 @@
 """Predicted step time of a layout: measured compute (:mod:`pycomm.parallel.planner.calibrate`),
-collectives at the benchmark's measured times (:mod:`pycomm.parallel.planner.comms`), the
+collectives at the benchmark's measured times (:mod:`pycomm.parallel.planner.collective_times`), the
 pipeline's bubble, and for offload the disk's measured bandwidth.
 
 - compute: per micro-batch, each block's forward + backward (plus one more forward
@@ -49,7 +49,7 @@ from .calibrate import (
     disk_bandwidth,
     head_times,
 )
-from .comms import CommModel
+from .collective_times import CommModel
 from .layouts import Layout
 from .memory import Job, Memory, offload_deferred
 from .shapes import ModelShape

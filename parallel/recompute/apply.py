@@ -8,9 +8,9 @@ from typing import Any
 from torch import nn
 
 from ..blocks import default_unit_modules
-from .arena import CheckpointArena
 from .checkpoint import checkpoint
 from .partition import refuse_sequence_parallel
+from .saved_inputs import CheckpointArena
 
 Policy = str | int | type | tuple[type, ...] | Callable[[str, nn.Module], bool]
 

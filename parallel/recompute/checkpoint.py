@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ..rng import TRACKER
-from .arena import CheckpointArena
 from .partition import Stored, check_identical_inputs
+from .saved_inputs import CheckpointArena
 
 _DEFAULT_ARENA = CheckpointArena()
 _REPLAYS = [0]  # reruns in progress (a rerun may hold another checkpoint's)

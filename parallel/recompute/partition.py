@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .arena import CheckpointArena
+from .saved_inputs import CheckpointArena
 
 # torch 2.13 renamed the tensor form (the old name warns); older torch has only that.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)

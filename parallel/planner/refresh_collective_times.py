@@ -1,6 +1,7 @@
-"""``python -m pycomm.parallel.planner.refresh_comms FOLDER``: the planner's shipped all-reduce
-table (:data:`pycomm.parallel.planner.comms.SHIPPED`) written again from the collective benchmark's
-summaries in ``FOLDER`` (``python -m bench.collectives`` runs)."""
+"""``python -m pycomm.parallel.planner.refresh_collective_times FOLDER``: the planner's
+shipped all-reduce table (:data:`pycomm.parallel.planner.collective_times.SHIPPED`)
+written again from the collective benchmark's summaries in ``FOLDER`` (``python -m
+bench.collectives`` runs)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .comms import SHIPPED, summary_tables
+from .collective_times import SHIPPED, summary_tables
 
 
 def refresh(folder: str | Path, out: Path = SHIPPED) -> Path:

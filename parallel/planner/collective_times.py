@@ -3,8 +3,9 @@ message size, interpolated between sizes. The installed planner reads the table 
 with it (``parallel/planner/data/all_reduce.json``: seconds by ranks and bytes, and where
 they were measured); ``--comm-results FOLDER`` reads a benchmark's summaries instead
 (``mpirun-{N}r-fp32-barrier.json``: ``best.best_us["all_reduce|pycomm|<bytes>"]``, the
-median over the jobs, in microseconds), and ``python -m pycomm.parallel.planner.comms FOLDER``
-refreshes the shipped table from them.
+median over the jobs, in microseconds), and
+``python -m pycomm.parallel.planner.collective_times FOLDER`` refreshes the shipped table
+from them.
 
 The benchmark measured all-reduce only; the other collectives follow from the ring
 (Patarasuk and Yuan 2009): an all-reduce is a reduce-scatter then an all-gather, each
