@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,21 +28,17 @@ from .config import JobConfig, address
 from .consistency import Gate, VectorClock
 from .node import Heartbeat, dealer, send
 from .requests import RequestError, checked_request
-from .ring import Ring, handover
-from .store import Rows, Table, TableSpec
+from .ring import Ring
+from .server_replication import ChainReplication
+from .server_ring_change import RingChange
+from .server_state import Pending
+from .store import Table, TableSpec
 
 
-@dataclass
-class Pending:
-    """A BSP push waiting for its step to complete (applied summed with the others)."""
+class Server(ChainReplication, RingChange):
+    """One server process (see the module docstring); its replication and ring-change
+    parts are :class:`ChainReplication` and :class:`RingChange`."""
 
-    clock: int
-    worker: int
-    keys: torch.Tensor
-    grads: torch.Tensor
-
-
-class Server:
     def __init__(self, cfg: JobConfig, bind: str):
         self.cfg = cfg
         self.ctx = zmq.Context()
@@ -248,89 +243,6 @@ class Server:
         else:
             table.update(rows, vals)
 
-    # -- replication -------------------------------------------------------------------------
-
-    def _forward(self, who: bytes, table: Table, header: dict[str, Any], keys: torch.Tensor,
-                 vals: torch.Tensor) -> None:
-        """Chain replication: send the update down each chain of replicas its keys have
-        (the next R servers on the ring); the chain's tail acknowledges to this server,
-        which answers the worker once every chain has (so an acknowledged push survives
-        R servers)."""
-        reply = {"op": "ok", "id": header.get("id")}
-        fields: dict[str, Any] = {k: header[k] for k in ("table", "worker", "seq", "clock")
-                                  if k in header}
-        entry = {"to": who, "reply": reply, "parts": {}, "kind": header["op"],
-                 "fields": fields}
-        fid = self._new_id()
-        self.forwards[fid] = entry
-        self._send_chains(fid, keys, vals)
-        if not entry["parts"]:
-            del self.forwards[fid]
-            self._reply(who, reply)
-
-    def _send_chains(self, fid: int, keys: torch.Tensor, vals: torch.Tensor) -> None:
-        """Send ``keys`` down their chains under the current ring (every holder but this
-        server, in ring order); each chain is a part awaiting its tail's ack."""
-        assert self.ring is not None
-        entry = self.forwards[fid]
-        holders = self.ring.holders(entry["fields"]["table"], keys)
-        if holders.shape[1] < 2:
-            return
-        chains, which = torch.unique(holders, dim=0, return_inverse=True)
-        for i, chain in enumerate(chains.tolist()):
-            rest = [s for s in chain if s != self.sid]
-            if not rest:
-                continue
-            mask = which == i
-            part = self._new_id()
-            entry["parts"][part] = (keys[mask], vals[mask])
-            send(self._peer(rest[0]), {"op": "fwd", "kind": entry["kind"], "fid": fid,
-                                       "part": part, "origin": self.sid, "chain": rest[1:],
-                                       **entry["fields"]}, [keys[mask], vals[mask]])
-
-    def _on_forward(self, who: bytes, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-        """Apply, then pass the update down the chain; the tail acknowledges to the
-        chain's head."""
-        table, keys, vals = self._checked(header, tensors, values=True)
-        assert vals is not None
-        self._apply(table, {**header, "op": header["kind"]}, keys, vals)
-        chain = [int(s) for s in header.get("chain", [])]
-        if chain and chain[0] in self.endpoints:
-            send(self._peer(chain[0]), {**header, "chain": chain[1:]},
-                 [keys, vals])
-        else:
-            send(self._peer(int(header["origin"])), {"op": "fwd_ack", "fid": header["fid"],
-                                                     "part": header["part"]})
-
-    def _on_forward_ack(self, _: bytes, header: dict[str, Any], __: list[torch.Tensor]) -> None:
-        self._forward_done(int(header["fid"]), int(header["part"]))
-
-    def _forward_done(self, fid: int, part: int) -> None:
-        entry = self.forwards.get(fid)
-        if entry is None:
-            return
-        entry["parts"].pop(part, None)
-        if not entry["parts"]:
-            del self.forwards[fid]
-            self._reply(entry["to"], entry["reply"])
-
-    def _reforward(self) -> None:
-        """After a ring change, the updates whose chains have not all acknowledged are
-        sent down the new chains (a server that already applied one skips it: it
-        remembers each worker's last push per key)."""
-        for fid in list(self.forwards):
-            entry = self.forwards[fid]
-            parts, entry["parts"] = entry["parts"], {}
-            for keys, vals in parts.values():
-                self._send_chains(fid, keys, vals)
-            if not entry["parts"]:
-                del self.forwards[fid]
-                self._reply(entry["to"], entry["reply"])
-
-    def _new_id(self) -> int:
-        self.next_id += 1
-        return self.next_id
-
     # -- pulls and clocks --------------------------------------------------------------------
 
     def _on_pull(self, who: bytes, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
@@ -398,78 +310,6 @@ class Server:
     def _on_stats(self, who: bytes, header: dict[str, Any], _: list[torch.Tensor]) -> None:
         self._reply(who, {"op": "stats", "id": header.get("id"), **self._stats()})
 
-    # -- ring changes ------------------------------------------------------------------------
-
-    def _prepare(self, new: Ring, epoch: int) -> None:
-        """Hold workers' requests; send each row a new holder lacks, from its first
-        surviving old holder; tell the scheduler once every copy is acknowledged."""
-        assert self.ring is not None
-        self.paused = True
-        for name, table in self.tables.items():
-            for target, mask in handover(self.ring, new, name, table.keys, self.sid).items():
-                self._send_rows(target, table, mask)
-        self._maybe_prepared(epoch)
-
-    def _send_rows(self, target: int, table: Table, mask: torch.Tensor) -> None:
-        rows = table.take(mask)
-        names = table.state_names
-        entries = []
-        tensors = rows.tensors(names)
-        for e in self.pending[table.spec.name]:
-            moving = torch.isin(e.keys, rows.keys)
-            if bool(moving.any()):
-                entries.append([e.clock, e.worker])
-                tensors += [e.keys[moving], e.grads[moving]]
-        mid = self._new_id()
-        self.migrations.add(mid)
-        send(self._peer(target), {"op": "migrate", "mid": mid, "table": table.spec.as_dict(),
-                                  "state": names, "pending": entries,
-                                  "vc": self.vc.as_dict()}, tensors)
-
-    def _on_migrate(self, who: bytes, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-        table = self._declare(TableSpec.from_dict(header["table"]))
-        names = list(header["state"])
-        n = 4 + len(names)
-        table.insert(Rows.from_tensors(tensors[:n], names))
-        rest = tensors[n:]
-        for worker, clock in header.get("vc", {}).items():  # a joining server's clocks
-            self.vc.advance(int(worker), int(clock))
-        for i, (clock, worker) in enumerate(header["pending"]):
-            self.pending[table.spec.name].append(
-                Pending(int(clock), int(worker), rest[2 * i], rest[2 * i + 1]))
-        self._reply(who, {"op": "migrate_ack", "mid": header["mid"]})
-
-    def _on_migrate_ack(self, _: bytes, header: dict[str, Any], __: list[torch.Tensor]) -> None:
-        self.migrations.discard(int(header["mid"]))
-        self._maybe_prepared(None)
-
-    def _maybe_prepared(self, epoch: int | None) -> None:
-        if epoch is not None:
-            self._preparing = epoch
-        if self.paused and not self.migrations and self._preparing is not None:
-            send(self.sched, {"op": "prepared", "sid": self.sid, "epoch": self._preparing})
-            self._preparing = None
-
-    def _commit(self, new: Ring, epoch: int) -> None:
-        """Switch to the new ring: drop what this server no longer holds, settle forwards
-        to servers that left, and take the held requests."""
-        for name, table in self.tables.items():
-            if len(table.keys):
-                keep = (new.holders(name, table.keys) == self.sid).any(dim=1)
-                dropped = table.keys[~keep]
-                table.drop(~keep)
-                self.pending[name] = [_without(e, dropped) for e in self.pending[name]]
-        self.ring, self.epoch, self.paused = new, epoch, False
-        self._reforward()
-        self._take_held()
-        self._step_complete()
-
-    def _take_held(self) -> None:
-        """Handle the requests held for a ring epoch this server now has."""
-        held, self.held = self.held, []
-        for frames in held:
-            self._from_router(frames)
-
     # -- checkpoints -------------------------------------------------------------------------
 
     def _checkpoint(self, path: str) -> None:
@@ -485,11 +325,6 @@ class Server:
             self._declare(spec).insert(rows)
         for worker in self.vc.finished:
             self.vc.advance(worker, clock)
-
-
-def _without(entry: Pending, keys: torch.Tensor) -> Pending:
-    keep = ~torch.isin(entry.keys, keys)
-    return Pending(entry.clock, entry.worker, entry.keys[keep], entry.grads[keep])
 
 
 def main() -> None:
