@@ -198,10 +198,11 @@ def test_a_transfer_that_timed_out_leaves_the_islands_pair_usable():
     """A value that reaches the other island after the timeout fails its receiver (gloo
     then closes the pair on that side); the next transfers between the same two workers,
     in both directions, arrive: the pair is built again, on both sides, at its next use."""
-    with pw.Cluster([1, 1], timeout_s=3, env=ENV) as cluster, \
+    # (10 s: every wait's limit, start-up's too, which a loaded machine needs)
+    with pw.Cluster([1, 1], timeout_s=10, env=ENV) as cluster, \
             cluster.client(timeout_s=60) as client:
         a, b = client.mesh(0, (1,)), client.mesh(1, (1,))
-        late = client.call(fns.sleep_then, a, torch.ones(8, dtype=F64), 6.0, out=V8)
+        late = client.call(fns.sleep_then, a, torch.ones(8, dtype=F64), 13.0, out=V8)
         with pytest.raises(pw.PathwaysError, match="transfer failed"):
             client.call(fns.plus, b, late, 1.0, out=V8).result()
         x = client.call(fns.rank_value, a, 1.0, 8, out=V8)

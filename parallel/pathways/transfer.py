@@ -15,6 +15,7 @@ controller's orders, the nodes' receives and the links' set-up never race each o
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 import queue
@@ -40,22 +41,30 @@ class Links:
     order always has both its members at it.
 
     A transfer that fails on a pair (gloo closes a pair whose receive timed out, on that
-    side, and the other side then finds it closed) marks it broken, from any thread: the
-    pair's generation, a counter in the store that both members read, goes up, and each
-    member builds the pair again at that generation at its next use of it, so later
-    transfers between the two workers arrive. Only the transfers thread uses the pairs.
+    side, and the other side then finds it closed) marks it broken, from any thread, at
+    once: the pair's generation, a counter in the store that both members read, goes up,
+    and so does the cluster's count of breaks. The transfers thread of every worker reads
+    that count before each transfer and while idle (every 0.1 s); where it moved, each of
+    its pairs whose generation moved is built again, in the global order, so both members
+    rebuild within moments of each other and later transfers between them arrive.
     """
+
+    BREAKS = "pw/pairs/breaks"
 
     def __init__(self, store: dist.Store, me: Where, sizes: list[int], epochs: list[int],
                  timeout_s: float):
         self.store, self.me, self.sizes, self.epochs = store, me, list(sizes), list(epochs)
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._pairs: dict[Where, tuple[Any, int, int]] = {}  # peer -> (group, index, gen)
-        self._broken: set[Where] = set()
-        self._lock = threading.Lock()
+        # peer -> (group, its index there, generation); group None: a rebuild failed
+        self._pairs: dict[Where, tuple[Any, int, int]] = {}
+        self._breaks_seen = 0
 
     def _index(self, w: Where) -> int:
         return sum(self.sizes[: w[0]]) + w[1]
+
+    def _order(self, peers: list[Where]) -> list[Where]:
+        mine = self._index(self.me)
+        return sorted(peers, key=lambda p: tuple(sorted((mine, self._index(p)))))
 
     def _name(self, peer: Where) -> str:
         lo, hi = sorted((self.me, peer), key=self._index)
@@ -68,15 +77,19 @@ class Links:
         lo = min((self.me, peer), key=self._index)
         rank = 0 if lo == self.me else 1
         prefix = f"pw/pair/{self._name(peer)}/g{generation}/"
-        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), rank, 2,
-                                      self.timeout)
+        try:
+            group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), rank, 2,
+                                          self.timeout)
+        except Exception:
+            self._pairs[peer] = (None, 1 - rank, generation)
+            raise
         self._pairs[peer] = (group, 1 - rank, generation)
 
     def build(self, islands: list[int]) -> None:
         """The pairs of this worker with every worker of ``islands`` (not its own)."""
         peers = [(i, r) for i in islands if i != self.me[0] for r in range(self.sizes[i])]
-        mine = self._index(self.me)
-        for peer in sorted(peers, key=lambda p: tuple(sorted((mine, self._index(p))))):
+        self._breaks_seen = int(self.store.add(self.BREAKS, 0))
+        for peer in self._order(peers):
             self._connect(peer, self._generation(peer))
 
     def renew(self, island: int, epoch: int) -> None:
@@ -87,29 +100,37 @@ class Links:
         self.build([island])
 
     def broken(self, peer: Where) -> None:
-        """A transfer with ``peer`` failed on its pair (any thread): rebuilt at next use."""
-        if peer[0] != self.me[0]:
-            with self._lock:
-                self._broken.add(peer)
+        """A transfer with ``peer`` failed on its pair (any thread): both rebuild it."""
+        if peer[0] != self.me[0] and peer in self._pairs:
+            self._generation(peer, bump=True)
+            self.store.add(self.BREAKS, 1)
+
+    def heal(self) -> None:
+        """(The transfers thread.) Build again every pair whose generation moved since
+        this worker last looked; a rebuild that fails leaves the pair refusing."""
+        breaks = int(self.store.add(self.BREAKS, 0))
+        if breaks == self._breaks_seen:
+            return
+        self._breaks_seen = breaks
+        for peer in self._order(list(self._pairs)):
+            generation = self._generation(peer)
+            if generation != self._pairs[peer][2]:
+                # a failure leaves it refusing: its next use (pair) marks it broken again
+                with contextlib.suppress(Exception):
+                    self._connect(peer, generation)
 
     def pair(self, peer: Where) -> tuple[Any, int]:
         """The pair with ``peer``, built again first where it broke here or there."""
         if peer not in self._pairs:
             raise ObjectError(f"no link from island {self.me[0]} rank {self.me[1]} to island "
                               f"{peer[0]} rank {peer[1]}")
-        with self._lock:
-            bump = peer in self._broken
-            self._broken.discard(peer)
-        generation = self._generation(peer, bump)
-        group, index, built = self._pairs[peer]
-        if generation != built:
-            try:
-                self._connect(peer, generation)
-            except Exception as e:
-                raise ObjectError(f"island {self.me[0]} rank {self.me[1]}: the link to island "
-                                  f"{peer[0]} rank {peer[1]} broke and could not be built "
-                                  f"again: {e}") from None
-            group, index, _ = self._pairs[peer]
+        self.heal()
+        group, index, _ = self._pairs[peer]
+        if group is None:
+            self.broken(peer)  # both try again, at a new generation
+            raise ObjectError(f"island {self.me[0]} rank {self.me[1]}: the link to island "
+                              f"{peer[0]} rank {peer[1]} broke and could not be built again "
+                              "yet")
         return group, index
 
 
@@ -181,9 +202,21 @@ class Transfers:
         self._thread.join(30.0)
 
     def _run(self) -> None:
-        while (task := self._tasks.get()) is not None:
+        while True:
+            try:
+                task = self._tasks.get(timeout=0.1)
+            except queue.Empty:  # idle: rebuild what broke, so both ends do it together
+                self._heal()
+                continue
+            if task is None:
+                return
             task()
             self._in_flight = [(w, t) for w, t in self._in_flight if not w.is_completed()]
+
+    def _heal(self) -> None:
+        if self.links is not None:
+            with contextlib.suppress(Exception):  # the store is gone: the cluster stops
+                self.links.heal()
 
     # -- receiving
     def expect(self, recv: Recv) -> PendingRecv:
