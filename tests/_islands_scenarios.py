@@ -91,7 +91,7 @@ def send_recv_everything() -> None:
         tc._ring_case(mode)
 
 
-def barrier_waits() -> float:
+def barrier_waits() -> tuple[float, float]:
     return tc._barrier_case()
 
 
