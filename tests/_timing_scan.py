@@ -121,8 +121,7 @@ def scan(directory: Path = TESTS) -> list[str]:
                     if isinstance(node, ast.Assert) and _derived(node.test, tainted):
                         asserts_time.add(key)
                     if isinstance(node, ast.Return) and node.value is not None \
-                            and _derived(node.value, tainted - seeds | (_refs(node.value)
-                                                                        & seeds)):
+                            and _derived(node.value, tainted):
                         returns_time.add(key)
                 if _refs(fn) & callees - {fn.name}:
                     asserts_time.add(key)
